@@ -1,0 +1,266 @@
+"""mT5 (T5 v1.1 architecture) in Flax, top to bottom.
+
+What makes it T5 v1.1: RMS layer norm with a scale and no bias or centring; gated-GELU feed-forward
+(wi_0, wi_1, wo); relative position bias (32 buckets, max distance 128; bidirectional in the
+encoder, causal in the decoder) computed once per stack and added in every layer; attention logits
+without the 1/sqrt(d_kv) factor (it is folded into the query initialisation); no biases anywhere;
+an untied output projection; one input embedding shared by encoder and decoder.
+
+Two hooks connect the model to the parallel layout without the model knowing about meshes:
+`gather(array, logical_axes)` is applied to every parameter where it is used (ZeRO stage 3
+all-gathers the shard there) and `constrain(array, logical_axes)` to the main activations (tensor
+parallelism). Both default to the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5scale.model.sizes import ModelConfig
+
+Axes = tuple[str, ...]
+NEG_INF = -1e10
+# Name given to parameters gathered for use, so that remat never keeps them for the backward
+# pass: ZeRO-3 all-gathers them again there, which is the point of the stage.
+GATHERED = "zero_gathered"
+
+
+def _keep_param(x: jax.Array, path: tuple[str, ...], axes: Axes) -> jax.Array:
+    del path, axes
+    return x
+
+
+def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
+    del axes
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingHooks:
+    # gather(value, parameter path, logical axes): the parameter as it is used.
+    gather: Callable[[jax.Array, tuple[str, ...], Axes], jax.Array] = _keep_param
+    # constrain(activation, logical axes): the activation with its sharding pinned.
+    constrain: Callable[[jax.Array, Axes], jax.Array] = _keep_activation
+
+
+class _Module(nn.Module):
+    cfg: ModelConfig
+    hooks: ShardingHooks = ShardingHooks()
+
+    def weight(self, name: str, init, shape: tuple[int, ...], axes: Axes) -> jax.Array:
+        """Declare a float32 parameter with logical axes; return it ready for compute."""
+        if self.is_initializing():
+            value = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+        else:  # under ZeRO-3 the stored value is a shard, whose shape Flax must not check
+            value = self.get_variable("params", name)
+        value = self.hooks.gather(value, (*self.scope.path, name), axes)
+        return value.astype(self.cfg.dtype)
+
+    def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+        return self.hooks.constrain(x, axes)
+
+
+def _normal(stddev: float):
+    return nn.initializers.normal(stddev=stddev)
+
+
+class RMSNorm(_Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.weight("scale", nn.initializers.ones, (self.cfg.d_model,), ("embed",))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.layer_norm_epsilon)
+        return normed.astype(self.cfg.dtype) * scale
+
+
+class Attention(_Module):
+    @nn.compact
+    def __call__(self, x_q: jax.Array, x_kv: jax.Array, bias: jax.Array) -> jax.Array:
+        d, h, k = self.cfg.d_model, self.cfg.num_heads, self.cfg.d_kv
+        # T5 folds 1/sqrt(d_kv) into the query's initial scale instead of scaling the logits.
+        wq = self.weight("query", _normal((d * k) ** -0.5), (d, h, k), ("embed", "heads", "kv"))
+        wk = self.weight("key", _normal(d**-0.5), (d, h, k), ("embed", "heads", "kv"))
+        wv = self.weight("value", _normal(d**-0.5), (d, h, k), ("embed", "heads", "kv"))
+        wo = self.weight("out", _normal((h * k) ** -0.5), (h, k, d), ("heads", "kv", "embed"))
+        head_axes = ("batch", "length", "heads", "kv")
+        q = self.constrain(jnp.einsum("bqd,dhk->bqhk", x_q, wq), head_axes)
+        key = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wk), head_axes)
+        value = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wv), head_axes)
+        logits = jnp.einsum("bqhk,bshk->bhqs", q, key).astype(jnp.float32) + bias
+        probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)
+        context = self.constrain(jnp.einsum("bhqs,bshk->bqhk", probs, value), head_axes)
+        return jnp.einsum("bqhk,hkd->bqd", context, wo)
+
+
+class GatedGeluMlp(_Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, f = self.cfg.d_model, self.cfg.d_ff
+        wi_0 = self.weight("wi_0", _normal(d**-0.5), (d, f), ("embed", "mlp"))
+        wi_1 = self.weight("wi_1", _normal(d**-0.5), (d, f), ("embed", "mlp"))
+        wo = self.weight("wo", _normal(f**-0.5), (f, d), ("mlp", "embed"))
+        hidden = jax.nn.gelu(x @ wi_0, approximate=True) * (x @ wi_1)
+        hidden = self.constrain(hidden, ("batch", "length", "mlp"))
+        return hidden @ wo
+
+
+def relative_position_bucket(
+    relative_position: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
+    """T5's bucketing of key_position - query_position: exact for small, log-spaced for large."""
+    n = -relative_position
+    bucket = np.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        bucket += (n < 0).astype(n.dtype) * num_buckets
+        n = np.abs(n)
+    else:
+        n = np.maximum(n, 0)
+    max_exact = num_buckets // 2
+    log_ratio = np.log(np.maximum(n, 1).astype(np.float32) / max_exact) / np.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(n.dtype)
+    large = np.minimum(large, num_buckets - 1)
+    return bucket + np.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(_Module):
+    bidirectional: bool = True
+
+    @nn.compact
+    def __call__(self, q_len: int, k_len: int) -> jax.Array:
+        buckets = self.cfg.relative_attention_num_buckets
+        table = self.weight(
+            "rel_embedding", _normal(1.0), (self.cfg.num_heads, buckets), ("heads", "relpos_buckets")
+        )
+        relative = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]
+        index = relative_position_bucket(
+            relative, self.bidirectional, buckets, self.cfg.relative_attention_max_distance
+        )
+        return table[:, index].astype(jnp.float32)[None]  # [1, heads, q, k]
+
+
+class EncoderLayer(_Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, bias: jax.Array) -> tuple[jax.Array, None]:
+        h = RMSNorm(self.cfg, self.hooks, name="pre_attention_norm")(x)
+        x = x + Attention(self.cfg, self.hooks, name="attention")(h, h, bias)
+        h = RMSNorm(self.cfg, self.hooks, name="pre_mlp_norm")(x)
+        x = x + GatedGeluMlp(self.cfg, self.hooks, name="mlp")(h)
+        return self.constrain(x, ("batch", "length", "embed")), None
+
+
+class DecoderLayer(_Module):
+    @nn.compact
+    def __call__(
+        self, y: jax.Array, encoded: jax.Array, self_bias: jax.Array, cross_bias: jax.Array
+    ) -> tuple[jax.Array, None]:
+        h = RMSNorm(self.cfg, self.hooks, name="pre_self_attention_norm")(y)
+        y = y + Attention(self.cfg, self.hooks, name="self_attention")(h, h, self_bias)
+        h = RMSNorm(self.cfg, self.hooks, name="pre_cross_attention_norm")(y)
+        y = y + Attention(self.cfg, self.hooks, name="cross_attention")(h, encoded, cross_bias)
+        h = RMSNorm(self.cfg, self.hooks, name="pre_mlp_norm")(y)
+        y = y + GatedGeluMlp(self.cfg, self.hooks, name="mlp")(h)
+        return self.constrain(y, ("batch", "length", "embed")), None
+
+
+def remat_policy(name: str):
+    """The checkpoint policy of a remat option; gathered ZeRO-3 parameters are never saved."""
+    policies = jax.checkpoint_policies
+    never_keep_gathered = policies.save_anything_except_these_names(GATHERED)
+    if name == "none":
+        return never_keep_gathered
+    if name == "minimal":  # keep matmul outputs, recompute the cheap elementwise work
+        return policies.dots_with_no_batch_dims_saveable
+    return policies.nothing_saveable
+
+
+def _stack(layer_cls: type[_Module], cfg: ModelConfig, num_layers: int, broadcast_args: int):
+    """Layers under one scan, so compile time does not grow with depth."""
+    rematted = nn.remat(layer_cls, policy=remat_policy(cfg.remat), prevent_cse=False)
+    return nn.scan(
+        rematted,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,) * broadcast_args,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+def _mask_to_bias(mask: jax.Array) -> jax.Array:
+    return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)[:, None]  # [batch, 1, q, k]
+
+
+class Encoder(_Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        length = x.shape[1]
+        position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(length, length)
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+        bias = _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        layers = _stack(EncoderLayer, self.cfg, self.cfg.num_encoder_layers, 1)
+        x, _ = layers(self.cfg, self.hooks, name="layers")(x, bias)
+        return RMSNorm(self.cfg, self.hooks, name="final_norm")(x)
+
+
+class Decoder(_Module):
+    @nn.compact
+    def __call__(
+        self, y: jax.Array, encoded: jax.Array, segment_ids: jax.Array, encoder_segment_ids: jax.Array
+    ) -> jax.Array:
+        length = y.shape[1]
+        position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(length, length)
+        causal = np.tril(np.ones((length, length), dtype=bool))[None]
+        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+        self_bias = _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
+            encoder_segment_ids[:, None, :] > 0
+        )
+        layers = _stack(DecoderLayer, self.cfg, self.cfg.num_decoder_layers, 3)
+        y, _ = layers(self.cfg, self.hooks, name="layers")(y, encoded, self_bias, _mask_to_bias(cross_mask))
+        return RMSNorm(self.cfg, self.hooks, name="final_norm")(y)
+
+
+class MT5(_Module):
+    """Encoder-decoder returning the decoder's logits over the vocabulary (float32)."""
+
+    @nn.compact
+    def __call__(
+        self,
+        encoder_input_tokens: jax.Array,
+        decoder_input_tokens: jax.Array,
+        encoder_segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        cfg = self.cfg
+        if encoder_segment_ids is None:  # unpacked: every non-padding token is segment 1
+            encoder_segment_ids = (encoder_input_tokens > 0).astype(jnp.int32)
+        if decoder_segment_ids is None:
+            decoder_segment_ids = jnp.ones_like(decoder_input_tokens, dtype=jnp.int32)
+        embedding = self.weight(
+            "embedding", _normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed")
+        )
+        embed_axes = ("batch", "length", "embed")
+        x = self.constrain(jnp.take(embedding, encoder_input_tokens, axis=0), embed_axes)
+        encoded = Encoder(cfg, self.hooks, name="encoder")(x, encoder_segment_ids)
+        y = self.constrain(jnp.take(embedding, decoder_input_tokens, axis=0), embed_axes)
+        decoded = Decoder(cfg, self.hooks, name="decoder")(
+            y, encoded, decoder_segment_ids, encoder_segment_ids
+        )
+        lm_head = self.weight("lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        logits = (decoded @ lm_head).astype(jnp.float32)
+        return self.constrain(logits, ("batch", "length", "vocab"))
+
+
+def abstract_params(cfg: ModelConfig, batch_size: int = 1, input_length: int = 8, target_length: int = 8):
+    """Parameter shapes with their logical axes (flax LogicallyPartitioned boxes), nothing allocated."""
+    model = MT5(cfg)
+    enc = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)
+    dec = jax.ShapeDtypeStruct((batch_size, target_length), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.key(0), enc, dec)["params"]

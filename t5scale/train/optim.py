@@ -1,0 +1,60 @@
+"""Optimizers and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW is the default, to compare with DeepSpeed; Adafactor is T5's own choice."""
+
+    name: Literal["adamw", "adafactor"] = "adamw"
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    # 'linear': ramp to the peak, then decay as 1/sqrt(step) (the usual reading);
+    # 'constant': T5's exact 1/sqrt(max(step, warmup)), flat during warm-up.
+    warmup_shape: Literal["linear", "constant"] = "linear"
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "adafactor"):
+            raise ValueError(f"optimizer must be adamw or adafactor, got {self.name!r}")
+        if self.warmup_shape not in ("linear", "constant"):
+            raise ValueError(f"warmup_shape must be linear or constant, got {self.warmup_shape!r}")
+        if self.warmup_steps < 1:
+            raise ValueError("warmup_steps must be at least 1")
+
+
+def inverse_sqrt_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """Peak learning rate at `warmup_steps`, then peak · sqrt(warmup / step)."""
+    peak, warmup = config.learning_rate, float(config.warmup_steps)
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        decay = jnp.sqrt(warmup / jnp.maximum(step, warmup))
+        ramp = jnp.minimum(step / warmup, 1.0) if config.warmup_shape == "linear" else 1.0
+        return peak * ramp * decay
+
+    return schedule
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    schedule = inverse_sqrt_schedule(config)
+    if config.name == "adamw":
+        core = optax.adamw(
+            schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay
+        )
+    else:
+        core = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None)
+    if config.grad_clip_norm is None:
+        return core
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), core)

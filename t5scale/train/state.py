@@ -1,0 +1,61 @@
+"""The train state, created directly in its shardings (never whole on one device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from t5scale.model.mt5 import MT5, abstract_params
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.zero import StatePlan, make_plan
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def plan_for(model: ModelConfig, stage: int, mesh) -> StatePlan:
+    return make_plan(stage, mesh, abstract_params(model))
+
+
+def _init_fn(model: ModelConfig, tx: optax.GradientTransformation):
+    def init(rng: jax.Array) -> TrainState:
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        params = nn.meta.unbox(MT5(model).init(rng, tokens, tokens)["params"])
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    return init
+
+
+def state_shardings(plan: StatePlan, tx: optax.GradientTransformation, abstract_state: TrainState):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return TrainState(
+        step=NamedSharding(plan.mesh, PartitionSpec()),
+        params=plan.param_shardings,
+        opt_state=plan.opt_state_shardings(tx, abstract_state.opt_state),
+    )
+
+
+def abstract_state(model: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    return jax.eval_shape(_init_fn(model, tx), jax.random.key(0))
+
+
+def create_state(
+    model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan, seed: int
+) -> TrainState:
+    """Initialise parameters and optimizer state straight into their at-rest shardings.
+
+    The random values do not depend on the mesh (partitionable threefry), so every stage and
+    mesh shape starts from the same parameters.
+    """
+    init = _init_fn(model, tx)
+    shardings = state_shardings(plan, tx, abstract_state(model, tx))
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
