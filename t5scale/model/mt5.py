@@ -58,7 +58,7 @@ class _Module(nn.Module):
         if self.is_initializing():
             value = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
         else:  # under ZeRO-3 the stored value is a shard, whose shape Flax must not check
-            value = self.get_variable("params", name)
+            value = nn.meta.unbox(self.get_variable("params", name))
         value = self.hooks.gather(value, (*self.scope.path, name), axes)
         return value.astype(self.cfg.dtype)
 

@@ -182,7 +182,7 @@ def make_train_step(
             "loss": (sums["cross_entropy_sum"] + sums["z_loss_sum"]) / tokens,
             "cross_entropy": sums["cross_entropy_sum"] / tokens,
             "z_loss": sums["z_loss_sum"] / tokens,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "target_tokens": tokens,
         }
         return TrainState(state.step + 1, params, opt_state), metrics

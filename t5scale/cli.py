@@ -1,0 +1,107 @@
+"""The `t5scale` command: train, params.
+
+    t5scale train --gin_file=gin/models/mt5_tiny.gin --gin_file=gin/zero/stage2.gin \\
+        --gin.TRAIN_STEPS=20 --gin.MODEL_DIR=/tmp/run
+    t5scale params --gin_file=gin/models/mt5_xxl.gin
+
+Bad input (unknown gin file or binding, a mesh that does not divide the devices, an indivisible
+batch, a stage outside 0-3) is reported in one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+USAGE_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
+    common.add_argument("--gin_search_paths", action="append", default=[], help="where gin files are looked for")
+    common.add_argument(
+        "--cpu_devices", type=int, default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),
+        help="CPU devices to emulate when JAX runs on the CPU (default 8)",
+    )
+    parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", parents=[common], help="train a model (synthetic data for now)")
+    params = commands.add_parser("params", parents=[common], help="parameter count, nothing allocated")
+    params.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _split_gin_bindings(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Pull t5x-style --gin.NAME=VALUE flags out of argv (argparse cannot declare them)."""
+    rest, bindings = [], []
+    for arg in argv:
+        (bindings if arg.startswith("--gin.") else rest).append(arg.removeprefix("--gin."))
+    return rest, bindings
+
+
+def _start_jax(cpu_devices: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def _params(run, as_json: bool) -> None:
+    import math
+
+    import flax.linen as nn
+    import jax
+
+    from t5scale.model.mt5 import abstract_params
+    from t5scale.model.sizes import parameter_breakdown
+
+    shapes = nn.meta.unbox(abstract_params(run.model))
+    breakdown = parameter_breakdown(shapes)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    if as_json:
+        print(json.dumps({"model": run.model.name, "parameters": total, "breakdown": breakdown}))
+        return
+    print(f"{run.model.name}: {total:,} parameters")
+    for part, count in breakdown.items():
+        print(f"  {part:<24} {count:>16,}  {100 * count / total:5.1f}%")
+
+
+def _train(run) -> None:
+    from t5scale.config import operative_config
+    from t5scale.train.loop import train
+
+    history = train(run, operative_config())
+    if history:
+        last = history[-1]
+        print(f"done: {len(history)} steps, final loss {last['loss']:.4f}")
+    if run.train.model_dir:
+        print(f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest, bindings = _split_gin_bindings(argv)
+    args = _parser().parse_args(rest)
+    from t5scale.config import build_run_config, parse_gin
+    from t5scale.parallel.mesh import MeshError
+    from t5scale.train.config import ConfigError
+
+    try:
+        parse_gin(args.gin_file, bindings, args.gin_search_paths)
+        run = build_run_config()
+        if args.command == "params":
+            _params(run, args.json)
+            return 0
+        _start_jax(args.cpu_devices)
+        _train(run)
+    except (ConfigError, MeshError) as error:
+        print(f"t5scale: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

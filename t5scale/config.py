@@ -1,0 +1,86 @@
+"""gin at the edge, in t5x's conventions: --gin_file, --gin.NAME=VALUE, --gin_search_paths.
+
+gin binds only the frozen config dataclasses; everything past `build_run_config` takes plain
+arguments, so the Python API needs no gin at all.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import gin
+
+from t5scale.data.synthetic import DataConfig
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.config import ConfigError, RunConfig, TrainConfig
+from t5scale.train.optim import OptimizerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Always parsed first: it declares the macros (TRAIN_STEPS, MODEL_DIR, …) that runs override.
+BASE_GIN = "gin/runs/base.gin"
+
+_CONFIGURABLES = {
+    "model": gin.external_configurable(ModelConfig, "ModelConfig"),
+    "parallel": gin.external_configurable(ParallelConfig, "ParallelConfig"),
+    "optimizer": gin.external_configurable(OptimizerConfig, "OptimizerConfig"),
+    "train": gin.external_configurable(TrainConfig, "TrainConfig"),
+    "data": gin.external_configurable(DataConfig, "DataConfig"),
+}
+
+
+def default_search_paths() -> list[str]:
+    return list(dict.fromkeys([os.getcwd(), str(REPO_ROOT), str(REPO_ROOT / "gin")]))
+
+
+def _binding(flag: str) -> str:
+    """`NAME=VALUE` as a gin binding; a bare path or word becomes a string (t5x needs quotes)."""
+    name, equals, value = flag.partition("=")
+    if not equals:
+        raise ConfigError(f"--gin.{flag}: expected --gin.NAME=VALUE")
+    if value.startswith(("@", "%")):  # a gin reference or macro
+        return f"{name} = {value}"
+    try:
+        ast.literal_eval(value)
+        return f"{name} = {value}"
+    except (ValueError, SyntaxError):
+        return f"{name} = {value!r}"
+
+
+def parse_gin(
+    gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()
+) -> None:
+    """Parse the base file, then `gin_files` in order, then `bindings` (NAME=VALUE strings)."""
+    gin.clear_config()
+    for path in dict.fromkeys([*search_paths, *default_search_paths()]):
+        gin.add_config_file_search_path(path)
+    root_logger = logging.getLogger()
+    level = root_logger.level
+    root_logger.setLevel(logging.CRITICAL)  # gin logs every search path it misses
+    try:
+        gin.parse_config_files_and_bindings(
+            [BASE_GIN, *gin_files], [_binding(b) for b in bindings], finalize_config=False
+        )
+    except OSError as error:
+        raise ConfigError(f"gin file not found: {str(error).splitlines()[0]}") from None
+    except (ValueError, SyntaxError) as error:
+        raise ConfigError(f"gin: {' '.join(str(error).split())}") from None
+    finally:
+        root_logger.setLevel(level)
+
+
+def build_run_config() -> RunConfig:
+    """The RunConfig the parsed gin files describe; bad values become one-line ConfigErrors."""
+    try:
+        return RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()})
+    except (ValueError, TypeError) as error:
+        # gin appends "In call to configurable …" on later lines; the first line is the reason.
+        raise ConfigError(str(error).splitlines()[0]) from None
+
+
+def operative_config() -> str:
+    return gin.operative_config_str()

@@ -1,0 +1,9 @@
+"""Tests run on the CPU with 8 emulated devices (set before JAX starts its backend)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import t5scale  # noqa: E402,F401  (sets the CPU collective-ordering flag first)
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)

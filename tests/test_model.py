@@ -1,0 +1,116 @@
+"""The mT5 architecture: published parameter counts, T5 v1.1 features, scan and remat."""
+
+import math
+import re
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5scale.config import build_run_config, parse_gin
+from t5scale.model.mt5 import MT5, abstract_params, relative_position_bucket
+from t5scale.model.sizes import PRESETS, ModelConfig
+
+PUBLISHED = {
+    "mt5_small": 300_176_768,
+    "mt5_base": 582_401_280,
+    "mt5_large": 1_229_581_312,
+    "mt5_xl": 3_742_619_648,
+    "mt5_xxl": 12_921_057_280,
+}
+
+
+def count(cfg: ModelConfig) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(abstract_params(cfg))))
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_are_the_published_ones(name):
+    assert count(PRESETS[name]) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_gin_presets_bind_the_python_presets(name):
+    parse_gin([f"gin/models/{name}.gin"], [])
+    assert build_run_config().model == PRESETS[name]
+
+
+def test_t5_v11_parameter_layout():
+    cfg = ModelConfig()
+    params = nn.meta.unbox(abstract_params(cfg))
+    paths = ["/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert not [p for p in paths if "bias" in p.split("/")[-1]]  # no biases anywhere
+    # One relative-position table per stack, shared by its layers (not stacked per layer).
+    assert params["encoder"]["relpos_bias"]["rel_embedding"].shape == (cfg.num_heads, 32)
+    assert params["decoder"]["relpos_bias"]["rel_embedding"].shape == (cfg.num_heads, 32)
+    # Gated-GELU feed-forward and untied output projection beside one shared embedding.
+    assert set(params["encoder"]["layers"]["mlp"]) == {"wi_0", "wi_1", "wo"}
+    assert params["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
+    assert params["embedding"].shape == (cfg.vocab_size, cfg.d_model)
+    # Norms carry a scale only; layer weights are stacked on a leading `layers` axis (scan).
+    assert set(params["encoder"]["final_norm"]) == {"scale"}
+    assert params["encoder"]["layers"]["attention"]["query"].shape[0] == cfg.num_encoder_layers
+
+
+def test_relative_position_buckets():
+    rel = np.arange(-200, 201)
+    bidirectional = relative_position_bucket(rel, True, 32, 128)
+    causal = relative_position_bucket(rel, False, 32, 128)
+    assert bidirectional.min() == 0 and bidirectional.max() == 31
+    assert (causal[rel > 0] == 0).all()  # the decoder cannot tell future positions apart
+    assert causal.max() == 31  # causal spends all 32 buckets on the past
+    # Bidirectional splits them: the lower half for keys before the query, the upper for after.
+    assert set(bidirectional[rel < 0]) == set(range(1, 16)) and bidirectional[rel == 0] == 0
+    assert set(bidirectional[rel > 0]) == set(range(17, 32))
+    # Exact buckets for small distances, the same bucket beyond max_distance.
+    assert len(set(causal[(rel <= 0) & (rel > -8)])) == 8
+    assert len(set(causal[rel <= -128])) == 1
+
+
+def _loss_and_grads(cfg: ModelConfig, params, tokens):
+    def loss(p):
+        logits = MT5(cfg).apply({"params": p}, tokens, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_remat_policies_do_not_change_the_numbers():
+    cfg = ModelConfig()
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 1, cfg.vocab_size)
+    params = nn.meta.unbox(MT5(cfg).init(jax.random.key(0), tokens, tokens)["params"])
+    base_loss, base_grads = _loss_and_grads(cfg, params, tokens)
+    for remat in ("minimal", "full"):
+        loss, grads = _loss_and_grads(ModelConfig(remat=remat), params, tokens)
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    cfg = ModelConfig(dtype="bfloat16")
+    tokens = jnp.ones((1, 8), jnp.int32)
+    variables = MT5(cfg).init(jax.random.key(0), tokens, tokens)
+    assert {x.dtype for x in jax.tree.leaves(nn.meta.unbox(variables))} == {jnp.dtype("float32")}
+    logits = MT5(cfg).apply(variables, tokens, tokens)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+
+
+def test_compile_time_does_not_grow_with_depth():
+    """The layers run under a scan: the HLO holds one layer body whatever the depth."""
+
+    def hlo_size(layers: int) -> int:
+        cfg = ModelConfig(num_encoder_layers=layers, num_decoder_layers=layers)
+        tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+        params = nn.meta.unbox(abstract_params(cfg))
+        lowered = jax.jit(lambda p, t: MT5(cfg).apply({"params": p}, t, t)).lower(params, tokens)
+        return len(re.findall(r"stablehlo\.dot_general", lowered.as_text()))
+
+    assert hlo_size(2) == hlo_size(12)
+
+
+def test_gin_files_exist_for_every_preset():
+    assert sorted(p.stem for p in Path("gin/models").glob("*.gin")) == sorted(PRESETS)

@@ -1,0 +1,126 @@
+"""Each ZeRO stage, shown from the compiled step on 8 emulated devices: shardings, collectives,
+per-device memory (XLA's analysis) against the ZeRO formula."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from t5scale.analysis.hlo import collective_stats
+from t5scale.analysis.memory import compiled_memory, model_state_bytes
+from t5scale.data.synthetic import DataConfig, synthetic_batch
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig, make_mesh
+from t5scale.parallel.zero import STAGES, get_stage
+from t5scale.train import optim
+from t5scale.train.state import abstract_state, plan_for, state_shardings
+from t5scale.train.step import batch_sharding, gradient_fn_jitted, make_train_step
+
+# Big enough that model state, not activations, dominates memory: the stages must show.
+MODEL = ModelConfig(vocab_size=4096, d_model=128, d_ff=256, num_heads=4, d_kv=32)
+DATA = DataConfig(input_length=32, target_length=16)
+BATCH, MICRO_BATCHES = 16, 2
+
+
+def _compile(stage: int):
+    mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=8))
+    tx = optim.make_optimizer(optim.OptimizerConfig(grad_clip_norm=None))
+    plan = plan_for(MODEL, stage, mesh)
+    state = abstract_state(MODEL, tx)
+    shardings = state_shardings(plan, tx, state)
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(plan)),
+        synthetic_batch(DATA, BATCH, MODEL.vocab_size, 0, 0),
+    )
+    step = make_train_step(MODEL, plan, tx, shardings, MICRO_BATCHES)
+    compiled = step.lower(state, batch).compile()
+    grads_compiled = gradient_fn_jitted(MODEL, plan, MICRO_BATCHES).lower(state.params, batch).compile()
+    batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // 8
+    return {
+        "plan": plan,
+        "state": state,
+        "compiled": compiled,
+        "grads_compiled": grads_compiled,
+        "collectives": collective_stats(compiled.as_text()),
+        "memory": compiled_memory(compiled),
+        "batch_bytes": batch_bytes,
+    }
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return {stage.stage: _compile(stage.stage) for stage in STAGES}
+
+
+def _has_zero(spec: P) -> bool:
+    return any(e == "zero" or (isinstance(e, tuple) and "zero" in e) for e in spec)
+
+
+def _zero_sharded(shardings) -> set[bool]:
+    return {_has_zero(s.spec) for s in jax.tree.leaves(shardings) if len(s.spec)}
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_shardings_are_those_of_the_table(stages, stage):
+    row, got = get_stage(stage), stages[stage]
+    state_in, _ = got["compiled"].input_shardings[0]
+    state_out, _ = got["compiled"].output_shardings
+    # Parameters in and out of the step, optimizer state likewise (Adam's moments).
+    assert _zero_sharded(state_in.params) == {row.shard_parameters}
+    assert _zero_sharded(state_out.params) == {row.shard_parameters}
+    moments = state_in.opt_state[0].mu
+    assert _zero_sharded(moments) == {row.shard_optimizer_state}
+    # Gradients: the output layout of the compiled gradient computation.
+    grads_out, _ = got["grads_compiled"].output_shardings
+    assert _zero_sharded(grads_out) == {row.shard_gradients}
+
+
+def _leaves(got) -> int:
+    return len(jax.tree.leaves(got["state"].params))
+
+
+def test_stage0_and_stage1_all_reduce_gradients(stages):
+    for stage in (0, 1):
+        found = stages[stage]["collectives"]
+        assert "reduce-scatter" not in found
+        # One all-reduce per gradient leaf at least, carrying at least the whole gradient.
+        assert found["all-reduce"]["count"] >= _leaves(stages[stage])
+        assert found["all-reduce"]["bytes"] >= model_state_bytes(stages[stage]["state"].params, {}).gradients
+    assert "all-gather" not in stages[0]["collectives"]  # stage 0 has no parameter collective
+    # Stage 1: the parameters are all-gathered after the sharded update.
+    assert stages[1]["collectives"]["all-gather"]["bytes"] >= 0.9 * model_state_bytes(stages[1]["state"].params, {}).parameters
+
+
+def test_stage2_reduce_scatters_each_micro_batch_and_gathers_after_the_update(stages):
+    found, grad_bytes = stages[2]["collectives"], model_state_bytes(stages[2]["state"].params, {}).gradients
+    # Every micro-batch's gradients are reduce-scattered into the 1/N accumulator.
+    assert found["reduce-scatter"]["count"] == MICRO_BATCHES * _leaves(stages[2])
+    assert found["reduce-scatter"]["operand_bytes"] >= 0.9 * MICRO_BATCHES * grad_bytes
+    assert found["all-gather"]["bytes"] >= 0.9 * grad_bytes  # parameters after the update
+    # Whatever all-reduce remains is scalars (loss sums, the norm), not gradients.
+    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * grad_bytes
+
+
+def test_stage3_gathers_parameters_before_each_use_and_reduce_scatters_gradients(stages):
+    found, param_bytes = stages[3]["collectives"], model_state_bytes(stages[3]["state"].params, {}).parameters
+    # Forward and backward (remat re-gathers), for each of the micro-batches.
+    assert found["all-gather"]["bytes"] >= 2 * MICRO_BATCHES * 0.9 * param_bytes
+    assert found["reduce-scatter"]["bytes"] >= 0.9 * MICRO_BATCHES * param_bytes / 8
+    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * param_bytes
+    # Stage 2's all-gather after the update does not exist in stage 3: nothing is gathered at
+    # rest, so every all-gather sits inside the micro-batch loop.
+    assert found["all-gather"]["count"] % MICRO_BATCHES == 0
+
+
+def test_memory_per_device_falls_from_stage_0_to_stage_3(stages):
+    peaks = [stages[s]["memory"]["peak_estimate_bytes"] for s in range(4)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_model_state_memory_agrees_with_the_zero_formula(stages, stage):
+    got = stages[stage]
+    params_and_optimizer = got["memory"]["argument_bytes"] - got["batch_bytes"]
+    gradients = compiled_memory(got["grads_compiled"])["output_bytes"]
+    formula = model_state_bytes(got["state"].params, got["state"].opt_state).per_device(get_stage(stage), 8)
+    measured = params_and_optimizer + gradients
+    assert abs(measured - formula["total"]) <= 0.10 * formula["total"], (measured, formula)
