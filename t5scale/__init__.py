@@ -8,6 +8,8 @@ import os
 # the backend starts, hence at import.
 _CPU_ORDERED_COLLECTIVES = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 if "xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_ORDERED_COLLECTIVES}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} {_CPU_ORDERED_COLLECTIVES}".strip()
+    )
 
 __version__ = "0.1.0"

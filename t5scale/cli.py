@@ -22,15 +22,21 @@ USAGE_ERROR = 2
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
-    common.add_argument("--gin_search_paths", action="append", default=[], help="where gin files are looked for")
     common.add_argument(
-        "--cpu_devices", type=int, default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),
+        "--gin_search_paths", action="append", default=[], help="where gin files are looked for"
+    )
+    common.add_argument(
+        "--cpu_devices",
+        type=int,
+        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),
         help="CPU devices to emulate when JAX runs on the CPU (default 8)",
     )
     parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", parents=[common], help="train a model (synthetic data for now)")
-    params = commands.add_parser("params", parents=[common], help="parameter count, nothing allocated")
+    params = commands.add_parser(
+        "params", parents=[common], help="parameter count, nothing allocated"
+    )
     params.add_argument("--json", action="store_true", help="print JSON")
     return parser
 

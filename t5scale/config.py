@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gin
-
 from t5scale.data.synthetic import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig

@@ -41,7 +41,10 @@ def test_gin_presets_bind_the_python_presets(name):
 def test_t5_v11_parameter_layout():
     cfg = ModelConfig()
     params = nn.meta.unbox(abstract_params(cfg))
-    paths = ["/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [
+        "/".join(str(k.key) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
     assert not [p for p in paths if "bias" in p.split("/")[-1]]  # no biases anywhere
     # One relative-position table per stack, shared by its layers (not stacked per layer).
     assert params["encoder"]["relpos_bias"]["rel_embedding"].shape == (cfg.num_heads, 32)

@@ -21,10 +21,14 @@ def run_steps(parallel: ParallelConfig, devices=None, micro_batches: int = 1, tx
     mesh = make_mesh(parallel, devices)
     plan = plan_for(MODEL, parallel.zero_stage, mesh)
     state = create_state(MODEL, tx, plan, seed=0)
-    step = make_train_step(MODEL, plan, tx, state_shardings(plan, tx, abstract_state(MODEL, tx)), micro_batches)
+    step = make_train_step(
+        MODEL, plan, tx, state_shardings(plan, tx, abstract_state(MODEL, tx)), micro_batches
+    )
     losses = []
     for i in range(STEPS):
-        batch = jax.device_put(synthetic_batch(DATA, BATCH, MODEL.vocab_size, 0, i), batch_sharding(plan))
+        batch = jax.device_put(
+            synthetic_batch(DATA, BATCH, MODEL.vocab_size, 0, i), batch_sharding(plan)
+        )
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
@@ -55,7 +59,9 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: f"stage{p.zero_stage}-{p.replica}x{p.zero}x{p.tensor}")
+@pytest.mark.parametrize(
+    "parallel", LAYOUTS, ids=lambda p: f"stage{p.zero_stage}-{p.replica}x{p.zero}x{p.tensor}"
+)
 def test_every_stage_and_mesh_trains_like_one_device(single_device, parallel):
     base_losses, base_params = single_device
     losses, params = run_steps(parallel)
@@ -66,14 +72,18 @@ def test_every_stage_and_mesh_trains_like_one_device(single_device, parallel):
 
 def test_gradient_accumulation_matches_one_big_batch(single_device):
     base_losses, base_params = single_device
-    losses, params = run_steps(ParallelConfig(zero_stage=2, zero=4), jax.devices()[:4], micro_batches=2)
+    losses, params = run_steps(
+        ParallelConfig(zero_stage=2, zero=4), jax.devices()[:4], micro_batches=2
+    )
     np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True):
         assert _relative(got, want) <= 1e-5
 
 
 def test_adafactor_trains_the_same_under_stage_3():
-    tx = optim.make_optimizer(optim.OptimizerConfig(name="adafactor", learning_rate=1e-2, warmup_steps=2))
+    tx = optim.make_optimizer(
+        optim.OptimizerConfig(name="adafactor", learning_rate=1e-2, warmup_steps=2)
+    )
     base_losses, base_params = run_steps(ParallelConfig(), jax.devices()[:1], tx=tx)
     losses, params = run_steps(ParallelConfig(zero_stage=3, zero=8), tx=tx)
     np.testing.assert_allclose(losses, base_losses, rtol=1e-5)

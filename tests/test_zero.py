@@ -33,7 +33,9 @@ def _compile(stage: int):
     )
     step = make_train_step(MODEL, plan, tx, shardings, MICRO_BATCHES)
     compiled = step.lower(state, batch).compile()
-    grads_compiled = gradient_fn_jitted(MODEL, plan, MICRO_BATCHES).lower(state.params, batch).compile()
+    grads_compiled = (
+        gradient_fn_jitted(MODEL, plan, MICRO_BATCHES).lower(state.params, batch).compile()
+    )
     batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // 8
     return {
         "plan": plan,
@@ -74,26 +76,29 @@ def test_shardings_are_those_of_the_table(stages, stage):
     assert _zero_sharded(grads_out) == {row.shard_gradients}
 
 
-def _leaves(got) -> int:
-    return len(jax.tree.leaves(got["state"].params))
-
-
 def test_stage0_and_stage1_all_reduce_gradients(stages):
     for stage in (0, 1):
         found = stages[stage]["collectives"]
         assert "reduce-scatter" not in found
-        # One all-reduce per gradient leaf at least, carrying at least the whole gradient.
-        assert found["all-reduce"]["count"] >= _leaves(stages[stage])
-        assert found["all-reduce"]["bytes"] >= model_state_bytes(stages[stage]["state"].params, {}).gradients
+        # XLA combines per-leaf all-reduces into tuples, so bytes, not counts, show the gradient.
+        assert (
+            found["all-reduce"]["bytes"]
+            >= model_state_bytes(stages[stage]["state"].params, {}).gradients
+        )
     assert "all-gather" not in stages[0]["collectives"]  # stage 0 has no parameter collective
     # Stage 1: the parameters are all-gathered after the sharded update.
-    assert stages[1]["collectives"]["all-gather"]["bytes"] >= 0.9 * model_state_bytes(stages[1]["state"].params, {}).parameters
+    assert (
+        stages[1]["collectives"]["all-gather"]["bytes"]
+        >= 0.9 * model_state_bytes(stages[1]["state"].params, {}).parameters
+    )
 
 
 def test_stage2_reduce_scatters_each_micro_batch_and_gathers_after_the_update(stages):
-    found, grad_bytes = stages[2]["collectives"], model_state_bytes(stages[2]["state"].params, {}).gradients
+    found, grad_bytes = (
+        stages[2]["collectives"],
+        model_state_bytes(stages[2]["state"].params, {}).gradients,
+    )
     # Every micro-batch's gradients are reduce-scattered into the 1/N accumulator.
-    assert found["reduce-scatter"]["count"] == MICRO_BATCHES * _leaves(stages[2])
     assert found["reduce-scatter"]["operand_bytes"] >= 0.9 * MICRO_BATCHES * grad_bytes
     assert found["all-gather"]["bytes"] >= 0.9 * grad_bytes  # parameters after the update
     # Whatever all-reduce remains is scalars (loss sums, the norm), not gradients.
@@ -101,14 +106,20 @@ def test_stage2_reduce_scatters_each_micro_batch_and_gathers_after_the_update(st
 
 
 def test_stage3_gathers_parameters_before_each_use_and_reduce_scatters_gradients(stages):
-    found, param_bytes = stages[3]["collectives"], model_state_bytes(stages[3]["state"].params, {}).parameters
-    # Forward and backward (remat re-gathers), for each of the micro-batches.
-    assert found["all-gather"]["bytes"] >= 2 * MICRO_BATCHES * 0.9 * param_bytes
-    assert found["reduce-scatter"]["bytes"] >= 0.9 * MICRO_BATCHES * param_bytes / 8
-    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * param_bytes
-    # Stage 2's all-gather after the update does not exist in stage 3: nothing is gathered at
-    # rest, so every all-gather sits inside the micro-batch loop.
-    assert found["all-gather"]["count"] % MICRO_BATCHES == 0
+    got = stages[3]
+    found, params = got["collectives"], got["state"].params
+    layers = model_state_bytes(
+        [params["encoder"]["layers"], params["decoder"]["layers"]], {}
+    ).parameters
+    others = model_state_bytes(params, {}).parameters - layers
+    # Each layer's parameters are gathered in the forward pass and again in the backward pass
+    # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the embedding,
+    # head and norms out of the micro-batch loop, so those are gathered once per step.
+    expected = 2 * MICRO_BATCHES * layers + others
+    assert 0.95 * expected <= found["all-gather"]["bytes"] <= 1.05 * expected
+    # The transpose of every gather is a reduce-scatter of that parameter's gradient.
+    assert found["reduce-scatter"]["operand_bytes"] >= 0.95 * (MICRO_BATCHES * layers + others)
+    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * layers
 
 
 def test_memory_per_device_falls_from_stage_0_to_stage_3(stages):
@@ -121,6 +132,8 @@ def test_model_state_memory_agrees_with_the_zero_formula(stages, stage):
     got = stages[stage]
     params_and_optimizer = got["memory"]["argument_bytes"] - got["batch_bytes"]
     gradients = compiled_memory(got["grads_compiled"])["output_bytes"]
-    formula = model_state_bytes(got["state"].params, got["state"].opt_state).per_device(get_stage(stage), 8)
+    formula = model_state_bytes(got["state"].params, got["state"].opt_state).per_device(
+        get_stage(stage), 8
+    )
     measured = params_and_optimizer + gradients
     assert abs(measured - formula["total"]) <= 0.10 * formula["total"], (measured, formula)

@@ -44,7 +44,8 @@ class ModelStateBytes:
         parts = {
             "parameters": self.parameters / (shards if stage.shard_parameters else 1),
             "gradients": self.gradients / (shards if stage.shard_gradients else 1),
-            "optimizer_state": self.optimizer_state / (shards if stage.shard_optimizer_state else 1),
+            "optimizer_state": self.optimizer_state
+            / (shards if stage.shard_optimizer_state else 1),
         }
         return parts | {"total": sum(parts.values())}
 

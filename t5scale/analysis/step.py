@@ -22,9 +22,13 @@ def analyze_step(compiled, run, plan, tx, compile_time_s: float | None = None) -
     zero_shards = plan.mesh.shape["zero"]
     memory = compiled_memory(compiled)
 
-    batch_global = sum(4 * b * length for b, length in batch_shapes(run.data, run.train.batch_size).values())
+    batch_global = sum(
+        4 * b * length for b, length in batch_shapes(run.data, run.train.batch_size).values()
+    )
     batch_per_device = batch_global // (plan.mesh.shape["replica"] * zero_shards)
-    params_opt = per_device_bytes((state.params, state.opt_state), (shardings.params, shardings.opt_state))
+    params_opt = per_device_bytes(
+        (state.params, state.opt_state), (shardings.params, shardings.opt_state)
+    )
     gradients = per_device_bytes(state.params, plan.grad_shardings)
     formula = model_state_bytes(state.params, state.opt_state).per_device(plan.stage, zero_shards)
 

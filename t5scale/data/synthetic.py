@@ -43,7 +43,9 @@ class DataConfig:
 def _segment_bounds(rng: np.random.Generator, length: int, count: int, fill: float) -> np.ndarray:
     """Start offsets of `count` segments that fill about `fill` of `length` (the rest padding)."""
     used = max(count, int(length * fill))
-    cuts = np.sort(rng.choice(np.arange(1, used), size=count - 1, replace=False)) if count > 1 else []
+    cuts = (
+        np.sort(rng.choice(np.arange(1, used), size=count - 1, replace=False)) if count > 1 else []
+    )
     return np.concatenate([[0], cuts, [used]]).astype(np.int64)
 
 
@@ -70,9 +72,23 @@ def synthetic_batch(
         count = int(rng.integers(1, config.max_segments + 1))
         count = min(count, config.target_length // 2, config.input_length // 2)
         fill = rng.uniform(0.85, 1.0)
-        enc = _packed_row(rng, config.input_length, _segment_bounds(rng, config.input_length, count, fill), vocab_size)
-        dec = _packed_row(rng, config.target_length, _segment_bounds(rng, config.target_length, count, fill), vocab_size)
-        batch["encoder_input_tokens"][row], batch["encoder_segment_ids"][row], batch["encoder_positions"][row] = enc
+        enc = _packed_row(
+            rng,
+            config.input_length,
+            _segment_bounds(rng, config.input_length, count, fill),
+            vocab_size,
+        )
+        dec = _packed_row(
+            rng,
+            config.target_length,
+            _segment_bounds(rng, config.target_length, count, fill),
+            vocab_size,
+        )
+        (
+            batch["encoder_input_tokens"][row],
+            batch["encoder_segment_ids"][row],
+            batch["encoder_positions"][row],
+        ) = enc
         targets, segments, positions = dec
         batch["decoder_target_tokens"][row] = targets
         batch["decoder_segment_ids"][row] = segments
@@ -86,6 +102,9 @@ def synthetic_batch(
 
 def batch_shapes(config: DataConfig, batch_size: int) -> dict[str, tuple[int, int]]:
     return {
-        name: (batch_size, config.input_length if name.startswith("encoder") else config.target_length)
+        name: (
+            batch_size,
+            config.input_length if name.startswith("encoder") else config.target_length,
+        )
         for name in FEATURES
     }

@@ -26,9 +26,6 @@ from t5scale.model.sizes import ModelConfig
 
 Axes = tuple[str, ...]
 NEG_INF = -1e10
-# Name given to parameters gathered for use, so that remat never keeps them for the backward
-# pass: ZeRO-3 all-gathers them again there, which is the point of the stage.
-GATHERED = "zero_gathered"
 
 
 def _keep_param(x: jax.Array, path: tuple[str, ...], axes: Axes) -> jax.Array:
@@ -75,7 +72,9 @@ class RMSNorm(_Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.weight("scale", nn.initializers.ones, (self.cfg.d_model,), ("embed",))
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.layer_norm_epsilon)
+        normed = x32 * jax.lax.rsqrt(
+            jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.layer_norm_epsilon
+        )
         return normed.astype(self.cfg.dtype) * scale
 
 
@@ -123,7 +122,9 @@ def relative_position_bucket(
     else:
         n = np.maximum(n, 0)
     max_exact = num_buckets // 2
-    log_ratio = np.log(np.maximum(n, 1).astype(np.float32) / max_exact) / np.log(max_distance / max_exact)
+    log_ratio = np.log(np.maximum(n, 1).astype(np.float32) / max_exact) / np.log(
+        max_distance / max_exact
+    )
     large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(n.dtype)
     large = np.minimum(large, num_buckets - 1)
     return bucket + np.where(n < max_exact, n, large)
@@ -136,7 +137,10 @@ class RelativePositionBias(_Module):
     def __call__(self, q_len: int, k_len: int) -> jax.Array:
         buckets = self.cfg.relative_attention_num_buckets
         table = self.weight(
-            "rel_embedding", _normal(1.0), (self.cfg.num_heads, buckets), ("heads", "relpos_buckets")
+            "rel_embedding",
+            _normal(1.0),
+            (self.cfg.num_heads, buckets),
+            ("heads", "relpos_buckets"),
         )
         relative = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]
         index = relative_position_bucket(
@@ -169,20 +173,28 @@ class DecoderLayer(_Module):
         return self.constrain(y, ("batch", "length", "embed")), None
 
 
-def remat_policy(name: str):
-    """The checkpoint policy of a remat option; gathered ZeRO-3 parameters are never saved."""
+def _not_a_gathered_parameter(primitive, *_, **__) -> bool:
+    # ZeRO-3 must all-gather parameters again in the backward pass rather than keep them: never
+    # save an all-gather's output, nor its cast to the compute dtype.
+    return primitive.name not in ("all_gather", "convert_element_type")
+
+
+def remat_policy(name: str, gathers_parameters: bool):
+    """The checkpoint policy of a remat option: none, minimal (keep matmul outputs) or full."""
     policies = jax.checkpoint_policies
-    never_keep_gathered = policies.save_anything_except_these_names(GATHERED)
     if name == "none":
-        return never_keep_gathered
-    if name == "minimal":  # keep matmul outputs, recompute the cheap elementwise work
+        return _not_a_gathered_parameter if gathers_parameters else policies.everything_saveable
+    if name == "minimal":  # all-gathers and casts are not dots, so they are never kept
         return policies.dots_with_no_batch_dims_saveable
     return policies.nothing_saveable
 
 
-def _stack(layer_cls: type[_Module], cfg: ModelConfig, num_layers: int, broadcast_args: int):
+def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast_args: int):
     """Layers under one scan, so compile time does not grow with depth."""
-    rematted = nn.remat(layer_cls, policy=remat_policy(cfg.remat), prevent_cse=False)
+    gathers = module.hooks.gather is not _keep_param
+    rematted = nn.remat(
+        layer_cls, policy=remat_policy(module.cfg.remat, gathers), prevent_cse=False
+    )
     return nn.scan(
         rematted,
         variable_axes={"params": 0},
@@ -201,10 +213,12 @@ class Encoder(_Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         length = x.shape[1]
-        position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(length, length)
+        position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(
+            length, length
+        )
         same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
         bias = _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
-        layers = _stack(EncoderLayer, self.cfg, self.cfg.num_encoder_layers, 1)
+        layers = _stack(EncoderLayer, self, self.cfg.num_encoder_layers, 1)
         x, _ = layers(self.cfg, self.hooks, name="layers")(x, bias)
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(x)
 
@@ -212,18 +226,28 @@ class Encoder(_Module):
 class Decoder(_Module):
     @nn.compact
     def __call__(
-        self, y: jax.Array, encoded: jax.Array, segment_ids: jax.Array, encoder_segment_ids: jax.Array
+        self,
+        y: jax.Array,
+        encoded: jax.Array,
+        segment_ids: jax.Array,
+        encoder_segment_ids: jax.Array,
     ) -> jax.Array:
         length = y.shape[1]
-        position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(length, length)
+        position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(
+            length, length
+        )
         causal = np.tril(np.ones((length, length), dtype=bool))[None]
         same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-        self_bias = _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        self_bias = (
+            _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        )
         cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
             encoder_segment_ids[:, None, :] > 0
         )
-        layers = _stack(DecoderLayer, self.cfg, self.cfg.num_decoder_layers, 3)
-        y, _ = layers(self.cfg, self.hooks, name="layers")(y, encoded, self_bias, _mask_to_bias(cross_mask))
+        layers = _stack(DecoderLayer, self, self.cfg.num_decoder_layers, 3)
+        y, _ = layers(self.cfg, self.hooks, name="layers")(
+            y, encoded, self_bias, _mask_to_bias(cross_mask)
+        )
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(y)
 
 
@@ -253,12 +277,16 @@ class MT5(_Module):
         decoded = Decoder(cfg, self.hooks, name="decoder")(
             y, encoded, decoder_segment_ids, encoder_segment_ids
         )
-        lm_head = self.weight("lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        lm_head = self.weight(
+            "lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
+        )
         logits = (decoded @ lm_head).astype(jnp.float32)
         return self.constrain(logits, ("batch", "length", "vocab"))
 
 
-def abstract_params(cfg: ModelConfig, batch_size: int = 1, input_length: int = 8, target_length: int = 8):
+def abstract_params(
+    cfg: ModelConfig, batch_size: int = 1, input_length: int = 8, target_length: int = 8
+):
     """Parameter shapes with their logical axes (flax LogicallyPartitioned boxes), nothing allocated."""
     model = MT5(cfg)
     enc = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)

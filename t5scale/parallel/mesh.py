@@ -32,7 +32,9 @@ class ParallelConfig:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         sizes = (self.replica, self.zero, self.tensor)
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-            raise MeshError(f"mesh axes must be positive, with at most one -1; got {self.shape_str()}")
+            raise MeshError(
+                f"mesh axes must be positive, with at most one -1; got {self.shape_str()}"
+            )
 
     def shape_str(self) -> str:
         return f"replica={self.replica} zero={self.zero} tensor={self.tensor}"

@@ -39,7 +39,9 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     plan = plan_for(run.model, run.parallel.zero_stage, mesh)
     shardings = state_shardings(plan, tx, abstract_state(run.model, tx))
     state = create_state(run.model, tx, plan, cfg.seed)
-    step_fn = make_train_step(run.model, plan, tx, shardings, cfg.micro_batches, LossConfig(cfg.z_loss))
+    step_fn = make_train_step(
+        run.model, plan, tx, shardings, cfg.micro_batches, LossConfig(cfg.z_loss)
+    )
 
     def device_batch(step: int):
         batch = synthetic_batch(run.data, cfg.batch_size, run.model.vocab_size, cfg.seed, step)

@@ -18,8 +18,13 @@ def _duration(seconds: float) -> str:
 class MetricsLog:
     """Appends one JSON object per step and prints a progress line every `print_every` steps."""
 
-    def __init__(self, model_dir: str | None, total_steps: int, print_every: int = 1,
-                 stream: TextIO = sys.stdout):
+    def __init__(
+        self,
+        model_dir: str | None,
+        total_steps: int,
+        print_every: int = 1,
+        stream: TextIO = sys.stdout,
+    ):
         self.total_steps = total_steps
         self.print_every = max(1, print_every)
         self.stream = stream

@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5scale.model.mt5 import GATHERED, MT5, ShardingHooks
+from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import rules
 from t5scale.parallel.mesh import DATA_AXES
@@ -45,7 +44,9 @@ def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss:
     """Summed cross-entropy and z-loss (log Z squared) over target tokens, padding masked out."""
     log_z = jax.nn.logsumexp(logits, axis=-1)
     # A one-hot product rather than a gather keeps vocab-sharded logits sharded.
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
+    target_logit = jnp.sum(
+        logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1
+    )
     cross_entropy = jnp.sum((log_z - target_logit) * weights)
     z_term = jnp.sum(z_loss * jnp.square(log_z) * weights)
     return cross_entropy, z_term
@@ -67,7 +68,7 @@ def _stage3_gather(plan: StatePlan):
             return x
         # Inside the layer scan the parameter has lost its leading `layers` axis.
         dim = layout.zero_dim - (len(layout.axes) - len(axes))
-        return checkpoint_name(lax.all_gather(x, "zero", axis=dim, tiled=True), GATHERED)
+        return lax.all_gather(x, "zero", axis=dim, tiled=True)
 
     return gather
 
@@ -200,7 +201,9 @@ def batch_sharding(plan: StatePlan) -> NamedSharding:
     return NamedSharding(plan.mesh, P(DATA_AXES))
 
 
-def gradient_fn_jitted(model: ModelConfig, plan: StatePlan, micro_batches: int, loss: LossConfig = LossConfig()) -> Any:
+def gradient_fn_jitted(
+    model: ModelConfig, plan: StatePlan, micro_batches: int, loss: LossConfig = LossConfig()
+) -> Any:
     """The gradient computation alone, jitted with at-rest shardings (for memory accounting)."""
     gradient_fn = make_gradient_fn(model, plan, micro_batches, loss)
     return jax.jit(
