@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.parallel import rules
+from t5scale.parallel.mesh import MeshError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ def make_plan(stage: int, mesh: Mesh, boxed_abstract_params: Any) -> StatePlan:
         axes = tuple(spec)
         for name, size in zip(axes, shape.shape, strict=True):
             if name in rules.TENSOR_RULES and size % tensor_size:
-                raise ValueError(
+                raise MeshError(
                     f"tensor={tensor_size} does not divide the {name!r} dimension ({size}) of the model"
                 )
         return LeafLayout(axes, tuple(shape.shape), rules.zero_dim(axes, shape.shape, zero_size))

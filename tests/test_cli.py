@@ -1,0 +1,72 @@
+"""The `t5scale` command, run as a user runs it: real processes, real files."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16"]
+
+
+def t5scale(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "t5scale.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_train_writes_metrics_config_and_step_analysis(tmp_path):
+    model_dir = tmp_path / "run"
+    done = t5scale(
+        "train", *TINY, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=3",
+        f"--gin.MODEL_DIR={model_dir}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "step 3/3" in done.stdout and "ETA" in done.stdout and "tokens/s" in done.stdout
+
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["loss"] > 0 and record["step_time_s"] > 0 and record["tokens_per_s"] > 0
+
+    config = (model_dir / "config.gin").read_text()
+    assert "ParallelConfig.zero_stage = 2" in config and "TRAIN_STEPS = 3" in config
+
+    analysis = json.loads((model_dir / "step_analysis.json").read_text())
+    memory = analysis["memory_per_device"]
+    assert {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"} <= set(memory)
+    assert analysis["flops_per_step"]["model"] > 0
+    assert analysis["zero_stage"] == 2 and analysis["mesh"]["zero"] == 8
+    assert analysis["collectives"]["reduce-scatter"]["count"] > 0
+    assert analysis["collectives"]["all-gather"]["bytes"] > 0
+
+
+def test_params_prints_the_count_without_allocating():
+    done = t5scale("params", "--gin_file=gin/models/mt5_xxl.gin", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["parameters"] == 12_921_057_280
+    assert sum(report["breakdown"].values()) == report["parameters"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gin.NoSuchThing.value=1"], "No configurable matching 'NoSuchThing'"),
+        (["--gin_file=gin/models/no_such_model.gin"], "gin file not found"),
+        (["--gin.ModelConfig.no_such_field=1"], "doesn't have a parameter named"),
+        (["--gin.ParallelConfig.zero_stage=4"], "ZeRO stage must be 0, 1, 2 or 3"),
+        (["--gin.ParallelConfig.tensor=3"], "does not divide 8 devices"),
+        (["--gin.ParallelConfig.zero=3"], "needs 3 devices, but 8 are there"),
+        (["--gin.ParallelConfig.tensor=8"], "does not divide the 'heads' dimension"),
+        (["--gin.BATCH_SIZE=12"], "not divisible by data-parallel size 8"),
+        (["--gin.MICRO_BATCHES=3"], "micro_batches 3"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    done = t5scale("train", *TINY, "--gin.TRAIN_STEPS=1", *args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("t5scale: error:"), done.stderr
+    assert message in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
