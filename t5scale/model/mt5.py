@@ -7,15 +7,17 @@ without the 1/sqrt(d_kv) factor (it is folded into the query initialisation); no
 an untied output projection; one input embedding shared by encoder and decoder.
 
 Two hooks connect the model to the parallel layout without the model knowing about meshes:
-`gather(array, logical_axes)` is applied to every parameter where it is used (ZeRO stage 3
-all-gathers the shard there) and `constrain(array, logical_axes)` to the main activations (tensor
-parallelism). Both default to the identity.
+`gather_layer(params, path)` is applied to each scanned layer's parameters where the layer runs
+(ZeRO stage 3 all-gathers the layer's shards there, in the forward pass and again in the
+backward pass) and `constrain(array, logical_axes)` to the main activations (tensor parallelism).
+Both default to the identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -28,9 +30,9 @@ Axes = tuple[str, ...]
 NEG_INF = -1e10
 
 
-def _keep_param(x: jax.Array, path: tuple[str, ...], axes: Axes) -> jax.Array:
-    del path, axes
-    return x
+def _keep_params(params, path: tuple[str, ...]):
+    del path
+    return params
 
 
 def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
@@ -40,8 +42,8 @@ def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
-    # gather(value, parameter path, logical axes): the parameter as it is used.
-    gather: Callable[[jax.Array, tuple[str, ...], Axes], jax.Array] = _keep_param
+    # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
+    gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.
     constrain: Callable[[jax.Array, Axes], jax.Array] = _keep_activation
 
@@ -52,11 +54,7 @@ class _Module(nn.Module):
 
     def weight(self, name: str, init, shape: tuple[int, ...], axes: Axes) -> jax.Array:
         """Declare a float32 parameter with logical axes; return it ready for compute."""
-        if self.is_initializing():
-            value = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
-        else:  # under ZeRO-3 the stored value is a shard, whose shape Flax must not check
-            value = nn.meta.unbox(self.get_variable("params", name))
-        value = self.hooks.gather(value, (*self.scope.path, name), axes)
+        value = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
         return value.astype(self.cfg.dtype)
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
@@ -173,28 +171,31 @@ class DecoderLayer(_Module):
         return self.constrain(y, ("batch", "length", "embed")), None
 
 
-def _not_a_gathered_parameter(primitive, *_, **__) -> bool:
-    # ZeRO-3 must all-gather parameters again in the backward pass rather than keep them: never
-    # save an all-gather's output, nor its cast to the compute dtype.
-    return primitive.name not in ("all_gather", "convert_element_type")
-
-
 def remat_policy(name: str, gathers_parameters: bool):
-    """The checkpoint policy of a remat option: none, minimal (keep matmul outputs) or full."""
+    """The checkpoint policy of a remat option: none, minimal (keep matmul outputs) or full.
+
+    Under ZeRO-3 a layer's gathered parameters must never be kept for the backward pass (it
+    gathers them again). They are made by all-gathers, reshapes and casts, never by matmuls, so
+    there "none" keeps every matmul output and recomputes only the cheap elementwise work.
+    """
     policies = jax.checkpoint_policies
     if name == "none":
-        return _not_a_gathered_parameter if gathers_parameters else policies.everything_saveable
-    if name == "minimal":  # all-gathers and casts are not dots, so they are never kept
+        return policies.dots_saveable if gathers_parameters else policies.everything_saveable
+    if name == "minimal":
         return policies.dots_with_no_batch_dims_saveable
     return policies.nothing_saveable
 
 
 def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast_args: int):
     """Layers under one scan, so compile time does not grow with depth."""
-    gathers = module.hooks.gather is not _keep_param
-    rematted = nn.remat(
-        layer_cls, policy=remat_policy(module.cfg.remat, gathers), prevent_cse=False
-    )
+    gathers = module.hooks.gather_layer is not _keep_params
+    if gathers and not module.is_initializing():
+        path = (*module.scope.path, "layers")
+        layer_cls = nn.map_variables(
+            layer_cls, "params", trans_in_fn=lambda p: module.hooks.gather_layer(p, path)
+        )
+    policy = remat_policy(module.cfg.remat, gathers)
+    rematted = nn.remat(layer_cls, policy=policy, prevent_cse=False)
     return nn.scan(
         rematted,
         variable_axes={"params": 0},

@@ -58,4 +58,7 @@ def create_state(
     """
     init = _init_fn(model, tx)
     shardings = state_shardings(plan, tx, abstract_state(model, tx))
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the same
+    # collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
+    return jax.block_until_ready(state)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel import rules
+from t5scale.parallel import collectives, rules
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.parallel.zero import LeafLayout, StatePlan
 from t5scale.train.state import TrainState
@@ -52,25 +52,15 @@ def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss:
     return cross_entropy, z_term
 
 
-def _layout_at(layouts: Any, path: tuple[str, ...]) -> LeafLayout:
+def _layout_at(layouts: Any, path: tuple[str, ...]) -> Any:
     node = layouts
     for key in path:
         node = node[key]
     return node
 
 
-def _stage3_gather(plan: StatePlan):
-    """ZeRO-3: all-gather a parameter's `zero` shard where the model uses it."""
-
-    def gather(x: jax.Array, path: tuple[str, ...], axes: tuple) -> jax.Array:
-        layout = _layout_at(plan.layouts, path)
-        if layout.zero_dim is None:
-            return x
-        # Inside the layer scan the parameter has lost its leading `layers` axis.
-        dim = layout.zero_dim - (len(layout.axes) - len(axes))
-        return lax.all_gather(x, "zero", axis=dim, tiled=True)
-
-    return gather
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, LeafLayout)
 
 
 def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
@@ -84,34 +74,88 @@ def _to_varying(x: jax.Array) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _map_selected(tree: Any, layouts: Any, select, transform) -> Any:
+    """Replace the leaves whose layout `select` picks by `transform(leaves, layouts)`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    lays = jax.tree.leaves(layouts, is_leaf=_is_layout)
+    chosen = [i for i, lay in enumerate(lays) if select(lay)]
+    new = transform([leaves[i] for i in chosen], [lays[i] for i in chosen])
+    for i, value in zip(chosen, new, strict=True):
+        leaves[i] = value
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, loss: LossConfig):
-    """(params, batch) → (gradients in their at-rest layout, summed metrics), as a shard_map."""
+    """(params, batch) → (gradients in their at-rest layout, summed metrics), as a shard_map.
+
+    Under ZeRO-3 parameters enter as `zero` shards: the scanned layers' are all-gathered layer
+    by layer where they run, the rest (embedding, output projection, final norms, position
+    tables) once per micro-batch before the model runs. Every explicit collective is ordered
+    (see t5scale/parallel/collectives.py); the embedding is gathered last, so the encoder cannot
+    start, and in the backward pass the reverse chain cannot begin, while any other runs.
+    """
     stage, zero_size = plan.stage, plan.mesh.shape["zero"]
-    hooks = ShardingHooks(constrain=_constrain)
-    if stage.shard_parameters:
-        hooks = dataclasses.replace(hooks, gather=_stage3_gather(plan))
-    module = MT5(model, hooks)
 
     def scattered(layout: LeafLayout) -> bool:
         return stage.shard_gradients and layout.zero_dim is not None
 
+    def gather(leaves, lays, dim_offset: int = 0, start=None):
+        def all_gather(i: int, x: jax.Array) -> jax.Array:
+            return lax.all_gather(x, "zero", axis=lays[i].zero_dim - dim_offset, tiled=True)
+
+        return collectives.in_order(leaves, all_gather, start=start)
+
+    def gather_layer(layer_params, stack_path: tuple[str, ...]):
+        # Inside the layer scan a parameter has lost its leading `layers` axis.
+        layouts = _layout_at(plan.layouts, stack_path)
+        return _map_selected(
+            layer_params, layouts, lambda lay: lay.zero_dim is not None,
+            lambda x, lays: gather(x, lays, dim_offset=1),
+        )  # fmt: skip
+
+    def gather_outside_layers(params, start):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        lays = jax.tree.leaves(plan.layouts, is_leaf=_is_layout)
+        names = [jax.tree_util.keystr(path) for path, _ in leaves]
+        chosen = [
+            i
+            for i, name in enumerate(names)
+            if "layers" not in name and lays[i].zero_dim is not None
+        ]
+        chosen.sort(key=lambda i: "embedding" in names[i])  # the embedding last
+        values = [leaf for _, leaf in leaves]
+        done = gather([values[i] for i in chosen], [lays[i] for i in chosen], start=start)
+        for i, value in zip(chosen, done, strict=True):
+            values[i] = value
+        return jax.tree.unflatten(treedef, values)
+
+    hooks = ShardingHooks(constrain=_constrain)
+    if stage.shard_parameters:
+        hooks = dataclasses.replace(hooks, gather_layer=gather_layer)
+    module = MT5(model, hooks)
+
     def scatter_micro_batch(grads):
-        # Stage 3 needs nothing here: its reduce-scatter is the transpose of its all-gather.
-        if stage.shard_parameters:
+        """Stage 2: reduce-scatter this micro-batch's gradients into the 1/N accumulator, once
+        the whole backward pass is done. (Stage 3's are the transposes of its all-gathers.)"""
+        if stage.shard_parameters or not stage.shard_gradients:
             return grads
 
-        def scatter(g, layout: LeafLayout):
-            if not scattered(layout):
-                return g
-            return lax.psum_scatter(g, "zero", scatter_dimension=layout.zero_dim, tiled=True)
+        def scatter(g, lays):
+            def reduce_scatter(i: int, x: jax.Array) -> jax.Array:
+                return lax.psum_scatter(x, "zero", scatter_dimension=lays[i].zero_dim, tiled=True)
 
-        return jax.tree.map(scatter, grads, plan.layouts)
+            return collectives.in_order(g, reduce_scatter, start=jax.tree.leaves(grads))
+
+        return _map_selected(grads, plan.layouts, scattered, scatter)
 
     def reduce_at_end(grads):
-        def reduce(g, layout: LeafLayout):
-            return lax.psum(g, ("replica",) if scattered(layout) else DATA_AXES)
+        leaves, treedef = jax.tree.flatten(grads)
+        lays = jax.tree.leaves(plan.layouts, is_leaf=_is_layout)
 
-        return jax.tree.map(reduce, grads, plan.layouts)
+        def all_reduce(i: int, g: jax.Array) -> jax.Array:
+            return lax.psum(g, ("replica",) if scattered(lays[i]) else DATA_AXES)
+
+        return jax.tree.unflatten(treedef, collectives.in_order(leaves, all_reduce))
 
     def zero_accumulator(layout: LeafLayout):
         shape = list(layout.shape)  # `tensor` is automatic: only `zero` shrinks local shapes
@@ -125,6 +169,8 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
         params = jax.tree.map(_to_varying, params)
 
         def micro_loss(p, mb: Batch):
+            if stage.shard_parameters:
+                p = gather_outside_layers(p, start=total_weight)
             logits = module.apply(
                 {"params": p},
                 mb["encoder_input_tokens"],
@@ -141,14 +187,17 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
             return jax.tree.map(jnp.add, acc, scatter_micro_batch(grads)), sums
 
         micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
-        acc0 = jax.tree.map(zero_accumulator, plan.layouts)
+        acc0 = jax.tree.map(zero_accumulator, plan.layouts, is_leaf=_is_layout)
         grads, (ce, z) = lax.scan(accumulate, acc0, micro)
+        grads = reduce_at_end(grads)
+        # Ordered after the gradients: see t5scale/parallel/collectives.py.
+        sums = lax.psum(collectives.after(jnp.stack([jnp.sum(ce), jnp.sum(z)]), grads), DATA_AXES)
         metrics = {
-            "cross_entropy_sum": lax.psum(jnp.sum(ce), DATA_AXES),
-            "z_loss_sum": lax.psum(jnp.sum(z), DATA_AXES),
+            "cross_entropy_sum": sums[0],
+            "z_loss_sum": sums[1],
             "target_tokens": total_weight,
         }
-        return reduce_at_end(grads), metrics
+        return grads, metrics
 
     return jax.shard_map(
         local_gradients,

@@ -1,0 +1,71 @@
+"""Two workarounds that make XLA's CPU backend safe for programs with many collectives.
+
+t5scale emulates a cluster with many CPU devices in one process, and XLA:CPU runs their
+collectives through an in-process rendezvous. Two things break it; both are set up before JAX
+lowers or compiles anything (at `import t5scale`), and both are no-ops for real accelerators:
+
+1. XLA's concurrency-optimised CPU scheduler may order independent collectives differently on
+   each device, which deadlocks. It is switched off with an XLA flag.
+2. JAX lowers every explicit collective (psum, psum_scatter, all_gather, …) with the same channel
+   id, 1, and XLA:CPU keys its rendezvous on (run, channel id): a device that reaches the next
+   all-gather before the others have left the previous one joins the wrong rendezvous, and the
+   process aborts ("Id can't be larger than the number of participating threads") or hangs.
+   Here each collective gets its own channel id from the module's own counter, as XLA's SPMD
+   partitioner does for the collectives it creates, and collectives are lowered one by one
+   rather than once per distinct shape (JAX caches the lowering of identical equations, which
+   would copy one id to each). The ids are deterministic per program, so several processes
+   lowering the same program agree on them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def keep_collectives_in_program_order() -> None:
+    """Append the scheduler flag to XLA_FLAGS unless the user set that option already."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SCHEDULER_FLAG}".strip()
+
+
+class _FreshChannelIds(types.ModuleType):
+    """Stands in for jax's `mlir` module inside jax's collective lowerings."""
+
+    def __init__(self, mlir: types.ModuleType):
+        super().__init__(mlir.__name__)
+        self._mlir = mlir
+
+    def __getattr__(self, name: str):
+        return getattr(self._mlir, name)
+
+    @property
+    def COLLECTIVE_CHANNEL_ID(self) -> int:  # noqa: N802  (the name jax reads)
+        # Read from inside a lowering rule, whose `ctx` holds the module being lowered.
+        ctx = sys._getframe(1).f_locals.get("ctx")
+        module_context = getattr(ctx, "module_context", None)
+        if module_context is None or not hasattr(module_context, "new_channel"):
+            return self._mlir.COLLECTIVE_CHANNEL_ID
+        return module_context.new_channel()
+
+
+def give_collectives_distinct_channels() -> bool:
+    """Install the channel-id stand-in; False (and nothing changed) if jax's layout differs."""
+    try:
+        from jax._src import core
+        from jax._src.lax import parallel
+    except ImportError:
+        return False
+    mlir = getattr(parallel, "mlir", None)
+    if isinstance(mlir, _FreshChannelIds):
+        return True
+    uncacheable = getattr(mlir, "_uncacheable_primitives", None)
+    if mlir is None or not hasattr(mlir, "COLLECTIVE_CHANNEL_ID") or uncacheable is None:
+        return False
+    uncacheable.update(p for p in vars(parallel).values() if isinstance(p, core.Primitive))
+    parallel.mlir = _FreshChannelIds(mlir)
+    return True
