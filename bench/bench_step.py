@@ -20,8 +20,9 @@ import statistics
 import sys
 import time
 
-import t5scale  # noqa: F401  (CPU collective-ordering flag, before JAX starts)
 import jax
+
+import t5scale  # noqa: F401  (CPU collective-ordering flag, before JAX starts)
 
 jax.config.update("jax_num_cpu_devices", 8)
 

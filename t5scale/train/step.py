@@ -6,8 +6,9 @@ turn all-reduce + slice into reduce-scatter by itself:
 
 - stages 0 and 1 sum gradients locally over micro-batches, then all-reduce them once;
 - stage 2 reduce-scatters each micro-batch's gradients into a 1/N accumulator;
-- stage 3 receives parameter shards, all-gathers each where it is used (forward, and again in the
-  backward pass under remat); the transpose of that all-gather is the gradient reduce-scatter.
+- stage 3 receives parameter shards and all-gathers each layer's where the layer runs (forward,
+  and again in the backward pass: they are never kept); the transpose of each all-gather is the
+  gradient reduce-scatter.
 
 The update then runs in the optimizer state's layout; parameters go back to their own layout,
 which for stages 1 and 2 is the all-gather after the update.
@@ -237,10 +238,9 @@ def make_train_step(
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    batch_sharding = NamedSharding(plan.mesh, P(DATA_AXES))
     return jax.jit(
         step,
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, batch_sharding(plan)),
         out_shardings=(state_shardings, NamedSharding(plan.mesh, P())),
         donate_argnums=0,
     )
