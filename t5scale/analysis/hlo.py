@@ -1,136 +1,309 @@
 """Collectives of a compiled program, counted and sized from its HLO text, per executed step.
 
-A collective inside a `while` loop (the layer scan, the micro-batch loop) appears once in the text
-but runs trip-count times; counts and bytes here are multiplied out through the call graph.
-Collectives over groups of one device (size-1 mesh axes) move nothing and are left out.
+`collective_stats(compiled.as_text())` parses the module into computations, walks the call graph
+from the ENTRY computation and multiplies what it finds by how often each computation runs: a
+collective inside a `while` loop (the layer scan, the micro-batch loop) appears once in the text
+but runs trip-count times. Two things are left out on purpose:
+
+- collectives whose groups hold one device each (size-1 mesh axes) move nothing;
+- the `-done` half of an async pair, which is the same collective as its `-start`.
+
+Branches of a `conditional` are all counted, as if each ran: an upper bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+FIELDS = ("count", "bytes", "operand_bytes")
+UNKNOWN_LOOPS = "unknown_trip_count_loops"
+
 DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
-    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-    "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
+    "pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "s2": 1, "u2": 1,
+    "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "f8e5m2": 1,
+    "f8e5m2fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4,
+    "f64": 8, "s64": 8, "u64": 8, "c64": 8,
+    "c128": 16,
 }  # fmt: skip
-_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s*\(.*->.*\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*")
-_CALLEE = re.compile(r"\b(body|condition|calls|true_computation|false_computation)=%([^\s,}]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+
+_NAME = r"%?([\w.\-]+)"
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?" + _NAME + r"\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?" + _NAME + r"\s*=\s*(.*)$")
+_OPCODE = re.compile(r"([\w\-]+)\(")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + _NAME
+)
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction, as much of it as the counting needs."""
+
+    name: str
+    result_type: str
+    opcode: str
+    operands: tuple[str, ...]  # each as printed: `%x`, or `f32[8]{0} %x`
+    attributes: str  # everything after the operand list
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str | None
+    types: dict[str, str]  # instruction name -> result type (names are unique in a module)
 
 
 def shape_bytes(type_text: str) -> int:
-    """Bytes of an HLO type such as `f32[8,64]{1,0}` or a tuple of them."""
+    """Bytes of an HLO type such as `f32[8,64]{1,0}`, or of all elements of a tuple type."""
     total = 0
-    for dtype, dims in _SHAPE.findall(type_text):
+    for dtype, dims in _ARRAY.findall(type_text):
         if dtype in DTYPE_BYTES:
-            total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+            sizes = (int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
+            total += DTYPE_BYTES[dtype] * math.prod(sizes)
     return total
 
 
-def _balanced(text: str, start: int) -> int:
-    """Index just past the parenthesis group opening at text[start]."""
+def _closing(text: str, start: int) -> int:
+    """Index just past the bracket group that opens at text[start]."""
     depth = 0
     for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
+        if text[i] in "({[":
+            depth += 1
+        elif text[i] in ")}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
     return len(text)
 
 
-def _parse_instruction(line: str):
-    """(name, result type, opcode, operand names, attributes) of one instruction line."""
-    match = _NAME.match(line)
+def _split_top_level(text: str) -> list[str]:
+    """Comma-separated items of `text`, ignoring commas nested in brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "({[") - (char in ")}]")
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    items.append(text[start:].strip())
+    return [item for item in items if item]
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """Top-level elements of a tuple type; a non-tuple type is its own single element."""
+    type_text = type_text.strip()
+    if not type_text.startswith("("):
+        return [type_text]
+    return _split_top_level(type_text[1 : _closing(type_text, 0) - 1])
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """The instruction on one line of HLO text, or None if the line holds none."""
+    match = _INSTRUCTION.match(line)
     if not match:
         return None
-    rest = line[match.end() :]
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
+    name, rest = match.groups()
+    if rest.startswith("("):  # tuple result type
+        end = _closing(rest, 0)
         result_type, rest = rest[:end], rest[end:].lstrip()
     else:
         result_type, _, rest = rest.partition(" ")
-    paren = rest.find("(")
-    if paren < 0:
+    opcode = _OPCODE.match(rest)
+    if not opcode:
         return None
-    opcode, end = rest[:paren], _balanced(rest, paren)
-    operands = re.findall(r"%([^\s,)]+)", rest[paren:end])
-    return match.group(1), result_type, opcode, operands, rest[end:]
+    end = _closing(rest, opcode.end() - 1)
+    operands = tuple(_split_top_level(rest[opcode.end() : end - 1]))
+    return Instruction(name, result_type, opcode.group(1), operands, rest[end:])
 
 
-def _group_size(attributes: str) -> int | None:
-    if found := _GROUPS_LIST.search(attributes):
-        return len([d for d in found.group(1).split(",") if d])
+def parse_module(hlo_text: str) -> Module:
+    """Split HLO text into its computations (`name (params) -> type { … }` blocks)."""
+    module = Module(computations={}, entry=None, types={})
+    current: list[Instruction] | None = None
+    for line in hlo_text.splitlines():
+        if header := _HEADER.match(line):
+            current = module.computations.setdefault(header.group(2), [])
+            if header.group(1):
+                module.entry = header.group(2)
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (instruction := parse_instruction(line)):
+            current.append(instruction)
+            module.types[instruction.name] = instruction.result_type
+    return module
+
+
+def _callees(instruction: Instruction) -> list[str]:
+    """Computations this instruction runs, other than reducers (`to_apply` of a collective)."""
+    if instruction.opcode.endswith(("-done", "-update")):
+        return []  # async halves repeat the `calls=` of their start
+    callees = [
+        name
+        for role, name in _CALLEE.findall(instruction.attributes)
+        # to_apply names the called body only for `call`; elsewhere it is a reducer (add).
+        if role != "to_apply" or instruction.opcode == "call"
+    ]
+    for listed in _CALLEE_LIST.findall(instruction.attributes):
+        callees += re.findall(_NAME, listed)
+    return callees
+
+
+def trip_count(instruction: Instruction) -> int | None:
+    """Iterations of a `while`, from XLA's `known_trip_count` backend config, if it knows."""
+    found = _TRIP_COUNT.search(instruction.attributes)
+    return int(found.group(1)) if found else None
+
+
+def _groups(listed: str) -> list[list[int]]:
+    return [[int(d) for d in g.split(",") if d.strip()] for g in re.findall(r"\{([^}]*)\}", listed)]
+
+
+def group_size(attributes: str) -> int | None:
+    """Devices per replica group; None when no groups are given (all devices take part)."""
     if found := _GROUPS_IOTA.search(attributes):
+        # Iota form [groups, size]<=[devices], maybe with a transpose: size is the last dim.
         return int(found.group(1).split(",")[-1])
-    return None  # no groups listed: all devices take part
+    if (found := _GROUPS_LIST.search(attributes)) and (groups := _groups(found.group(1))):
+        return max(len(group) for group in groups)
+    return None
 
 
-def _kind(opcode: str) -> str | None:
+def moves_data(instruction: Instruction) -> bool:
+    """False for collectives that send nothing: groups of one, or permutes onto themselves."""
+    if (pairs := _PAIRS.search(instruction.attributes)) is not None:
+        return any(source != target for source, target in _groups(pairs.group(1)))
+    size = group_size(instruction.attributes)
+    return size is None or size > 1
+
+
+def collective_kind(opcode: str) -> str | None:
+    """`all-gather` for `all-gather` and `all-gather-start`; None for anything else."""
     base = opcode.removesuffix("-start")
     return base if base in KINDS else None
 
 
-def collective_stats(hlo_text: str) -> dict:
-    """Per collective kind: {"count", "bytes" (results), "operand_bytes"} per device per step."""
-    computations: dict[str, list] = {}
-    types: dict[str, str] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if header := _COMPUTATION.match(line):
-            current = computations.setdefault(header.group(1), [])
-            entry = header.group(1) if line.startswith("ENTRY") else entry
-        elif current is not None and (parsed := _parse_instruction(line)):
-            current.append(parsed)
-            types[parsed[0]] = parsed[1]
+def _operand_bytes(operands: tuple[str, ...], types: Mapping[str, str]) -> int:
+    total = 0
+    for operand in operands:
+        name_at = operand.rfind("%") if "%" in operand else operand.rfind(" ") + 1
+        inline_type, name = operand[:name_at].strip(), operand[name_at:].lstrip("%")
+        total += shape_bytes(inline_type) if inline_type else shape_bytes(types.get(name, ""))
+    return total
 
-    stats: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "operand_bytes": 0})
-    unknown_loops = 0
 
-    def visit(name: str, times: int) -> None:
-        nonlocal unknown_loops
-        for _, result_type, opcode, operands, attributes in computations.get(name, []):
-            kind = _kind(opcode)
-            if kind and _group_size(attributes) != 1 and "source_target_pairs={}" not in attributes:
-                operand_bytes = sum(shape_bytes(types.get(o, "")) for o in operands)
-                result_bytes = shape_bytes(result_type)
-                if opcode.endswith("-start") and result_type.startswith("("):
-                    result_bytes -= operand_bytes  # async tuples hold (operands, results)
-                entry_stats = stats[kind]
-                entry_stats["count"] += times
-                entry_stats["bytes"] += times * result_bytes
-                entry_stats["operand_bytes"] += times * operand_bytes
-            trips = 1
-            if opcode == "while":
-                found = _TRIP_COUNT.search(attributes)
-                trips = int(found.group(1)) if found else 1
-                unknown_loops += 0 if found else 1
-            callees = [c for role, c in _CALLEE.findall(attributes) if role != "to_apply"]
-            for branches in _BRANCHES.findall(attributes):
-                callees += re.findall(r"%([^\s,}]+)", branches)
-            for callee in callees:
-                visit(callee, times * trips)
+def _result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int:
+    if not instruction.opcode.endswith("-start"):
+        return shape_bytes(instruction.result_type)
+    if instruction.name in done_types:  # the `-done` returns exactly the collective's result
+        return shape_bytes(done_types[instruction.name])
+    elements = _tuple_elements(instruction.result_type)
+    if collective_kind(instruction.opcode) == "all-reduce" or len(elements) < 2:
+        return shape_bytes(instruction.result_type)
+    return shape_bytes(elements[1])  # (operands, results, context…)
 
-    if entry is not None:
-        visit(entry, 1)
-    result = {kind: dict(stats[kind]) for kind in KINDS if kind in stats}
+
+def _done_types(module: Module) -> dict[str, str]:
+    """Result type of each async `-done`, keyed by the name of the `-start` it completes."""
+    done = {}
+    for instructions in module.computations.values():
+        for instruction in instructions:
+            if instruction.opcode.endswith("-done") and instruction.operands:
+                start = instruction.operands[0].split()[-1].lstrip("%")
+                done[start] = instruction.result_type
+    return done
+
+
+Tally = dict[str, dict[str, int]]
+
+
+def _add(into: Tally, other: Mapping[str, Mapping[str, int]], times: int) -> None:
+    for kind, fields in other.items():
+        row = into.setdefault(kind, dict.fromkeys(FIELDS, 0))
+        for field, value in fields.items():
+            row[field] += times * value
+
+
+def collective_stats(hlo_text: str) -> dict[str, Any]:
+    """Per collective kind, `{"count", "bytes", "operand_bytes"}` per device per executed step.
+
+    `bytes` are result bytes, `operand_bytes` input bytes, each summed over tuple elements.
+    Kinds that do not occur are absent. If a `while` loop has no known trip count, its body is
+    counted once and the number of such loops is given under "unknown_trip_count_loops".
+    """
+    module = parse_module(hlo_text)
+    done_types = _done_types(module)
+    tallies: dict[str, Tally] = {}
+    unknown_loops: set[str] = set()
+
+    def tally(computation: str) -> Tally:
+        if computation in tallies:
+            return tallies[computation]
+        tallies[computation] = {}  # HLO has no recursion; this only guards against bad input
+        total: Tally = {}
+        for instruction in module.computations.get(computation, []):
+            kind = collective_kind(instruction.opcode)
+            if kind and moves_data(instruction):
+                row = {
+                    "count": 1,
+                    "bytes": _result_bytes(instruction, done_types),
+                    "operand_bytes": _operand_bytes(instruction.operands, module.types),
+                }
+                _add(total, {kind: row}, 1)
+            for callee, times in _calls_with_repeats(instruction, unknown_loops):
+                _add(total, tally(callee), times)
+        tallies[computation] = total
+        return total
+
+    stats: dict[str, Any] = {}
+    if module.entry is not None:
+        found = tally(module.entry)
+        stats = {kind: found[kind] for kind in KINDS if kind in found}
     if unknown_loops:
-        result["unknown_trip_count_loops"] = unknown_loops
-    return result
+        stats[UNKNOWN_LOOPS] = len(unknown_loops)
+    return stats
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def _calls_with_repeats(instruction: Instruction, unknown_loops: set[str]) -> list[tuple[str, int]]:
+    """(callee, runs per run of the caller) for each computation the instruction calls."""
+    callees = _callees(instruction)
+    if instruction.opcode != "while":
+        return [(callee, 1) for callee in callees]
+    trips = trip_count(instruction)
+    if trips is None:
+        unknown_loops.add(instruction.name)
+        return [(callee, 1) for callee in callees]
+    body = re.search(r"\bbody=" + _NAME, instruction.attributes)
+    # The condition is evaluated once more than the body runs (the final, failing test).
+    return [(c, trips if body and c == body.group(1) else trips + 1) for c in callees]
 
 
-def collective_summary(stats: dict) -> str:
-    """One line, e.g. `all-gather 24× 1.50 MiB, reduce-scatter 12× 0.80 MiB`."""
-    parts = [f"{k} {v['count']}× {_mib(v['bytes'])}" for k, v in stats.items() if k in KINDS]
-    return ", ".join(parts) or "none"
+def format_bytes(n: float) -> str:
+    """Bytes in binary units: `512 B`, `1.5 KiB`, `3.0 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def collective_summary(stats: Mapping[str, Any]) -> str:
+    """One line, e.g. `all-gather 24× 1.5 MiB, reduce-scatter 12× 819.2 KiB` (result bytes)."""
+    parts = [
+        f"{k} {stats[k]['count']}× {format_bytes(stats[k]['bytes'])}" for k in KINDS if k in stats
+    ]
+    line = ", ".join(parts) or "no collectives"
+    if loops := stats.get(UNKNOWN_LOOPS):
+        line += f" ({loops} loop{'s' if loops > 1 else ''} of unknown trip count counted once)"
+    return line
