@@ -8,7 +8,7 @@ import jax
 
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_stats
-from t5scale.analysis.memory import compiled_memory, model_state_bytes, per_device_bytes, tree_bytes
+from t5scale.analysis.memory import compiled_memory, model_state_bytes, per_device_bytes
 from t5scale.data.synthetic import batch_shapes
 
 
@@ -43,7 +43,7 @@ def analyze_step(compiled, run, plan, tx, compile_time_s: float | None = None) -
         "devices": devices,
         "backend": jax.default_backend(),
         "compile_time_s": compile_time_s,
-        "parameters": tree_bytes(state.params) // 4,
+        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
         "memory_per_device": memory,
         "model_state_per_device": {
             # From XLA: the step's arguments less the batch are parameters + optimizer state.
