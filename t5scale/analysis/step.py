@@ -10,12 +10,11 @@ from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_stats
 from t5scale.analysis.memory import compiled_memory, model_state_bytes, per_device_bytes
 from t5scale.data.synthetic import batch_shapes
+from t5scale.train.state import abstract_state, state_shardings
 
 
 def analyze_step(compiled, run, plan, tx, compile_time_s: float | None = None) -> dict[str, Any]:
     """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of a compiled step."""
-    from t5scale.train.state import abstract_state, state_shardings
-
     state = abstract_state(run.model, tx)
     shardings = state_shardings(plan, tx, state)
     devices = plan.mesh.size

@@ -19,7 +19,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -165,10 +164,3 @@ def make_plan(stage: int, mesh: Mesh, boxed_abstract_params: Any) -> StatePlan:
 
     layouts = jax.tree.map(layout, logical, shapes, is_leaf=lambda x: isinstance(x, P))
     return StatePlan(get_stage(stage), mesh, layouts)
-
-
-def sharded_fraction(plan: StatePlan) -> float:
-    """Fraction of parameters that have a dimension ZeRO can shard on this mesh."""
-    leaves = jax.tree.leaves(plan.layouts, is_leaf=_is_layout)
-    total = sum(int(np.prod(leaf.shape)) for leaf in leaves)
-    return sum(int(np.prod(leaf.shape)) for leaf in leaves if leaf.sharded_by_zero) / total

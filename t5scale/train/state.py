@@ -9,6 +9,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from t5scale.model.mt5 import MT5, abstract_params
 from t5scale.model.sizes import ModelConfig
@@ -35,8 +36,6 @@ def _init_fn(model: ModelConfig, tx: optax.GradientTransformation):
 
 
 def state_shardings(plan: StatePlan, tx: optax.GradientTransformation, abstract_state: TrainState):
-    from jax.sharding import NamedSharding, PartitionSpec
-
     return TrainState(
         step=NamedSharding(plan.mesh, PartitionSpec()),
         params=plan.param_shardings,
