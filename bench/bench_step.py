@@ -1,6 +1,8 @@
 """Train-step speed on this machine: tokens/s, MFU against the measured matmul peak, compile time.
 
     python bench/bench_step.py [--models mt5_tiny mt5_small] [--steps 3] [--no-torch] [--out F]
+    python bench/bench_step.py --models mt5_small mt5_base --batch 32 --input-length 1024 \
+        --target-length 229 --dtype bfloat16 --steps 10        # on a GPU
 
 Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks.md. Step time
 is the median of --steps timed steps after one warm-up step, each timed to block_until_ready;
@@ -10,16 +12,22 @@ emulated devices (they share the same cores), so 8 emulated devices are held to 
 The Hugging Face PyTorch MT5ForConditionalGeneration baseline runs on the same config, batch,
 lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping), in the same
 process.
+
+On a GPU the same script runs on the one device it has (ZeRO stages need several), measures the
+matmul peak in the compute dtype (bf16: 8192³), and runs the transformers baseline on CUDA with
+bf16 autocast and fp32 parameters, the same mixed precision t5scale uses with --dtype bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import jax
 
@@ -38,26 +46,56 @@ from t5scale.train import optim  # noqa: E402
 from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings  # noqa: E402
 from t5scale.train.step import batch_sharding, make_train_step  # noqa: E402
 
-BATCH, INPUT_LENGTH, TARGET_LENGTH = 8, 512, 114
-MEMORY_BUDGET = 20 * 2**30  # of this machine's 24 GiB, shared by every emulated device
+CPU_MEMORY_BUDGET = 20 * 2**30  # of this machine's 24 GiB, shared by every emulated device
 
 
-def matmul_peak(n: int = 4096, repeats: int = 5) -> float:
-    """FLOP/s of a large fp32 matmul on one device (median of `repeats`)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    batch: int = 8
+    input_length: int = 512
+    target_length: int = 114
+    dtype: str = "float32"
+    remat: str = "none"
+    steps: int = 3
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * (self.input_length + self.target_length)
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def memory_budget(devices: list) -> int:
+    if on_gpu():
+        return int(devices[0].memory_stats()["bytes_limit"])
+    return CPU_MEMORY_BUDGET // len(devices)
+
+
+def matmul_peak(dtype: str, repeats: int = 5) -> float:
+    """FLOP/s of a large matmul on one device in `dtype` (median of `repeats`)."""
+    n, inner = (8192, 20) if on_gpu() else (4096, 1)  # GPU: time 20 products per sample
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+
+    @jax.jit
+    def matmuls(x):
+        for _ in range(inner):  # a chain, so none is optimised away
+            x = (x @ a).astype(x.dtype)
+        return x
+
+    matmuls(a).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a, a).block_until_ready()
+        matmuls(a).block_until_ready()
         times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
+    return inner * 2 * n**3 / statistics.median(times)
 
 
-def bench_t5scale(model_name: str, stage: int, devices: list, steps: int) -> dict:
-    model = preset(model_name)
-    data = DataConfig(input_length=INPUT_LENGTH, target_length=TARGET_LENGTH)
+def bench_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> dict:
+    model = dataclasses.replace(preset(model_name), dtype=setup.dtype, remat=setup.remat)
+    data = DataConfig(input_length=setup.input_length, target_length=setup.target_length)
     # Plain AdamW without clipping, exactly as the transformers baseline runs it.
     tx = optim.make_optimizer(optim.OptimizerConfig(grad_clip_norm=None))
     mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=len(devices)), devices)
@@ -65,7 +103,9 @@ def bench_t5scale(model_name: str, stage: int, devices: list, steps: int) -> dic
     shardings = state_shardings(plan, tx, abstract_state(model, tx))
     step = make_train_step(model, plan, tx, shardings)
     batches = [
-        jax.device_put(synthetic_batch(data, BATCH, model.vocab_size, 0, i), batch_sharding(plan))
+        jax.device_put(
+            synthetic_batch(data, setup.batch, model.vocab_size, 0, i), batch_sharding(plan)
+        )
         for i in range(2)
     ]
     result = {"model": model_name, "stage": stage, "devices": len(devices)}
@@ -74,13 +114,13 @@ def bench_t5scale(model_name: str, stage: int, devices: list, steps: int) -> dic
     result["compile_s"] = time.perf_counter() - started
     peak = compiled_memory(compiled)["peak_estimate_bytes"]
     result["memory_per_device_gib"] = peak / 2**30
-    if peak * len(devices) > MEMORY_BUDGET:
-        return result | {"status": "does not fit in 24 GiB"}
+    if peak > memory_budget(devices):
+        return result | {"status": "does not fit"}
     state = create_state(model, tx, plan, seed=0)
     state, metrics = compiled(state, batches[0])  # warm-up
     jax.block_until_ready((state, metrics))
     times = []
-    for i in range(steps):
+    for i in range(setup.steps):
         started = time.perf_counter()
         state, metrics = compiled(state, batches[(i + 1) % 2])
         jax.block_until_ready((state, metrics))
@@ -89,30 +129,45 @@ def bench_t5scale(model_name: str, stage: int, devices: list, steps: int) -> dic
     return result | {"status": "ok", "step_s": statistics.median(times), "step_times_s": times}
 
 
-def bench_transformers(model_name: str, steps: int) -> dict:
+def bench_transformers(model_name: str, setup: Setup) -> dict:
+    import contextlib
+
     import torch
     from transformers import MT5Config, MT5ForConditionalGeneration
 
     torch.set_num_threads(os.cpu_count() or 1)
+    device = "cuda" if on_gpu() else "cpu"
+    autocast = (
+        torch.autocast(device, dtype=torch.bfloat16)
+        if setup.dtype == "bfloat16"
+        else contextlib.nullcontext()
+    )
     m = preset(model_name)
     config = MT5Config(
         vocab_size=m.vocab_size, d_model=m.d_model, d_ff=m.d_ff, num_heads=m.num_heads,
         d_kv=m.d_kv, num_layers=m.num_encoder_layers, num_decoder_layers=m.num_decoder_layers,
         feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
     )  # fmt: skip
-    model = MT5ForConditionalGeneration(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    inputs = torch.randint(2, m.vocab_size, (BATCH, INPUT_LENGTH))
-    labels = torch.randint(2, m.vocab_size, (BATCH, TARGET_LENGTH))
+    model = MT5ForConditionalGeneration(config).to(device).train()
+    # fused: one kernel for the whole update on CUDA (the fastest torch AdamW there).
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
+    )
+    inputs = torch.randint(2, m.vocab_size, (setup.batch, setup.input_length), device=device)
+    labels = torch.randint(2, m.vocab_size, (setup.batch, setup.target_length), device=device)
 
     def step() -> None:
-        model(input_ids=inputs, labels=labels).loss.backward()
+        with autocast:
+            loss = model(input_ids=inputs, labels=labels).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     step()  # warm-up
     times = []
-    for _ in range(steps):
+    for _ in range(setup.steps):
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -124,30 +179,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--input-length", type=int, default=512)
+    parser.add_argument("--target-length", type=int, default=114)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="none")
+    parser.add_argument("--torch-models", nargs="*", default=["mt5_small"],
+                        help="models that also get the transformers baseline")  # fmt: skip
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-t5scale", action="store_true",
+                        help="only the baseline (on a GPU, JAX's memory pool would starve torch "
+                             "in the same process: run the two apart)")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here too")
     args = parser.parse_args()
+    setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
+                  args.steps)  # fmt: skip
 
-    peak = matmul_peak()
-    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.devices()[0].device_kind})")
+    peak = matmul_peak(setup.dtype)
+    device = jax.devices()[0]
+    print(f"measured {setup.dtype} matmul peak: {peak / 1e12:.3f} TFLOP/s ({device.device_kind})")
     rows = []
     for name in args.models:
-        flops = training_flops_per_step(preset(name), BATCH, INPUT_LENGTH, TARGET_LENGTH)
-        runs = [bench_t5scale(name, 0, jax.devices()[:1], args.steps)]
-        runs += [bench_t5scale(name, stage, jax.devices(), args.steps) for stage in range(4)]
-        if name == "mt5_small" and not args.no_torch:
-            runs.append(bench_transformers(name, args.steps))
-        for run in runs:
+        flops = training_flops_per_step(
+            preset(name), setup.batch, setup.input_length, setup.target_length
+        )
+        runs = []
+        if not args.no_t5scale:
+            runs.append(partial(bench_t5scale, name, 0, jax.devices()[:1], setup))
+            if len(jax.devices()) > 1:
+                runs += [partial(bench_t5scale, name, st, jax.devices(), setup) for st in range(4)]
+        if name in args.torch_models and not args.no_torch:
+            runs.append(partial(bench_transformers, name, setup))
+        for run_one in runs:
+            run = run_one()
             run.setdefault("framework", "t5scale (JAX)")
             run["model_flops_per_step"] = flops
             if run["status"] == "ok":
-                run["tokens_per_s"] = BATCH * (INPUT_LENGTH + TARGET_LENGTH) / run["step_s"]
-                run["mfu"] = mfu(flops, run["step_s"], peak, 1)  # emulated devices share one peak
+                run["tokens_per_s"] = setup.tokens_per_step / run["step_s"]
+                # emulated CPU devices share one peak; a GPU run uses one device
+                run["mfu"] = mfu(flops, run["step_s"], peak, 1)
             rows.append(run)
             print(json.dumps(run), file=sys.stderr, flush=True)
 
-    print(f"\nbatch {BATCH}, lengths {INPUT_LENGTH}/{TARGET_LENGTH}, AdamW (no clipping), fp32, remat none; "
-          f"median of {args.steps} steps after 1 warm-up\n")  # fmt: skip
+    print(f"\n{device.device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
+          f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
+          f"median of {setup.steps} steps after 1 warm-up\n")  # fmt: skip
     print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -157,10 +233,11 @@ def main() -> None:
                   f"{compile_s} | {r['status']} ({r['memory_per_device_gib']:.1f} GiB/device) | | |")  # fmt: skip
             continue
         print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | {compile_s} | "
-              f"{r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% |")  # fmt: skip
+              f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% |")  # fmt: skip
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"matmul_peak_flops": peak, "runs": rows}, f, indent=2)
+            json.dump({"matmul_peak_flops": peak, "setup": dataclasses.asdict(setup),
+                       "device": device.device_kind, "runs": rows}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,8 +54,16 @@ class _Module(nn.Module):
 
     def weight(self, name: str, init, shape: tuple[int, ...], axes: Axes) -> jax.Array:
         """Declare a float32 parameter with logical axes; return it ready for compute."""
-        value = self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
-        return value.astype(self.cfg.dtype)
+        return self.table(name, init, shape, axes).astype(self.cfg.dtype)
+
+    def table(self, name: str, init, shape: tuple[int, ...], axes: Axes) -> jax.Array:
+        """Declare a float32 look-up table; it stays float32 for the gather.
+
+        Gathering rows first and casting them after keeps the gradient, a scatter-add, in
+        float32: a bfloat16 scatter-add has no native atomic on GPUs, and with the repeated
+        token ids of real batches it ran 3.3 s of a 4 s step on an H100 (docs/benchmarks.md).
+        """
+        return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return self.hooks.constrain(x, axes)
@@ -134,7 +142,7 @@ class RelativePositionBias(_Module):
     @nn.compact
     def __call__(self, q_len: int, k_len: int) -> jax.Array:
         buckets = self.cfg.relative_attention_num_buckets
-        table = self.weight(
+        table = self.table(
             "rel_embedding",
             _normal(1.0),
             (self.cfg.num_heads, buckets),
@@ -268,13 +276,17 @@ class MT5(_Module):
             encoder_segment_ids = (encoder_input_tokens > 0).astype(jnp.int32)
         if decoder_segment_ids is None:
             decoder_segment_ids = jnp.ones_like(decoder_input_tokens, dtype=jnp.int32)
-        embedding = self.weight(
+        embedding = self.table(
             "embedding", _normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed")
         )
-        embed_axes = ("batch", "length", "embed")
-        x = self.constrain(jnp.take(embedding, encoder_input_tokens, axis=0), embed_axes)
+
+        def embed(tokens: jax.Array) -> jax.Array:
+            rows = jnp.take(embedding, tokens, axis=0).astype(cfg.dtype)
+            return self.constrain(rows, ("batch", "length", "embed"))
+
+        x = embed(encoder_input_tokens)
         encoded = Encoder(cfg, self.hooks, name="encoder")(x, encoder_segment_ids)
-        y = self.constrain(jnp.take(embedding, decoder_input_tokens, axis=0), embed_axes)
+        y = embed(decoder_input_tokens)
         decoded = Decoder(cfg, self.hooks, name="decoder")(
             y, encoded, decoder_segment_ids, encoder_segment_ids
         )
