@@ -33,11 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("train", parents=[common], help="train a model (synthetic data for now)")
+    commands.add_parser("train", parents=[common], help="train a model")
     params = commands.add_parser(
         "params", parents=[common], help="parameter count, nothing allocated"
     )
     params.add_argument("--json", action="store_true", help="print JSON")
+    data_bench = commands.add_parser(
+        "data-bench", parents=[common], help="examples/s and tokens/s of the input pipeline alone"
+    )
+    data_bench.add_argument("--batches", type=int, default=50, help="batches to time")
     return parser
 
 
@@ -87,11 +91,42 @@ def _train(run) -> None:
         print(f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json")
 
 
+def _data_bench(run, batches: int) -> None:
+    import time
+
+    import numpy as np
+
+    from t5scale.data.loader import host_batches
+
+    cfg = run.data
+    started = time.perf_counter()
+    stream = host_batches(cfg, run.train.batch_size, run.train.seed, run.model.vocab_size)
+    first = next(stream)
+    print(f"pipeline ready in {time.perf_counter() - started:.1f} s (first batch included)")
+    examples = tokens = 0
+    started = time.perf_counter()
+    for index, batch in zip(range(batches), stream, strict=False):
+        # packed examples: one per segment id per row; tokens: non-padding, both sides
+        examples += sum(len(np.unique(row[row > 0])) for row in batch["encoder_segment_ids"])
+        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]))
+        tokens += int(np.count_nonzero(batch["decoder_target_tokens"]))
+        done = index + 1
+    elapsed = time.perf_counter() - started
+    slots = done * len(first["encoder_input_tokens"]) * (cfg.input_length + cfg.target_length)
+    print(
+        f"{cfg.source}: {done} batches of {len(first['encoder_input_tokens'])} in {elapsed:.2f} s: "
+        f"{examples / elapsed:,.0f} examples/s, {tokens / elapsed:,.0f} tokens/s "
+        f"({slots / elapsed:,.0f} token slots/s incl. padding; lengths "
+        f"{cfg.input_length}/{cfg.target_length})"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
     args = _parser().parse_args(rest)
     from t5scale.config import build_run_config, parse_gin
+    from t5scale.data.config import DataError
     from t5scale.parallel.mesh import MeshError
     from t5scale.train.config import ConfigError
 
@@ -102,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _params(run, args.json)
             return 0
         _start_jax(args.cpu_devices)
+        if args.command == "data-bench":
+            _data_bench(run, args.batches)
+            return 0
         _train(run)
-    except (ConfigError, MeshError) as error:
+    except (ConfigError, MeshError, DataError) as error:
         print(f"t5scale: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     return 0

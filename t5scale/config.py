@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gin
-from t5scale.data.synthetic import DataConfig
+from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.config import ConfigError, RunConfig, TrainConfig

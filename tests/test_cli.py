@@ -6,7 +6,12 @@ import sys
 
 import pytest
 
-TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16"]
+TINY = [
+    "--gin_file=gin/models/mt5_tiny.gin",
+    "--gin.INPUT_LENGTH=32",
+    "--gin.TARGET_LENGTH=16",
+    "--gin.DATA_SOURCE=synthetic",  # the corpus pipeline has its own tests (test_data.py)
+]
 
 
 def t5scale(*args: str) -> subprocess.CompletedProcess:

@@ -7,9 +7,11 @@ with random token ids, so that speed and memory can be measured with no corpus a
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
+
+from t5scale.data.config import DataConfig
+
+__all__ = ["FEATURES", "Batch", "DataConfig", "batch_shapes", "synthetic_batch"]
 
 Batch = dict[str, np.ndarray]
 FEATURES = (
@@ -22,22 +24,6 @@ FEATURES = (
     "decoder_positions",
     "decoder_loss_weights",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Batch lengths (mT5 pretraining: 1024 inputs, 229 targets after span corruption)."""
-
-    source: str = "synthetic"
-    input_length: int = 1024
-    target_length: int = 229
-    max_segments: int = 4  # packed examples per row, at most
-
-    def __post_init__(self) -> None:
-        if self.source != "synthetic":
-            raise ValueError(f"data source must be 'synthetic' (for now), got {self.source!r}")
-        if self.input_length < 2 or self.target_length < 2:
-            raise ValueError("input_length and target_length must be at least 2")
 
 
 def _segment_bounds(rng: np.random.Generator, length: int, count: int, fill: float) -> np.ndarray:

@@ -20,7 +20,7 @@ class ModelConfig:
     """Dimensions and numerics of one encoder-decoder model."""
 
     name: str = "mt5_tiny"
-    vocab_size: int = 1024
+    vocab_size: int = 4096
     d_model: int = 64
     d_ff: int = 128
     num_heads: int = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from t5scale.data.synthetic import DataConfig
+from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim

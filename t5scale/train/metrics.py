@@ -23,11 +23,11 @@ class MetricsLog:
         model_dir: str | None,
         total_steps: int,
         print_every: int = 1,
-        stream: TextIO = sys.stdout,
+        stream: TextIO | None = None,
     ):
         self.total_steps = total_steps
         self.print_every = max(1, print_every)
-        self.stream = stream
+        self.stream = stream or sys.stdout  # looked up now: sys.stdout may be replaced
         self.step_times: list[float] = []
         self.started = time.perf_counter()
         self.file = None

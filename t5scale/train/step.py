@@ -260,3 +260,30 @@ def gradient_fn_jitted(
         in_shardings=(plan.param_shardings, batch_sharding(plan)),
         out_shardings=(plan.grad_shardings, NamedSharding(plan.mesh, P())),
     )
+
+
+def make_eval_step(model: ModelConfig, plan: StatePlan, loss: LossConfig = LossConfig()):
+    """The jitted eval(params, batch) → summed losses and target tokens (no update).
+
+    A forward pass only, so it is left to XLA's automatic partitioning: the parameters keep
+    their at-rest shardings and XLA gathers what stage 3 shards.
+    """
+    module = MT5(model)
+
+    def evaluate(params, batch: Batch):
+        logits = module.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch["decoder_input_tokens"],
+            batch["encoder_segment_ids"],
+            batch["decoder_segment_ids"],
+        )
+        weights = batch["decoder_loss_weights"].astype(jnp.float32)
+        ce, z = loss_sums(logits, batch["decoder_target_tokens"], weights, loss.z_loss)
+        return {"cross_entropy_sum": ce, "z_loss_sum": z, "target_tokens": jnp.sum(weights)}
+
+    return jax.jit(
+        evaluate,
+        in_shardings=(plan.param_shardings, batch_sharding(plan)),
+        out_shardings=NamedSharding(plan.mesh, P()),
+    )

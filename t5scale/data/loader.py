@@ -1,0 +1,223 @@
+"""Batches for the training step: each host reads its own shard, a thread keeps some ready.
+
+`make_batches(run, sharding)` gives an iterator of global jax.Arrays laid out as the step wants
+them (`batch_sharding`): for the synthetic source, random batches with no TensorFlow; for a
+corpus or mC4, seqio's span-corruption pipeline over this process's shard (seqio ShardInfo from
+the process index and count), packed by seqio's EncDecFeatureConverter, its host-local rows
+assembled into global arrays with `jax.make_array_from_process_local_data`.
+
+The stream is a function of the seed: `position` counts the batches handed out, and a loader
+started with `start=position` continues the same stream (it replays the pipeline up to there —
+cheap beside the training step it feeds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from t5scale.data.config import DataConfig, DataError
+from t5scale.data.synthetic import FEATURES, synthetic_batch
+
+
+def _local_batch_size(global_batch: int) -> int:
+    if global_batch % jax.process_count():
+        raise DataError(
+            f"global batch {global_batch} is not divisible by the {jax.process_count()} processes"
+        )
+    return global_batch // jax.process_count()
+
+
+def register(config: DataConfig, vocab_size: int) -> str:
+    """Check the vocabulary and corpus and register the seqio mixture; return its name.
+
+    Everything that can be wrong with the user's data is found here, before any tf.data work.
+    """
+    from t5scale.data import tasks
+    from t5scale.data.corpus import scan_corpus
+
+    vocab = tasks.vocabulary(config)
+    if vocab.vocab_size > vocab_size:
+        raise DataError(
+            f"vocabulary {config.vocabulary!r} has {vocab.vocab_size} ids with its "
+            f"{config.extra_ids} sentinels, more than the model's vocab_size {vocab_size}"
+        )
+    if config.source == "corpus":
+        corpus = scan_corpus(config.corpus_dir, config.languages, config.max_line_bytes)
+        return tasks.register_corpus(corpus, config, vocab)
+    return tasks.register_mc4(config, vocab)
+
+
+def seqio_dataset(
+    config: DataConfig,
+    global_batch: int,
+    seed: int,
+    split: str,
+    vocab_size: int,
+    shard: tuple[int, int] | None = None,
+    mixture: str | None = None,
+):
+    """Shard (index, count) — by default this process's — of the packed span-corruption stream.
+
+    A tf.data.Dataset of batches of global_batch / count rows.
+    """
+    from t5scale.data import tasks
+
+    name = mixture or register(config, vocab_size)
+    index, count = shard or (jax.process_index(), jax.process_count())
+    if global_batch % count:
+        raise DataError(f"global batch {global_batch} is not divisible by {count} data shards")
+    try:
+        with _absl_quiet():  # the error is reported below, in one line
+            return _get_dataset(config, name, global_batch // count, seed, split, (index, count))
+    except (KeyError, FileNotFoundError, AssertionError) as error:
+        if config.source != "mc4":
+            raise
+        raise DataError(
+            f"mC4 ({tasks.MC4_TFDS_NAME}) is not prepared in tfds_data_dir "
+            f"{config.tfds_data_dir!r}: {str(error).strip(chr(34))}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    from absl import logging as absl_logging
+
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
+# seqio hands out per-preprocessor seeds from module-level state while a pipeline is built, so
+# two pipelines built at once (training and validation, each on its loader thread) would mix
+# their seeds: builds take turns.
+_BUILD_LOCK = threading.Lock()
+
+
+def _get_dataset(config: DataConfig, name: str, rows: int, seed: int, split: str, shard):
+    """seqio.get_dataset's steps, but the validation split never cached in memory.
+
+    seqio caches small splits in memory; the validation loss reads only its first batches, and
+    TensorFlow warns on stderr about every cache abandoned part-read.
+    """
+    from t5scale.data.tf_setup import seqio
+
+    lengths = {"inputs": config.input_length, "targets": config.target_length}
+    with _BUILD_LOCK:
+        dataset = seqio.get_mixture_or_task(name).get_dataset(
+            lengths,
+            split=split,
+            use_cached=False,
+            shuffle=split == "train",
+            seed=seed,
+            shard_info=seqio.ShardInfo(*shard),
+            num_epochs=None if split == "train" else 1,
+            try_in_mem_cache=split == "train",
+        )
+        dataset = seqio.EncDecFeatureConverter(pack=True)(dataset, task_feature_lengths=lengths)
+    return dataset.batch(rows, drop_remainder=True)
+
+
+def host_batches(
+    config: DataConfig, global_batch: int, seed: int, vocab_size: int, split: str = "train"
+) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of each batch, as numpy arrays keyed by FEATURES.
+
+    The data are checked here, in the caller's thread, so that bad data fail at start; the
+    tf.data pipeline itself (tens of seconds of tracing for many languages) is built on the
+    first `next`, which `Batches` calls on its own thread while the step compiles.
+    """
+    if config.source == "synthetic":
+        return _synthetic_rows(config, global_batch, seed, vocab_size)
+    mixture = register(config, vocab_size)
+    _local_batch_size(global_batch)
+    return _seqio_rows(config, global_batch, seed, vocab_size, split, mixture)
+
+
+def _seqio_rows(config, global_batch, seed, vocab_size, split, mixture):
+    dataset = seqio_dataset(config, global_batch, seed, split, vocab_size, mixture=mixture)
+    for batch in dataset.as_numpy_iterator():
+        yield {name: batch[name].astype(np.int32) for name in FEATURES}
+
+
+def _synthetic_rows(config: DataConfig, global_batch: int, seed: int, vocab_size: int):
+    rows = _local_batch_size(global_batch)
+    start = jax.process_index() * rows
+    step = 0
+    while True:  # every process makes the whole batch and keeps its own rows
+        batch = synthetic_batch(config, global_batch, vocab_size, seed, step)
+        yield {name: value[start : start + rows] for name, value in batch.items()}
+        step += 1
+
+
+class Batches:
+    """Global batches from a background thread, `prefetch` ahead; `position` = batches taken."""
+
+    _DONE = object()
+
+    def __init__(
+        self,
+        config: DataConfig,
+        global_batch: int,
+        seed: int,
+        vocab_size: int,
+        sharding,
+        start: int = 0,
+        split: str = "train",
+    ):
+        self.position = start
+        self._source = host_batches(config, global_batch, seed, vocab_size, split)
+        self._sharding = sharding
+        self._skip = start
+        self._queue: queue.Queue = queue.Queue(maxsize=config.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="t5scale-data", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for index, rows in enumerate(self._source):
+                if self._stop.is_set():
+                    return
+                if index < self._skip:
+                    continue
+                batch = {
+                    name: jax.make_array_from_process_local_data(self._sharding, rows[name])
+                    for name in FEATURES
+                }
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            self._queue.put(self._DONE)
+        except BaseException as error:  # handed to the consumer, raised in the main thread
+            self._queue.put(error)
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        item = self._queue.get()
+        if item is self._DONE:
+            self._queue.put(self._DONE)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        self.position += 1
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._thread.join(timeout=5)
