@@ -110,7 +110,10 @@ class GatedGeluMlp(_Module):
         wi_0 = self.weight("wi_0", _normal(d**-0.5), (d, f), ("embed", "mlp"))
         wi_1 = self.weight("wi_1", _normal(d**-0.5), (d, f), ("embed", "mlp"))
         wo = self.weight("wo", _normal(f**-0.5), (f, d), ("mlp", "embed"))
-        hidden = jax.nn.gelu(x @ wi_0, approximate=True) * (x @ wi_1)
+        # Both input projections in one matmul: [d, 2, f] has the memory layout of the two
+        # weights side by side, and stacking (not concatenating) keeps `mlp` shardable.
+        both = jnp.einsum("bld,dtf->bltf", x, jnp.stack([wi_0, wi_1], axis=1))
+        hidden = jax.nn.gelu(both[:, :, 0], approximate=True) * both[:, :, 1]
         hidden = self.constrain(hidden, ("batch", "length", "mlp"))
         return hidden @ wo
 
@@ -182,13 +185,17 @@ class DecoderLayer(_Module):
 def remat_policy(name: str, gathers_parameters: bool):
     """The checkpoint policy of a remat option: none, minimal (keep matmul outputs) or full.
 
-    Under ZeRO-3 a layer's gathered parameters must never be kept for the backward pass (it
-    gathers them again). They are made by all-gathers, reshapes and casts, never by matmuls, so
-    there "none" keeps every matmul output and recomputes only the cheap elementwise work.
+    "none" keeps every matmul output and recomputes only the cheap elementwise work (softmax,
+    GELU, norms) in the backward pass. Keeping everything instead (everything_saveable) stacks
+    a dozen more per-layer buffers out of the scan and was ~12% slower on the CPU (mt5_small,
+    fp32). Under ZeRO-3 a layer's gathered parameters must never be kept for the backward pass
+    (it gathers them again); they are made by all-gathers, reshapes and casts, never by matmuls,
+    so this policy never keeps them.
     """
+    del gathers_parameters  # the same policy either way (see above)
     policies = jax.checkpoint_policies
     if name == "none":
-        return policies.dots_saveable if gathers_parameters else policies.everything_saveable
+        return policies.dots_saveable
     if name == "minimal":
         return policies.dots_with_no_batch_dims_saveable
     return policies.nothing_saveable
