@@ -1,5 +1,7 @@
 """Same initialisation and batches → the same 5 steps on every stage and mesh (fp32, ≤ 1e-5)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from t5scale.train import optim
 from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
 from t5scale.train.step import batch_sharding, make_train_step
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(vocab_size=1024)
 DATA = DataConfig(input_length=32, target_length=16)
 STEPS, BATCH = 5, 8
 TX = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2))
@@ -34,9 +36,14 @@ def run_steps(parallel: ParallelConfig, devices=None, micro_batches: int = 1, tx
     return np.array(losses), jax.device_get(state.params)
 
 
-@pytest.fixture(scope="module")
-def single_device():
+@functools.cache  # per process: under xdist a module's tests may interleave with others'
+def _single_device():
     return run_steps(ParallelConfig(), devices=jax.devices()[:1])
+
+
+@pytest.fixture
+def single_device():
+    return _single_device()
 
 
 def _relative(a, b) -> float:

@@ -1,6 +1,8 @@
 """Each ZeRO stage, shown from the compiled step on 8 emulated devices: shardings, collectives,
 per-device memory (XLA's analysis) against the ZeRO formula."""
 
+import functools
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -48,9 +50,14 @@ def _compile(stage: int):
     }
 
 
-@pytest.fixture(scope="module")
-def stages():
+@functools.cache  # per process: under xdist a module's tests may interleave with others'
+def _all_stages():
     return {stage.stage: _compile(stage.stage) for stage in STAGES}
+
+
+@pytest.fixture
+def stages():
+    return _all_stages()
 
 
 def _has_zero(spec: P) -> bool:
