@@ -16,7 +16,7 @@ import gin
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.config import ConfigError, RunConfig, TrainConfig
+from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,7 @@ _CONFIGURABLES = {
     "optimizer": gin.external_configurable(OptimizerConfig, "OptimizerConfig"),
     "train": gin.external_configurable(TrainConfig, "TrainConfig"),
     "data": gin.external_configurable(DataConfig, "DataConfig"),
+    "checkpoint": gin.external_configurable(CheckpointConfig, "CheckpointConfig"),
 }
 
 

@@ -29,6 +29,32 @@ class TrainConfig:
             raise ConfigError("steps must be >= 0, batch_size and micro_batches >= 1")
 
 
+NONFINITE_ACTIONS = ("stop", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save (t5scale/train/checkpoint.py), how many to keep, what a NaN or Inf does.
+
+    every: steps between checkpoints (0: only at the last step and on preemption).
+    on_nonfinite: 'stop' (save nothing more, exit non-zero) or 'skip' (keep the state as it was
+    before the step, count it as `skipped` in metrics.jsonl, go on).
+    """
+
+    every: int = 1000
+    keep: int = 3
+    async_save: bool = True
+    on_nonfinite: str = "stop"
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError("CheckpointConfig.every must be >= 0 and keep >= 1")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ConfigError(
+                f"CheckpointConfig.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = ModelConfig()
@@ -36,3 +62,4 @@ class RunConfig:
     optimizer: optim.OptimizerConfig = optim.OptimizerConfig()
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()

@@ -1,8 +1,16 @@
-"""The training loop: config → mesh → plan → state → compiled step → steps → metrics."""
+"""The training loop: config → mesh → plan → state (fresh or restored) → compiled step → steps.
+
+A run with a MODEL_DIR checkpoints there (t5scale/train/checkpoint.py) and, started again with
+the same command, resumes from its newest good checkpoint: the same state, the data stream at
+the same position, metrics.jsonl cut back to that step. SIGTERM saves at the next step boundary
+and ends the run normally.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +28,10 @@ from t5scale.train.state import abstract_state, create_state, plan_for, state_sh
 from t5scale.train.step import LossConfig, batch_sharding, make_eval_step, make_train_step
 
 
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf loss or gradient with CheckpointConfig.on_nonfinite = 'stop'."""
+
+
 def check_batch(run: RunConfig, mesh) -> None:
     data_parallel = data_parallel_size(mesh)
     needed = data_parallel * run.train.micro_batches
@@ -31,18 +43,37 @@ def check_batch(run: RunConfig, mesh) -> None:
 
 
 def train(run: RunConfig, operative_config: str | None = None, devices=None) -> list[dict]:
-    """Train for run.train.steps steps; return the per-step metrics (also in metrics.jsonl)."""
+    """Train up to run.train.steps steps; return this call's per-step metrics."""
     cfg = run.train
     mesh = make_mesh(run.parallel, devices)
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
     plan = plan_for(run.model, run.parallel.zero_stage, mesh)
-    shardings = state_shardings(plan, tx, abstract_state(run.model, tx))
+    abstract = abstract_state(run.model, tx)
+    shardings = state_shardings(plan, tx, abstract)
+    checkpoints, restored = None, None
+    if cfg.model_dir:
+        from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
+
+        checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+        )
+        restored = checkpoints.restore_latest(target, run.model, run.optimizer.name)
+    start = restored.meta["step"] if restored else 0
+    if start >= cfg.steps:
+        print(f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}: nothing to do")
+        if checkpoints:
+            checkpoints.close()
+        return []
+    if restored:
+        print(f"resuming from the checkpoint at step {start}", flush=True)
     # The input pipelines start first: they build on their own threads while the state is
     # created and the step compiles.
     batches = Batches(
-        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, batch_sharding(plan)
-    )
+        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, batch_sharding(plan),
+        start=restored.meta["data_position"] if restored else 0,
+    )  # fmt: skip
     held_out = None
     if run.data.validation_every:
         held_out = Batches(
@@ -50,10 +81,11 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             split="validation",
         )  # fmt: skip
     try:
-        state = create_state(run.model, tx, plan, cfg.seed)
+        state = restored.state if restored else create_state(run.model, tx, plan, cfg.seed)
         step_fn = make_train_step(
-            run.model, plan, tx, shardings, cfg.micro_batches, LossConfig(cfg.z_loss)
-        )
+            run.model, plan, tx, shardings, cfg.micro_batches, LossConfig(cfg.z_loss),
+            skip_nonfinite=run.checkpoint.on_nonfinite == "skip",
+        )  # fmt: skip
         started = time.perf_counter()
         compiled = step_fn.lower(state, abstract_batch(run, plan)).compile()
         analysis = analyze_step(
@@ -61,11 +93,15 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         )
         evaluate = validation_loss(run, plan, held_out) if held_out else None
         _write_run_files(cfg.model_dir, operative_config, analysis)
-        return _run_steps(run, state, compiled, evaluate, batches)
+        saver = _Saver(checkpoints, run, operative_config)
+        with _Preemption() as preemption:
+            return _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption)
     finally:
         batches.close()
         if held_out:
             held_out.close()
+        if checkpoints:
+            checkpoints.close()  # waits for a save in flight
 
 
 def abstract_batch(run: RunConfig, plan) -> dict[str, jax.ShapeDtypeStruct]:
@@ -101,29 +137,100 @@ def validation_loss(run: RunConfig, plan, held_out: Batches):
     return evaluate
 
 
-def _run_steps(run: RunConfig, state, compiled, evaluate, batches: Batches) -> list[dict]:
+class _Saver:
+    """Saves checkpoints on the schedule; remembers the last step saved."""
+
+    def __init__(self, checkpoints, run: RunConfig, operative_config: str | None):
+        self.checkpoints, self.run, self.gin = checkpoints, run, operative_config or ""
+        self.last_saved: int | None = None
+
+    def due(self, step: int) -> bool:
+        every = self.run.checkpoint.every
+        return bool(every and step % every == 0) or step == self.run.train.steps
+
+    def save(self, step: int, state, data_position: int) -> None:
+        if self.checkpoints is None:
+            return
+        from t5scale.train.checkpoint import model_signature
+
+        meta = {
+            "step": step,
+            "data_position": data_position,
+            "seed": self.run.train.seed,
+            "model": model_signature(self.run.model),
+            "optimizer": self.run.optimizer.name,
+            "gin": self.gin,
+        }
+        self.checkpoints.save(step, state, meta)
+        self.last_saved = step
+
+
+class _Preemption:
+    """SIGTERM → `requested`; the loop saves at the next step boundary and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _Preemption:
+        if threading.current_thread() is threading.main_thread():  # signals reach only it
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption) -> list[dict]:
     cfg, every = run.train, run.data.validation_every
     schedule = optim.inverse_sqrt_schedule(run.optimizer)
     tokens_per_step = cfg.batch_size * (run.data.input_length + run.data.target_length)
-    log, history = MetricsLog(cfg.model_dir, cfg.steps, cfg.log_every), []
-    for step in range(cfg.steps):
-        batch = next(batches)  # the next is prefetched meanwhile
-        started = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
-        elapsed = time.perf_counter() - started
-        record = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
-        record |= {
-            "learning_rate": float(schedule(step)),
-            "step_time_s": elapsed,
-            "tokens_per_s": tokens_per_step / elapsed,
-        }
-        if not np.isfinite(record["loss"]):
-            log.close()
-            raise FloatingPointError(f"loss is {record['loss']} at step {step + 1}")
-        if evaluate and ((step + 1) % every == 0 or step + 1 == cfg.steps):
-            record["validation_loss"] = evaluate(state.params)
-        log.write(record)
-        history.append(record)
-    log.close()
+    log, history, skipped = (
+        MetricsLog(cfg.model_dir, cfg.steps, cfg.log_every, resume_at=start),
+        [],
+        0,
+    )
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            batch = next(batches)  # the next is prefetched meanwhile
+            started = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
+            elapsed = time.perf_counter() - started
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            record |= {
+                "learning_rate": float(schedule(step - 1)),
+                "step_time_s": elapsed,
+                "tokens_per_s": tokens_per_step / elapsed,
+            }
+            finite = np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])
+            if not finite and run.checkpoint.on_nonfinite == "stop":
+                log.write(record)
+                kept = f"step {saver.last_saved}" if saver.last_saved else "none this run"
+                raise NonFiniteError(
+                    f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {step}: "
+                    f"stopped without saving (last checkpoint: {kept}); "
+                    "CheckpointConfig.on_nonfinite='skip' skips such steps"
+                )
+            skipped += not finite
+            record["skipped_steps"] = skipped
+            if evaluate and (step % every == 0 or step == cfg.steps):
+                record["validation_loss"] = evaluate(state.params)
+            log.write(record)
+            history.append(record)
+            if saver.due(step) or preemption.requested:
+                saver.save(step, state, batches.position)
+            if preemption.requested and step < cfg.steps:
+                print(
+                    f"preempted (SIGTERM): checkpoint saved at step {step}; "
+                    "the same command resumes from it",
+                    flush=True,
+                )
+                break
+    finally:
+        log.close()
     return history

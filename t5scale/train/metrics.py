@@ -15,8 +15,28 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Rewrite `path` (atomically) with only its records of steps 1..`step`."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    partial = path.with_suffix(".jsonl.partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)
+
+
 class MetricsLog:
-    """Appends one JSON object per step and prints a progress line every `print_every` steps."""
+    """Appends one JSON object per step and prints a progress line every `print_every` steps.
+
+    A run resumed at step `resume_at` first drops the records after that step (a killed run may
+    have logged steps it never checkpointed), so the file reads as one uninterrupted run.
+    """
 
     def __init__(
         self,
@@ -24,6 +44,7 @@ class MetricsLog:
         total_steps: int,
         print_every: int = 1,
         stream: TextIO | None = None,
+        resume_at: int = 0,
     ):
         self.total_steps = total_steps
         self.print_every = max(1, print_every)
@@ -33,7 +54,9 @@ class MetricsLog:
         self.file = None
         if model_dir:
             Path(model_dir).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(model_dir) / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            path = Path(model_dir) / "metrics.jsonl"
+            _keep_records_up_to(path, resume_at)
+            self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         self.step_times.append(record["step_time_s"])

@@ -216,8 +216,13 @@ def make_train_step(
     state_shardings: TrainState,
     micro_batches: int = 1,
     loss: LossConfig = LossConfig(),
+    skip_nonfinite: bool = False,
 ):
-    """The jitted step(state, batch) → (state, metrics); the state is donated."""
+    """The jitted step(state, batch) → (state, metrics); the state is donated.
+
+    With skip_nonfinite, a step whose loss or gradient norm is NaN or Inf leaves parameters and
+    optimizer state as they were (metrics["skipped"] = 1); it costs a select over the state.
+    """
     gradient_fn = make_gradient_fn(model, plan, micro_batches, loss)
     update_layout = plan.update_shardings
 
@@ -236,7 +241,19 @@ def make_train_step(
             "grad_norm": optax.tree.norm(grads),
             "target_tokens": tokens,
         }
-        return TrainState(state.step + 1, params, opt_state), metrics
+        new = TrainState(state.step + 1, params, opt_state)
+        if skip_nonfinite:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+            def keep(new_tree, old_tree):
+                return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_tree, old_tree)
+
+            new = new.replace(
+                params=keep(new.params, state.params),
+                opt_state=keep(new.opt_state, state.opt_state),
+            )
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return new, metrics
 
     return jax.jit(
         step,

@@ -1,0 +1,186 @@
+"""Orbax checkpoints of a run: MODEL_DIR/checkpoints/<step>/{state, meta}.
+
+- `state`: the TrainState (parameters, optimizer state, step), written by every process for its
+  own shards and restored straight into the shardings of whatever stage and mesh the restoring
+  run uses (orbax reshards), so a checkpoint moves between ZeRO stages and device counts.
+- `meta`: JSON — the step, the data stream's position, the seed, the model's dimensions, the
+  optimizer and the operative gin config.
+
+Saves are asynchronous (the arrays are copied to host memory before `save` returns, the files
+are written in the background) into a temporary directory that orbax renames when complete, so
+a run killed mid-save leaves the previous checkpoints as they were. On restore, a damaged latest
+checkpoint is reported in one line, moved aside to checkpoints_damaged/ (never deleted) and the
+previous one is tried; a checkpoint of a different model is one ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from t5scale.model.sizes import ModelConfig
+from t5scale.train.config import CheckpointConfig, ConfigError
+
+# The fields that decide parameter shapes: dtype and remat may change between runs.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "d_ff",
+    "num_heads",
+    "d_kv",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    state: Any
+    meta: dict
+
+
+def model_signature(model: ModelConfig) -> dict[str, int]:
+    return {name: getattr(model, name) for name in SHAPE_FIELDS}
+
+
+def check_compatible(meta: dict, model: ModelConfig, optimizer: str, where: str) -> None:
+    """One ConfigError naming the first field where the checkpoint and this run differ."""
+    saved = meta.get("model", {})
+    for name, value in model_signature(model).items():
+        if saved.get(name) != value:
+            raise ConfigError(
+                f"{where} was written for a different model: {name} is {saved.get(name)} "
+                f"there and {value} in this run"
+            )
+    if meta.get("optimizer") != optimizer:
+        raise ConfigError(
+            f"{where} was written with optimizer {meta.get('optimizer')!r}, this run uses "
+            f"{optimizer!r}"
+        )
+
+
+class Checkpoints:
+    """The run's CheckpointManager, with damage fallback and a compatibility check."""
+
+    def __init__(self, model_dir: str, config: CheckpointConfig):
+        self.directory = (Path(model_dir) / "checkpoints").resolve()
+        self.damaged = self.directory.parent / "checkpoints_damaged"
+        self.config = config
+        self.manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.config.keep,
+            enable_async_checkpointing=self.config.async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # what a killed save left behind
+        )
+        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+
+    def restore_latest(
+        self, abstract_state: Any, model: ModelConfig, optimizer: str
+    ) -> Restored | None:
+        """The newest checkpoint that restores, into `abstract_state`'s shardings; None if none.
+
+        `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings.
+        """
+        for step in reversed(self.steps()):
+            where = f"checkpoint {self.directory}/{step}"
+            try:
+                meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+            except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: fall back)
+                self._set_aside(step, error)
+                continue
+            check_compatible(meta, model, optimizer, where)  # a mismatch is the user's: stop
+            try:
+                state = self._restore(step, state=ocp.args.StandardRestore(abstract_state))
+            except Exception as error:  # noqa: BLE001
+                self._set_aside(step, error)
+                continue
+            return Restored(state["state"], meta)
+        return None
+
+    def _restore(self, step: int, **items) -> Any:
+        return self.manager.restore(step, args=ocp.args.Composite(**items))
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Move a damaged checkpoint out of orbax's way, keeping it for inspection."""
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        self.damaged.mkdir(parents=True, exist_ok=True)
+        target = self.damaged / str(step)
+        suffix = 1
+        while target.exists():
+            target, suffix = self.damaged / f"{step}.{suffix}", suffix + 1
+        self.manager.close()
+        shutil.move(str(self.directory / str(step)), target)
+        self.manager = self._open()
+        print(
+            f"t5scale: warning: checkpoint step {step} is damaged ({reason}); moved to {target}, "
+            "falling back to the one before",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def write_converted(
+    model_dir: str, model: ModelConfig, optimizer, params: Any, gin_text: str = ""
+) -> Path:
+    """Step 0 of a run from imported parameters (numpy): fresh optimizer state, no data read.
+
+    `optimizer` is an OptimizerConfig. The arrays are written from host memory as they are;
+    the run that resumes from this checkpoint lays them out for its own stage and mesh.
+    """
+    import jax
+    import numpy as np
+
+    from t5scale.train.optim import make_optimizer
+    from t5scale.train.state import TrainState
+
+    tx = make_optimizer(optimizer)
+    # Every optax state the optimizers here use starts at zero (moments, factored moments,
+    # counts); the abstract state gives its shapes without allocating on a device.
+    opt_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(tx.init, params))
+    state = TrainState(np.zeros((), np.int32), params, opt_state)
+    checkpoints = Checkpoints(model_dir, CheckpointConfig(async_save=False))
+    if checkpoints.steps():
+        checkpoints.close()
+        raise ConfigError(
+            f"{checkpoints.directory} already holds checkpoints: convert into a new MODEL_DIR"
+        )
+    meta = {
+        "step": 0,
+        "data_position": 0,
+        "seed": 0,
+        "model": model_signature(model),
+        "optimizer": optimizer.name,
+        "gin": gin_text,
+    }
+    checkpoints.save(0, state, meta)
+    checkpoints.close()
+    return checkpoints.directory / "0"

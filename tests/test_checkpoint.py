@@ -1,0 +1,247 @@
+"""Checkpoints: exact resume after SIGKILL and SIGTERM (real processes), restore onto other stages
+and meshes, damaged checkpoints, a checkpoint of another model, NaN and Inf."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from t5scale.data.synthetic import DataConfig, synthetic_batch
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig, make_mesh
+from t5scale.train import optim
+from t5scale.train.checkpoint import Checkpoints, model_signature
+from t5scale.train.config import CheckpointConfig
+from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
+from t5scale.train.step import batch_sharding, make_train_step
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _read_metrics(model_dir: Path) -> list[dict]:
+    path = model_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _saved_params(model_dir: Path, step: int) -> list[np.ndarray]:
+    restored = ocp.StandardCheckpointer().restore(model_dir / "checkpoints" / str(step) / "state")
+    return [np.asarray(x) for x in jax.tree.leaves(restored["params"])]
+
+
+# The real data path (the shipped corpus, three languages to keep TensorFlow's start-up short),
+# ZeRO-3 over 2 CPU devices, a checkpoint every 2 steps.
+RESUME_ARGS = [
+    "train", "--cpu_devices=2",
+    "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage3.gin",
+    "--gin.DATA_SOURCE=corpus", "--gin.DataConfig.languages=('en','ru','zh')",
+    "--gin.INPUT_LENGTH=64", "--gin.TARGET_LENGTH=16", "--gin.BATCH_SIZE=4",
+    "--gin.TRAIN_STEPS=12", "--gin.CHECKPOINT_EVERY=2",
+]  # fmt: skip
+
+
+def _start(model_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "t5scale.cli", *RESUME_ARGS, f"--gin.MODEL_DIR='{model_dir}'"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum: int) -> int:
+    """Send `signum` once metrics.jsonl shows `step`; return the last step logged by then."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        logged = _read_metrics(model_dir)
+        if logged and logged[-1]["step"] >= step:
+            process.send_signal(signum)
+            return logged[-1]["step"]
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"step {step} never came")
+
+
+def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path):
+    reference = _start(tmp_path / "reference")
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+
+    run_dir = tmp_path / "interrupted"
+    events = []
+    for step, signum in [(3, signal.SIGKILL), (7, signal.SIGKILL), (9, signal.SIGTERM)]:
+        process = _start(run_dir)
+        sent_at = _signal_after(process, run_dir, step, signum)
+        out, err = process.communicate(timeout=120)
+        events.append((signum.name, sent_at, process.returncode))
+        if signum == signal.SIGTERM:
+            assert process.returncode == 0, err
+            assert "preempted (SIGTERM): checkpoint saved at step" in out
+        else:
+            assert process.returncode == -signal.SIGKILL
+    final = _start(run_dir)
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err
+    assert "resuming from the checkpoint at step" in out
+
+    want, got = _read_metrics(tmp_path / "reference"), _read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 13)), events
+    assert [r["loss"] for r in got] == [r["loss"] for r in want], events  # bit-identical
+    saved = zip(_saved_params(run_dir, 12), _saved_params(tmp_path / "reference", 12), strict=True)
+    for a, b in saved:
+        np.testing.assert_array_equal(a, b)
+    print("kill and preemption steps:", events)
+
+
+# Restore onto another layout: each layout trains 3 steps and saves; every other layout restores
+# that checkpoint and trains steps 4 and 5, which must match the original layout's own.
+MODEL = ModelConfig(vocab_size=1024)
+DATA = DataConfig(input_length=32, target_length=16)
+TX_CONFIG = optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2)
+LAYOUTS = {  # every stage, three mesh shapes, two device counts
+    "stage0 2 devices zero=2": (ParallelConfig(zero_stage=0, zero=2), 2),
+    "stage1 4 devices zero=2 tensor=2": (ParallelConfig(zero_stage=1, zero=2, tensor=2), 4),
+    "stage2 4 devices zero=4": (ParallelConfig(zero_stage=2, zero=4), 4),
+    "stage3 4 devices replica=2 zero=2": (ParallelConfig(zero_stage=3, replica=2, zero=2), 4),
+}
+
+
+def _layout(parallel: ParallelConfig, devices: int):
+    tx = optim.make_optimizer(TX_CONFIG)
+    plan = plan_for(MODEL, parallel.zero_stage, make_mesh(parallel, jax.devices()[:devices]))
+    shardings = state_shardings(plan, tx, abstract_state(MODEL, tx))
+    step = make_train_step(MODEL, plan, tx, shardings)
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_state(MODEL, tx),
+        shardings,
+    )
+    return tx, plan, step, target
+
+
+def _steps(plan, step, state, first: int, last: int):
+    losses = []
+    for i in range(first, last + 1):
+        batch = jax.device_put(
+            synthetic_batch(DATA, 8, MODEL.vocab_size, 0, i), batch_sharding(plan)
+        )
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        # In CI: stage 0 on 2 devices and stage 3 on 4 (another shape and count), both ways.
+        ("stage0 2 devices zero=2", "stage3 4 devices replica=2 zero=2"),
+        pytest.param(tuple(LAYOUTS), marks=pytest.mark.slow, id="every-pair"),
+    ],
+    ids=["stage0-stage3", "every-pair"],
+)
+def test_a_checkpoint_restores_onto_other_stages_and_meshes(tmp_path, names):
+    layouts = {name: _layout(*LAYOUTS[name]) for name in names}
+    continued = {}
+    meta = {"step": 3, "data_position": 3, "model": model_signature(MODEL), "optimizer": "adamw"}
+    for name, (tx, plan, step, _) in layouts.items():
+        state, _ = _steps(plan, step, create_state(MODEL, tx, plan, seed=0), 1, 3)
+        checkpoints = Checkpoints(str(tmp_path / name), CheckpointConfig())
+        checkpoints.save(3, state, meta)
+        checkpoints.close()
+        _, continued[name] = _steps(plan, step, state, 4, 5)
+    for source in layouts:
+        for name, (_, plan, step, target) in layouts.items():
+            if name == source:
+                continue
+            checkpoints = Checkpoints(str(tmp_path / source), CheckpointConfig())
+            restored = checkpoints.restore_latest(target, MODEL, "adamw")
+            checkpoints.close()
+            assert restored.meta["step"] == 3
+            _, losses = _steps(plan, step, restored.state, 4, 5)
+            np.testing.assert_allclose(
+                losses, continued[source], rtol=1e-5, err_msg=f"{source} → {name}"
+            )
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from t5scale.cli import main
+
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _tiny(model_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "train", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
+        "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
+        f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra,
+    ]  # fmt: skip
+
+
+def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(tmp_path, capsys):
+    code, _, _ = _cli(_tiny(tmp_path, 6, "--gin.CHECKPOINT_EVERY=2"), capsys)
+    assert code == 0
+    first = _read_metrics(tmp_path)
+    step_dir = tmp_path / "checkpoints"
+    # Step 6: a data file cut in half; step 4: the state's manifest missing.
+    data_file = max(glob.glob(f"{step_dir}/6/state/d/*"), key=os.path.getsize)
+    with open(data_file, "r+b") as f:
+        f.truncate(os.path.getsize(data_file) // 2)
+    (step_dir / "4" / "state" / "manifest.ocdbt").unlink()
+
+    code, out, err = _cli(_tiny(tmp_path, 8, "--gin.CHECKPOINT_EVERY=2"), capsys)
+    assert code == 0, err
+    warnings = err.strip().splitlines()
+    assert len(warnings) == 2 and all("is damaged" in line for line in warnings), err
+    assert "step 6" in warnings[0] and "step 4" in warnings[1]
+    assert "resuming from the checkpoint at step 2" in out
+    assert sorted(p.name for p in (tmp_path / "checkpoints_damaged").iterdir()) == ["4", "6"]
+    again = _read_metrics(tmp_path)
+    assert [r["step"] for r in again] == list(range(1, 9))
+    assert [r["loss"] for r in again[:6]] == [r["loss"] for r in first]
+
+
+def test_a_checkpoint_of_another_model_stops_at_start(tmp_path, capsys):
+    assert _cli(_tiny(tmp_path, 1), capsys)[0] == 0
+    code, _, err = _cli(_tiny(tmp_path, 2, "--gin.ModelConfig.d_ff=256"), capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "d_ff is 128 there and 256 in this run" in err
+
+
+@pytest.mark.parametrize("action", ["stop", "skip"])
+def test_nan_or_inf_never_replaces_a_good_checkpoint(tmp_path, capsys, action):
+    # A learning rate of 1e30 makes step 1's update overflow the next forward pass.
+    args = _tiny(
+        tmp_path, 4, "--gin.CHECKPOINT_EVERY=1", "--gin.CheckpointConfig.keep=10",
+        "--gin.OptimizerConfig.learning_rate=1e30", "--gin.OptimizerConfig.warmup_steps=1",
+        f"--gin.CheckpointConfig.on_nonfinite='{action}'",
+    )  # fmt: skip
+    code, _, err = _cli(args, capsys)
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+    records = _read_metrics(tmp_path)
+    bad = next(r["step"] for r in records if not np.isfinite(r["loss"]))
+    if action == "stop":
+        assert code == 3 and len(err.strip().splitlines()) == 1
+        assert f"at step {bad}: stopped without saving" in err
+        assert steps == list(range(1, bad))
+    else:
+        assert code == 0 and steps == [1, 2, 3, 4]
+        assert records[-1]["skipped_steps"] == 4 - bad + 1
+        saved = zip(_saved_params(tmp_path, 4), _saved_params(tmp_path, bad - 1), strict=True)
+        for a, b in saved:
+            np.testing.assert_array_equal(a, b)  # the skipped steps changed nothing
