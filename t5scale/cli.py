@@ -1,4 +1,4 @@
-"""The `t5scale` command: train, params.
+"""The `t5scale` command: train, params, data-bench, convert.
 
     t5scale train --gin_file=gin/models/mt5_tiny.gin --gin_file=gin/zero/stage2.gin \\
         --gin.TRAIN_STEPS=20 --gin.MODEL_DIR=/tmp/run
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 USAGE_ERROR = 2
+NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         "data-bench", parents=[common], help="examples/s and tokens/s of the input pipeline alone"
     )
     data_bench.add_argument("--batches", type=int, default=50, help="batches to time")
+    convert = commands.add_parser(
+        "convert",
+        parents=[common],
+        help="a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
+    )
+    convert.add_argument("--hf_dir", required=True, help="as save_pretrained wrote it")
     return parser
 
 
@@ -91,6 +98,38 @@ def _train(run) -> None:
         print(f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json")
 
 
+def _convert(run, hf_dir: str) -> None:
+    import dataclasses
+    import math
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    from t5scale.model.hf_import import params_from_hf
+    from t5scale.train.checkpoint import write_converted
+    from t5scale.train.config import ConfigError
+
+    model_dir = run.train.model_dir
+    if not model_dir:
+        raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
+    try:
+        model, params = params_from_hf(hf_dir)
+    except (ValueError, OSError) as error:
+        raise ConfigError(str(error)) from None
+    model_gin = "".join(
+        f"ModelConfig.{name} = {value!r}\n" for name, value in dataclasses.asdict(model).items()
+    )
+    Path(model_dir).mkdir(parents=True, exist_ok=True)
+    path = write_converted(model_dir, model, run.optimizer, params, model_gin)
+    Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")
+    count = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
+    print(f"{count:,} parameters from {hf_dir} → {path}")
+    print(
+        f"train from it: t5scale train --gin_file={model_dir}/model.gin --gin.MODEL_DIR={model_dir}"
+    )
+
+
 def _data_bench(run, batches: int) -> None:
     import time
 
@@ -125,25 +164,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
     args = _parser().parse_args(rest)
-    from t5scale.config import build_run_config, parse_gin
     from t5scale.data.config import DataError
     from t5scale.parallel.mesh import MeshError
     from t5scale.train.config import ConfigError
 
     try:
-        parse_gin(args.gin_file, bindings, args.gin_search_paths)
-        run = build_run_config()
-        if args.command == "params":
-            _params(run, args.json)
-            return 0
-        _start_jax(args.cpu_devices)
-        if args.command == "data-bench":
-            _data_bench(run, args.batches)
-            return 0
-        _train(run)
+        return _run(args, bindings)
     except (ConfigError, MeshError, DataError) as error:
         print(f"t5scale: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except FloatingPointError as error:
+        print(f"t5scale: error: {error}", file=sys.stderr)
+        return NONFINITE_STOP
+
+
+def _run(args, bindings) -> int:
+    from t5scale.config import build_run_config, parse_gin
+
+    parse_gin(args.gin_file, bindings, args.gin_search_paths)
+    run = build_run_config()
+    if args.command == "params":
+        _params(run, args.json)
+        return 0
+    _start_jax(args.cpu_devices)
+    if args.command == "convert":
+        _convert(run, args.hf_dir)
+        return 0
+    if args.command == "data-bench":
+        _data_bench(run, args.batches)
+        return 0
+    _train(run)
     return 0
 
 

@@ -1,0 +1,250 @@
+"""Hugging Face mT5 checkpoints imported into t5scale give transformers' logits."""
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from t5scale.model.hf_import import model_config_from_hf, params_from_hf
+from t5scale.model.mt5 import MT5
+
+VOCAB, D_MODEL, D_FF, HEADS, D_KV = 512, 64, 128, 4, 16
+ENCODER_LAYERS, DECODER_LAYERS = 2, 3
+BATCH, INPUT_LENGTH, TARGET_LENGTH = 3, 24, 20
+ENCODER_PADDING = (0, 7, 15)  # pad tokens at the end of each encoder row
+
+
+def _hf_config_json(**overrides) -> dict:
+    config = {
+        "model_type": "mt5",
+        "transformers_version": "5.0.0",
+        "is_encoder_decoder": True,
+        "vocab_size": VOCAB,
+        "d_model": D_MODEL,
+        "d_ff": D_FF,
+        "num_heads": HEADS,
+        "d_kv": D_KV,
+        "num_layers": ENCODER_LAYERS,
+        "num_decoder_layers": DECODER_LAYERS,
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+        "layer_norm_epsilon": 1e-6,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A small random MT5ForConditionalGeneration, saved as safetensors: (model, directory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MT5Config(
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        d_ff=D_FF,
+        num_heads=HEADS,
+        d_kv=D_KV,
+        num_layers=ENCODER_LAYERS,
+        num_decoder_layers=DECODER_LAYERS,
+        layer_norm_epsilon=1e-5,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    )
+    model = transformers.MT5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # transformers >= 5 ties lm_head to shared whatever the config says; mT5's is separate.
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(VOCAB, D_MODEL))
+        # Norm scales start at 1: make every one distinct so a swapped norm would show.
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
+                param.mul_(1.0 + 0.5 * torch.randn_like(param))
+    directory = tmp_path_factory.mktemp("hf_mt5")
+    model.save_pretrained(directory)
+    assert (directory / "model.safetensors").is_file()
+    return model, directory
+
+
+def _inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    encoder = rng.integers(2, VOCAB, size=(BATCH, INPUT_LENGTH))
+    for row, padding in enumerate(ENCODER_PADDING):
+        encoder[row, INPUT_LENGTH - padding :] = 0
+    decoder = rng.integers(2, VOCAB, size=(BATCH, TARGET_LENGTH))
+    decoder[:, 0] = 0  # mT5's decoder start token is the pad id
+    return encoder.astype(np.int32), decoder.astype(np.int32)
+
+
+def test_imported_model_gives_transformers_logits(hf_checkpoint):
+    torch = pytest.importorskip("torch")
+    hf_model, directory = hf_checkpoint
+    cfg, params = params_from_hf(directory)
+    assert (cfg.num_encoder_layers, cfg.num_decoder_layers) == (ENCODER_LAYERS, DECODER_LAYERS)
+    assert cfg.layer_norm_epsilon == pytest.approx(1e-5)
+    encoder, decoder = _inputs()
+
+    with torch.no_grad():
+        expected = hf_model(
+            input_ids=torch.from_numpy(encoder).long(),
+            attention_mask=torch.from_numpy(encoder != 0).long(),
+            decoder_input_ids=torch.from_numpy(decoder).long(),
+        ).logits.numpy()
+
+    # Unpacked: t5scale derives the encoder's segment ids from the padding (token 0).
+    got = np.asarray(jax.jit(MT5(cfg).apply)({"params": params}, encoder, decoder))
+    assert got.shape == expected.shape == (BATCH, TARGET_LENGTH, VOCAB)
+    diff = float(np.max(np.abs(got - expected)))
+    assert diff < 1e-4, f"max |t5scale - transformers| logit difference {diff:.3g}"
+    assert np.std(expected) > 1.0  # the comparison is not between near-zero logits
+
+    # Packed: rows 1 and 2 in one row, told apart by segment ids, give their own logits.
+    lengths = [INPUT_LENGTH - padding for padding in ENCODER_PADDING[1:]]
+    packed_encoder = np.zeros((1, 2 * INPUT_LENGTH), np.int32)
+    encoder_segments = np.zeros_like(packed_encoder)
+    packed_encoder[0, : sum(lengths)] = np.concatenate(
+        [encoder[1, : lengths[0]], encoder[2, : lengths[1]]]
+    )
+    encoder_segments[0, : sum(lengths)] = np.repeat([1, 2], lengths)
+    packed_decoder = decoder[1:].reshape(1, -1)
+    decoder_segments = np.repeat([1, 2], TARGET_LENGTH)[None].astype(np.int32)
+    packed = np.asarray(
+        jax.jit(MT5(cfg).apply)(
+            {"params": params}, packed_encoder, packed_decoder, encoder_segments, decoder_segments
+        )
+    )
+    packed_diff = float(np.max(np.abs(packed.reshape(2, TARGET_LENGTH, VOCAB) - expected[1:])))
+    assert packed_diff < 1e-4, f"packed: max logit difference {packed_diff:.3g}"
+
+
+def test_sharded_checkpoint_imports_the_same(hf_checkpoint, tmp_path):
+    hf_model, directory = hf_checkpoint
+    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    _, single = params_from_hf(directory)
+    _, sharded = params_from_hf(tmp_path)
+    assert jax.tree.structure(single) == jax.tree.structure(sharded)
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_config_maps_every_dimension():
+    cfg = model_config_from_hf(_hf_config_json(num_decoder_layers=None), dtype="bfloat16")
+    assert (cfg.vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.d_kv) == (
+        VOCAB,
+        D_MODEL,
+        D_FF,
+        HEADS,
+        D_KV,
+    )
+    assert (cfg.num_encoder_layers, cfg.num_decoder_layers) == (ENCODER_LAYERS, ENCODER_LAYERS)
+    assert (cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance) == (32, 128)
+    assert cfg.dtype == "bfloat16"
+    # transformers >= 5 writes tie_word_embeddings: true for every mT5; the tensors decide.
+    assert model_config_from_hf(_hf_config_json(tie_word_embeddings=True)) == model_config_from_hf(
+        _hf_config_json()
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"feed_forward_proj": "relu"}, "feed_forward_proj"),
+        ({"feed_forward_proj": "gated-silu"}, "feed_forward_proj"),
+        ({"tie_word_embeddings": True, "transformers_version": "4.46.0"}, "tie_word_embeddings"),
+        ({"model_type": "umt5"}, "model_type"),
+        ({"is_encoder_decoder": False}, "is_encoder_decoder"),
+        ({"d_model": None}, "d_model"),
+        ({"num_heads": 0}, "num_heads"),
+    ],
+)
+def test_config_rejects_what_t5scale_cannot_represent(overrides, field):
+    with pytest.raises(ValueError, match=field) as error:
+        model_config_from_hf(_hf_config_json(**overrides))
+    assert "\n" not in str(error.value)
+
+
+def _edited_checkpoint(directory: Path, destination: Path, edit) -> Path:
+    """A copy of the checkpoint with its tensors passed through `edit(dict) -> None`."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    edit(tensors)
+    destination.mkdir()
+    shutil.copy(directory / "config.json", destination / "config.json")
+    save_file(tensors, str(destination / "model.safetensors"))
+    return destination
+
+
+CROSS_V = "decoder.block.2.layer.1.EncDecAttention.v.weight"
+EXTRA_BIAS = "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop(CROSS_V), f"missing 1: {CROSS_V}"),
+        (lambda t: t.pop("lm_head.weight"), "no lm_head.weight"),
+        (lambda t: t.update({"lm_head.weight": t["shared.weight"].copy()}), "equals shared"),
+        (lambda t: t.update({EXTRA_BIAS: np.zeros((32, HEADS), np.float32)}), EXTRA_BIAS),
+        (lambda t: t.update({CROSS_V: t[CROSS_V][:, :-1].copy()}), r"\(64, 63\), expected"),
+        (
+            lambda t: t.update({"encoder.embed_tokens.weight": t["shared.weight"] + 1.0}),
+            "encoder.embed_tokens.weight differs",
+        ),
+    ],
+    ids=["missing", "tied-absent", "tied-equal", "unexpected", "misshaped", "untied-input"],
+)
+def test_bad_checkpoints_are_rejected(hf_checkpoint, tmp_path, edit, message):
+    pytest.importorskip("safetensors")
+    _, directory = hf_checkpoint
+    broken = _edited_checkpoint(directory, tmp_path / "broken", edit)
+    with pytest.raises(ValueError, match=message) as error:
+        params_from_hf(broken)
+    assert "\n" not in str(error.value)
+
+
+def test_aliases_of_shared_are_accepted(hf_checkpoint, tmp_path):
+    _, directory = hf_checkpoint
+
+    def add_aliases(tensors):
+        for stack in ("encoder", "decoder"):
+            tensors[f"{stack}.embed_tokens.weight"] = tensors["shared.weight"].copy()
+
+    _, expected = params_from_hf(directory)
+    _, got = params_from_hf(_edited_checkpoint(directory, tmp_path / "aliases", add_aliases))
+    np.testing.assert_array_equal(got["embedding"], expected["embedding"])
+
+
+def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tmp_path, capsys):
+    """`t5scale convert` → checkpoints/0 holding the imported parameters; `train` resumes it."""
+    import orbax.checkpoint as ocp
+
+    from t5scale.cli import main
+
+    _, directory = hf_checkpoint
+    out = tmp_path / "run"
+    assert main(["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]) == 0
+    _, params = params_from_hf(directory)
+    saved = ocp.StandardCheckpointer().restore(out / "checkpoints" / "0" / "state")
+    for got, want in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+    code = main(
+        ["train", f"--gin_file={out}/model.gin", "--gin_file=gin/zero/stage3.gin",
+         "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
+         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"]
+    )  # fmt: skip
+    output = capsys.readouterr()
+    assert code == 0, output.err
+    assert "resuming from the checkpoint at step 0" in output.out
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0", "2"]
+
+    # Converting into a directory that already holds checkpoints would mix two runs.
+    assert main(["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
