@@ -282,6 +282,8 @@ def test_learning_is_real_on_the_shipped_corpus(tmp_path):
             "--gin.INPUT_LENGTH=128",
             "--gin.TARGET_LENGTH=29",
             "--gin.DATA_SOURCE=corpus",
+            # Eight of the 21 languages, in six scripts: a third of the pipeline start-up.
+            "--gin.DataConfig.languages=('en','ru','el','ar','hi','zh','ja','ko')",
             "--gin.DataConfig.validation_every=100",
             "--gin.OptimizerConfig.learning_rate=0.01",
             "--gin.OptimizerConfig.warmup_steps=100",

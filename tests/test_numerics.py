@@ -52,23 +52,27 @@ def _relative(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+SLOW = pytest.mark.slow  # the same ground again in other combinations: out of CI's budget
 LAYOUTS = [
+    # In CI: every stage; the mesh shapes 8×1, 4×2, 2×4; replica = 2.
     ParallelConfig(zero_stage=0, zero=8),
-    ParallelConfig(zero_stage=1, zero=8),
-    ParallelConfig(zero_stage=2, zero=8),
     ParallelConfig(zero_stage=3, zero=8),
-    ParallelConfig(zero_stage=3, zero=4, tensor=2),
     ParallelConfig(zero_stage=1, zero=4, tensor=2),
     ParallelConfig(zero_stage=2, zero=2, tensor=4),
-    ParallelConfig(zero_stage=0, zero=2, tensor=4),
     ParallelConfig(zero_stage=3, replica=2, zero=4),
     ParallelConfig(zero_stage=2, replica=2, zero=2, tensor=2),
+    pytest.param(ParallelConfig(zero_stage=1, zero=8), marks=SLOW),
+    pytest.param(ParallelConfig(zero_stage=2, zero=8), marks=SLOW),
+    pytest.param(ParallelConfig(zero_stage=3, zero=4, tensor=2), marks=SLOW),
+    pytest.param(ParallelConfig(zero_stage=0, zero=2, tensor=4), marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize(
-    "parallel", LAYOUTS, ids=lambda p: f"stage{p.zero_stage}-{p.replica}x{p.zero}x{p.tensor}"
-)
+def _layout_id(p) -> str:
+    return f"stage{p.zero_stage}-{p.replica}x{p.zero}x{p.tensor}"
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=_layout_id)
 def test_every_stage_and_mesh_trains_like_one_device(single_device, parallel):
     base_losses, base_params = single_device
     losses, params = run_steps(parallel)
