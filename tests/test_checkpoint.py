@@ -77,10 +77,7 @@ def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum:
 
 
 def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path):
-    reference = _start(tmp_path / "reference")
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err
-
+    reference = _start(tmp_path / "reference")  # runs beside the interrupted chain
     run_dir = tmp_path / "interrupted"
     events = []
     for step, signum in [(3, signal.SIGKILL), (7, signal.SIGKILL), (9, signal.SIGTERM)]:
@@ -97,6 +94,8 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0, err
     assert "resuming from the checkpoint at step" in out
+    _, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
 
     want, got = _read_metrics(tmp_path / "reference"), _read_metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, 13)), events
