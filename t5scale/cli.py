@@ -94,8 +94,11 @@ def _train(run) -> None:
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, final loss {last['loss']:.4f}")
-    if run.train.model_dir:
-        print(f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json")
+    if history and run.train.model_dir:
+        print(
+            f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json, "
+            "checkpoints/"
+        )
 
 
 def _convert(run, hf_dir: str) -> None:
