@@ -40,7 +40,13 @@ def main() -> None:
     from t5scale.train import optim
     from t5scale.train.checkpoint import Checkpoints, model_signature
     from t5scale.train.config import CheckpointConfig
-    from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
+    from t5scale.train.state import (
+        abstract_state,
+        create_state,
+        plan_for,
+        sharded_abstract_state,
+        state_shardings,
+    )
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="t5scale_ckpt_bench_"))
     print(f"{jax.devices()[0].platform}: {args.devices} devices, ZeRO stage {args.stage}, "
@@ -67,11 +73,7 @@ def main() -> None:
             checkpoints.wait()
             completes.append(time.perf_counter() - started)
             size = _size(directory / "checkpoints" / "1")
-            target = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                abstract,
-                shardings,
-            )
+            target = sharded_abstract_state(abstract, shardings)
             started = time.perf_counter()
             restored = checkpoints.restore_latest(target, model, "adamw")
             jax.block_until_ready(restored.state)

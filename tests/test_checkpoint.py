@@ -21,7 +21,13 @@ from t5scale.parallel.mesh import ParallelConfig, make_mesh
 from t5scale.train import optim
 from t5scale.train.checkpoint import Checkpoints, model_signature
 from t5scale.train.config import CheckpointConfig
-from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
+from t5scale.train.state import (
+    abstract_state,
+    create_state,
+    plan_for,
+    sharded_abstract_state,
+    state_shardings,
+)
 from t5scale.train.step import batch_sharding, make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,11 +130,7 @@ def _layout(parallel: ParallelConfig, devices: int):
     plan = plan_for(MODEL, parallel.zero_stage, make_mesh(parallel, jax.devices()[:devices]))
     shardings = state_shardings(plan, tx, abstract_state(MODEL, tx))
     step = make_train_step(MODEL, plan, tx, shardings)
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        abstract_state(MODEL, tx),
-        shardings,
-    )
+    target = sharded_abstract_state(abstract_state(MODEL, tx), shardings)
     return tx, plan, step, target
 
 

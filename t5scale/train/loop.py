@@ -24,7 +24,13 @@ from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.metrics import MetricsLog
-from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
+from t5scale.train.state import (
+    abstract_state,
+    create_state,
+    plan_for,
+    sharded_abstract_state,
+    state_shardings,
+)
 from t5scale.train.step import LossConfig, batch_sharding, make_eval_step, make_train_step
 
 
@@ -56,9 +62,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
 
         checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
-        target = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
-        )
+        target = sharded_abstract_state(abstract, shardings)
         restored = checkpoints.restore_latest(target, run.model, run.optimizer.name)
     start = restored.meta["step"] if restored else 0
     if start >= cfg.steps:

@@ -47,6 +47,13 @@ def abstract_state(model: ModelConfig, tx: optax.GradientTransformation) -> Trai
     return jax.eval_shape(_init_fn(model, tx), jax.random.key(0))
 
 
+def sharded_abstract_state(abstract: TrainState, shardings: TrainState) -> TrainState:
+    """Shapes, dtypes and shardings without arrays: what a checkpoint restores into."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+    )
+
+
 def create_state(
     model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan, seed: int
 ) -> TrainState:
