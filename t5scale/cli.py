@@ -1,11 +1,13 @@
-"""The `t5scale` command: train, params, data-bench, convert.
+"""The `t5scale` command: train, params, data-bench, convert, cluster-check.
 
     t5scale train --gin_file=gin/models/mt5_tiny.gin --gin_file=gin/zero/stage2.gin \\
         --gin.TRAIN_STEPS=20 --gin.MODEL_DIR=/tmp/run
     t5scale params --gin_file=gin/models/mt5_xxl.gin
+    launch/local.sh 2 t5scale cluster-check --cpu_devices=4
 
 Bad input (unknown gin file or binding, a mesh that does not divide the devices, an indivisible
-batch, a stage outside 0-3) is reported in one line on stderr with exit code 2.
+batch, a stage outside 0-3) is reported in one line on stderr with exit code 2; a cluster that
+cannot be joined, or that loses a process, with exit code 4 (t5scale/parallel/cluster.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
         default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),
         help="CPU devices to emulate when JAX runs on the CPU (default 8)",
     )
+    for flag, kind, what in (
+        ("coordinator_address", str, "host:port of process 0 (multi-process runs)"),
+        ("num_processes", int, "processes in the cluster"),
+        ("process_id", int, "this process's id, 0 … num_processes-1"),
+    ):
+        common.add_argument(f"--{flag}", type=kind, help=f"{what}; DistributedConfig.{flag}")
     parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", parents=[common], help="train a model")
@@ -49,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
     )
     convert.add_argument("--hf_dir", required=True, help="as save_pretrained wrote it")
+    commands.add_parser(
+        "cluster-check",
+        parents=[common],
+        help="join the cluster, build the mesh, all-reduce over every device, report",
+    )
     return parser
 
 
@@ -60,10 +73,44 @@ def _split_gin_bindings(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, bindings
 
 
-def _start_jax(cpu_devices: int) -> None:
+def _start_jax(run, cpu_devices: int):
+    """Emulated CPU devices, then the distributed runtime (before anything uses a device)."""
     import jax
 
+    from t5scale.parallel.cluster import start_cluster
+
     jax.config.update("jax_num_cpu_devices", cpu_devices)
+    return start_cluster(run.distributed)
+
+
+def _cluster_check(run, started: float) -> None:
+    """Prove the cluster: every device adds its process id + 1 in one all-reduce."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
+
+    mesh = make_mesh(run.parallel)
+    print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
+    ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
+    values = jax.make_array_from_callback(
+        ids.shape, NamedSharding(mesh, P(*AXES)), lambda index: ids[index].astype(np.float32)
+    )
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
+    got, expected = float(total), float(ids.sum())
+    if got != expected:
+        raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
+    print(
+        f"process {jax.process_index()}: cluster ok: {jax.process_count()} processes, "
+        f"{jax.device_count()} devices, all-reduce {got:g} as expected; "
+        f"{time.perf_counter() - started:.1f} s from start",
+        flush=True,
+    )
 
 
 def _params(run, as_json: bool) -> None:
@@ -90,7 +137,11 @@ def _train(run) -> None:
     from t5scale.config import operative_config
     from t5scale.train.loop import train
 
+    import jax
+
     history = train(run, operative_config())
+    if jax.process_index() != 0:
+        return
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, final loss {last['loss']:.4f}")
@@ -164,40 +215,72 @@ def _data_bench(run, batches: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import time
+
+    started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
     args = _parser().parse_args(rest)
+    bindings += [
+        f"DistributedConfig.{flag}={getattr(args, flag)}"
+        for flag in ("coordinator_address", "num_processes", "process_id")
+        if getattr(args, flag) is not None
+    ]
     from t5scale.data.config import DataError
+    from t5scale.parallel.cluster import CLUSTER_FAILED, JoinError
     from t5scale.parallel.mesh import MeshError
     from t5scale.train.config import ConfigError
 
+    cluster = None  # the PeerWatch once started: a failure is announced to the peers
+
+    def stop(message: str, code: int) -> int:
+        print(f"t5scale: error: {message}", file=sys.stderr, flush=True)
+        if cluster is not None:
+            cluster.fail(message, code)  # exits at once on several processes
+        return code
+
     try:
-        return _run(args, bindings)
+        run = _configure(args, bindings)
+        if args.command == "params":
+            _params(run, args.json)
+            return 0
+        cluster = _start_jax(run, args.cpu_devices)
+        _run(args, run, started)
+        cluster.done()
+        return 0
     except (ConfigError, MeshError, DataError) as error:
-        print(f"t5scale: error: {error}", file=sys.stderr)
-        return USAGE_ERROR
+        return stop(str(error), USAGE_ERROR)
     except FloatingPointError as error:
-        print(f"t5scale: error: {error}", file=sys.stderr)
-        return NONFINITE_STOP
+        return stop(str(error), NONFINITE_STOP)
+    except JoinError as error:
+        return stop(str(error), CLUSTER_FAILED)
+    except Exception as error:
+        if cluster is None or not cluster.multi_process:
+            raise
+        # Most often a collective that lost its peer: the watch names it and exits meanwhile.
+        cluster.wait_for_verdict()
+        import traceback
+
+        traceback.print_exc()
+        return stop(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", 1)
 
 
-def _run(args, bindings) -> int:
+def _configure(args, bindings):
     from t5scale.config import build_run_config, parse_gin
 
     parse_gin(args.gin_file, bindings, args.gin_search_paths)
-    run = build_run_config()
-    if args.command == "params":
-        _params(run, args.json)
-        return 0
-    _start_jax(args.cpu_devices)
-    if args.command == "convert":
+    return build_run_config()
+
+
+def _run(args, run, started: float) -> None:
+    if args.command == "cluster-check":
+        _cluster_check(run, started)
+    elif args.command == "convert":
         _convert(run, args.hf_dir)
-        return 0
-    if args.command == "data-bench":
+    elif args.command == "data-bench":
         _data_bench(run, args.batches)
-        return 0
-    _train(run)
-    return 0
+    else:
+        _train(run)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import gin
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
@@ -30,6 +31,7 @@ _CONFIGURABLES = {
     "train": gin.external_configurable(TrainConfig, "TrainConfig"),
     "data": gin.external_configurable(DataConfig, "DataConfig"),
     "checkpoint": gin.external_configurable(CheckpointConfig, "CheckpointConfig"),
+    "distributed": gin.external_configurable(DistributedConfig, "DistributedConfig"),
 }
 
 

@@ -1,7 +1,8 @@
 """Batches for the training step: each host reads its own shard, a thread keeps some ready.
 
-`make_batches(run, sharding)` gives an iterator of global jax.Arrays laid out as the step wants
-them (`batch_sharding`): for the synthetic source, random batches with no TensorFlow; for a
+`Batches` gives an iterator of global jax.Arrays laid out as the step wants them
+(`batch_sharding`): for the synthetic source, random batches with no TensorFlow, the same global
+batch for a seed and step on any number of processes (each keeps its devices' slices); for a
 corpus or mC4, seqio's span-corruption pipeline over this process's shard (seqio ShardInfo from
 the process index and count), packed by seqio's EncDecFeatureConverter, its host-local rows
 assembled into global arrays with `jax.make_array_from_process_local_data`.
@@ -14,6 +15,7 @@ cheap beside the training step it feeds).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 from collections.abc import Iterator
@@ -158,6 +160,11 @@ def _synthetic_rows(config: DataConfig, global_batch: int, seed: int, vocab_size
         step += 1
 
 
+def _synthetic_batches(config: DataConfig, global_batch: int, seed: int, vocab_size: int):
+    for step in itertools.count():
+        yield synthetic_batch(config, global_batch, vocab_size, seed, step)
+
+
 class Batches:
     """Global batches from a background thread, `prefetch` ahead; `position` = batches taken."""
 
@@ -174,7 +181,12 @@ class Batches:
         split: str = "train",
     ):
         self.position = start
-        self._source = host_batches(config, global_batch, seed, vocab_size, split)
+        self._whole = config.source == "synthetic"  # every process makes the global batch
+        self._source = (
+            _synthetic_batches(config, global_batch, seed, vocab_size)
+            if self._whole
+            else host_batches(config, global_batch, seed, vocab_size, split)
+        )
         self._sharding = sharding
         self._skip = start
         self._queue: queue.Queue = queue.Queue(maxsize=config.prefetch)
@@ -189,10 +201,7 @@ class Batches:
                     return
                 if index < self._skip:
                     continue
-                batch = {
-                    name: jax.make_array_from_process_local_data(self._sharding, rows[name])
-                    for name in FEATURES
-                }
+                batch = {name: self._global_array(rows[name]) for name in FEATURES}
                 while not self._stop.is_set():
                     try:
                         self._queue.put(batch, timeout=0.1)
@@ -202,6 +211,11 @@ class Batches:
             self._queue.put(self._DONE)
         except BaseException as error:  # handed to the consumer, raised in the main thread
             self._queue.put(error)
+
+    def _global_array(self, rows: np.ndarray) -> jax.Array:
+        if self._whole:
+            return jax.make_array_from_callback(rows.shape, self._sharding, lambda i: rows[i])
+        return jax.make_array_from_process_local_data(self._sharding, rows)
 
     def __iter__(self) -> Batches:
         return self

@@ -1,4 +1,12 @@
-"""The device mesh: `replica` × `zero` × `tensor`, every axis Auto (see docs/concepts.md)."""
+"""The device mesh: `replica` × `zero` × `tensor`, every axis Auto (see docs/concepts.md).
+
+On several processes (hosts) the mesh is hybrid, as in ZeRO inside a node and replication
+across nodes: `tensor` and `zero` stay inside a process and `replica` spans the processes, so
+only the once-per-step gradient reduction crosses the slow network. With
+`zero_across_hosts=True` the `zero` axis spans the processes instead (ZeRO over the whole
+cluster: less memory per device, more inter-node traffic). Devices are ordered by mesh_utils'
+hybrid device mesh, processes as the slow ("DCN") dimension.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 AXES = ("replica", "zero", "tensor")
@@ -20,28 +29,41 @@ class MeshError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How training is spread: the ZeRO stage and the mesh shape (-1: all remaining devices)."""
+    """How training is spread: the ZeRO stage and the mesh shape.
+
+    -1 for one axis: all remaining devices. replica=None: one replica per process (host) when
+    replica is the axis across hosts, else 1.
+    """
 
     zero_stage: int = 0
-    replica: int = 1
+    replica: int | None = None
     zero: int = -1
     tensor: int = 1
+    zero_across_hosts: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         sizes = (self.replica, self.zero, self.tensor)
-        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+        if any(s is not None and (s == 0 or s < -1) for s in sizes) or sizes.count(-1) > 1:
             raise MeshError(
                 f"mesh axes must be positive, with at most one -1; got {self.shape_str()}"
             )
 
     def shape_str(self) -> str:
-        return f"replica={self.replica} zero={self.zero} tensor={self.tensor}"
+        replica = "auto" if self.replica is None else self.replica
+        return f"replica={replica} zero={self.zero} tensor={self.tensor}"
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+    @property
+    def axis_across_hosts(self) -> str:
+        return "zero" if self.zero_across_hosts else "replica"
+
+    def resolve(self, num_devices: int, hosts: int = 1) -> tuple[int, int, int]:
         """The concrete (replica, zero, tensor) for `num_devices`, or a MeshError that says why."""
-        sizes = [self.replica, self.zero, self.tensor]
+        replica = self.replica
+        if replica is None:
+            replica = hosts if self.axis_across_hosts == "replica" else 1
+        sizes = [replica, self.zero, self.tensor]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
@@ -54,17 +76,53 @@ class ParallelConfig:
             raise MeshError(
                 f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} are there"
             )
+        across = sizes[AXES.index(self.axis_across_hosts)]
+        if across % hosts:
+            raise MeshError(
+                f"{self.axis_across_hosts}={across} spans the hosts and must be a multiple of the "
+                f"{hosts} processes (ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
+            )
         return tuple(sizes)
 
 
 def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     """A mesh over `devices` (default: all), `tensor` fastest-varying so it stays within a host."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = config.resolve(len(devices))
+    hosts = len({d.process_index for d in devices})
+    shape = config.resolve(len(devices), hosts)
+    auto = (AxisType.Auto,) * len(AXES)
+    if hosts > 1:
+        across = AXES.index(config.axis_across_hosts)
+        dcn = tuple(hosts if i == across else 1 for i in range(len(AXES)))
+        per_host = tuple(s // d for s, d in zip(shape, dcn, strict=True))
+        grid = mesh_utils.create_hybrid_device_mesh(per_host, dcn, devices, process_is_granule=True)
+        return Mesh(grid, AXES, axis_types=auto)
     if devices == list(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    return Mesh(np.array(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return jax.make_mesh(shape, AXES, axis_types=auto)
+    return Mesh(np.array(devices).reshape(shape), AXES, axis_types=auto)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in DATA_AXES)
+
+
+def describe_mesh(mesh: Mesh, config: ParallelConfig) -> str:
+    """One line: the shape, which axis spans processes, and what this process holds."""
+    shape = " × ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    processes = len({d.process_index for d in mesh.devices.flat})
+    if processes == 1:
+        return f"mesh {shape} over {mesh.devices.size} devices"
+    me = jax.process_index()
+    mine = np.argwhere(np.vectorize(lambda d: d.process_index == me)(mesh.devices))
+    held = ", ".join(
+        f"{axis} {_span(mine[:, i])}" for i, axis in enumerate(AXES) if mesh.shape[axis] > 1
+    )
+    return (
+        f"mesh {shape} over {mesh.devices.size} devices, {config.axis_across_hosts} across "
+        f"{processes} processes; process {me} holds {held}"
+    )
+
+
+def _span(indices: np.ndarray) -> str:
+    low, high = int(indices.min()), int(indices.max())
+    return str(low) if low == high else f"{low}-{high}"

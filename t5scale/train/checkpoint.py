@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from t5scale.model.sizes import ModelConfig
@@ -131,7 +132,12 @@ class Checkpoints:
         while target.exists():
             target, suffix = self.damaged / f"{step}.{suffix}", suffix + 1
         self.manager.close()
-        shutil.move(str(self.directory / str(step)), target)
+        if jax.process_index() == 0:  # one process moves it; the others wait for that
+            shutil.move(str(self.directory / str(step)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"t5scale: set aside checkpoint {step}")
         self.manager = self._open()
         print(
             f"t5scale: warning: checkpoint step {step} is damaged ({reason}); moved to {target}, "

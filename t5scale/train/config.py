@@ -6,6 +6,7 @@ import dataclasses
 
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
 
@@ -63,3 +64,4 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()

@@ -20,7 +20,7 @@ import numpy as np
 from t5scale.analysis.step import analyze_step
 from t5scale.data.loader import Batches
 from t5scale.data.synthetic import batch_shapes
-from t5scale.parallel.mesh import data_parallel_size, make_mesh
+from t5scale.parallel.mesh import data_parallel_size, describe_mesh, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.metrics import MetricsLog
@@ -52,6 +52,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     """Train up to run.train.steps steps; return this call's per-step metrics."""
     cfg = run.train
     mesh = make_mesh(run.parallel, devices)
+    print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
     plan = plan_for(run.model, run.parallel.zero_stage, mesh)
@@ -65,12 +66,16 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         target = sharded_abstract_state(abstract, shardings)
         restored = checkpoints.restore_latest(target, run.model, run.optimizer.name)
     start = restored.meta["step"] if restored else 0
+    primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
-        print(f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}: nothing to do")
+        if primary:
+            print(
+                f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}: nothing to do"
+            )
         if checkpoints:
             checkpoints.close()
         return []
-    if restored:
+    if restored and primary:
         print(f"resuming from the checkpoint at step {start}", flush=True)
     # The input pipelines start first: they build on their own threads while the state is
     # created and the step compiles.
@@ -96,7 +101,8 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             compiled, run, plan, tx, compile_time_s=time.perf_counter() - started
         )
         evaluate = validation_loss(run, plan, held_out) if held_out else None
-        _write_run_files(cfg.model_dir, operative_config, analysis)
+        if primary:
+            _write_run_files(cfg.model_dir, operative_config, analysis)
         saver = _Saver(checkpoints, run, operative_config)
         with _Preemption() as preemption:
             return _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption)
@@ -170,16 +176,32 @@ class _Saver:
 
 
 class _Preemption:
-    """SIGTERM → `requested`; the loop saves at the next step boundary and returns."""
+    """SIGTERM → the loop saves at the next step boundary and returns.
+
+    On several processes the signal may reach them at different steps, and a checkpoint is
+    written by all of them together: JAX's preemption sync manager (which catches SIGTERM
+    itself) makes them agree on the step.
+    """
 
     def __init__(self):
         self.requested = False
         self._previous = None
+        self._agreed = jax.process_count() > 1
 
     def __enter__(self) -> _Preemption:
+        if self._agreed:
+            return self
         if threading.current_thread() is threading.main_thread():  # signals reach only it
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after `step`; the same answer on every process."""
+        if self._agreed:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
@@ -193,11 +215,11 @@ def _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption
     cfg, every = run.train, run.data.validation_every
     schedule = optim.inverse_sqrt_schedule(run.optimizer)
     tokens_per_step = cfg.batch_size * (run.data.input_length + run.data.target_length)
-    log, history, skipped = (
-        MetricsLog(cfg.model_dir, cfg.steps, cfg.log_every, resume_at=start),
-        [],
-        0,
+    primary = jax.process_index() == 0
+    log = MetricsLog(
+        cfg.model_dir if primary else None, cfg.steps, cfg.log_every, resume_at=start, show=primary
     )
+    history, skipped = [], 0
     try:
         for step in range(start + 1, cfg.steps + 1):
             batch = next(batches)  # the next is prefetched meanwhile
@@ -226,9 +248,10 @@ def _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption
                 record["validation_loss"] = evaluate(state.params)
             log.write(record)
             history.append(record)
-            if saver.due(step) or preemption.requested:
+            preempted = preemption.reached(step)
+            if saver.due(step) or preempted:
                 saver.save(step, state, batches.position)
-            if preemption.requested and step < cfg.steps:
+            if preempted and step < cfg.steps:
                 print(
                     f"preempted (SIGTERM): checkpoint saved at step {step}; "
                     "the same command resumes from it",

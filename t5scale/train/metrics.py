@@ -45,9 +45,11 @@ class MetricsLog:
         print_every: int = 1,
         stream: TextIO | None = None,
         resume_at: int = 0,
+        show: bool = True,
     ):
         self.total_steps = total_steps
         self.print_every = max(1, print_every)
+        self.show = show  # False: file only (the processes other than process 0)
         self.stream = stream or sys.stdout  # looked up now: sys.stdout may be replaced
         self.step_times: list[float] = []
         self.started = time.perf_counter()
@@ -64,7 +66,7 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         step = record["step"]
-        if step % self.print_every == 0 or step == self.total_steps:
+        if self.show and (step % self.print_every == 0 or step == self.total_steps):
             # The median of recent steps is robust to a slow first step or a hiccup.
             recent = statistics.median(self.step_times[-20:])
             eta = _duration(recent * (self.total_steps - step))

@@ -1,0 +1,339 @@
+"""Which process am I: JAX's distributed runtime, started from what the environment says.
+
+`resolve_cluster` reads, for each of coordinator address, process count and process id, the
+first of: DistributedConfig (gin, or the CLI's --coordinator_address/--num_processes/
+--process_id), the T5SCALE_* environment variables, and the scheduler — SLURM (`srun`) or a
+Kubernetes Indexed Job (its JOB_COMPLETION_INDEX). Nothing at all means one process, which needs
+no runtime. `start_cluster` then calls jax.distributed.initialize with a bounded timeout.
+
+Why not JAX's own detection: for SLURM it always makes each process see one GPU, which is wrong
+for one process per node; and it does not say where its settings came from.
+
+Once started, `PeerWatch` keeps every process honest about the others. Each process writes a
+sign of life into the runtime's key-value store every second; a peer silent for `lost_after_s`
+(killed, crashed, host gone) or marked failed is named in one line and this process exits with
+CLUSTER_FAILED, before JAX's own, later heartbeat timeout would abort it with a stack dump. A
+process that fails with a Python error marks itself failed and exits at once, without JAX's
+shutdown barrier, which would otherwise keep it — and the peers waiting on it in a collective —
+for minutes. The one loss JAX reports before we can is the coordinator's (process 0): the
+others' runtime clients abort at once with "Terminating process because the JAX distributed
+service detected fatal errors"; launch/local.sh and srun then say which process died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+CLUSTER_FAILED = 4  # exit code: could not join the cluster, or a peer was lost
+ENV_PREFIX = "T5SCALE_"
+_KEY = "t5scale/peer/"
+
+
+class ClusterError(ValueError):
+    """Settings that cannot start a cluster."""
+
+
+class JoinError(RuntimeError):
+    """The coordinator or the other processes did not answer within the timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins the others; unset fields come from the environment.
+
+    coordinator_address: host:port of process 0, which runs JAX's coordination service.
+    init_timeout_s: how long to wait for the coordinator and every process to connect.
+    heartbeat_timeout_s: JAX's own limit, after which its runtime aborts every process.
+    lost_after_s: t5scale's limit for a silent peer; below heartbeat_timeout_s, so that the
+        loss is reported by name and in one line.
+    local_device_ids: the accelerators this process drives (default: all it sees; under SLURM
+        with several tasks per node, the one at SLURM_LOCALID).
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    lost_after_s: int = 60
+    local_device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lost_after_s < self.heartbeat_timeout_s:
+            raise ClusterError(
+                f"DistributedConfig.lost_after_s ({self.lost_after_s}) must be positive and "
+                f"below heartbeat_timeout_s ({self.heartbeat_timeout_s})"
+            )
+        if self.init_timeout_s < 1:
+            raise ClusterError("DistributedConfig.init_timeout_s must be at least 1 second")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Where the settings came from ('single', 'explicit', 'slurm', 'kubernetes') and what they are."""
+
+    source: str
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_address: str | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[003-008,011],login2' → 'gpu003'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ClusterError(f"cannot read a host from SLURM node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + re.split(r"[,-]", ranges)[0]
+
+
+def _int(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ClusterError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _from_slurm(env: Mapping[str, str]) -> dict:
+    """Settings from an `srun` step (SLURM sets these in every task it starts)."""
+    count = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+    nodes = _int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES"), "SLURM_NNODES")
+    # A port that the tasks agree on without talking, different per job on shared nodes.
+    port = env.get(f"{ENV_PREFIX}COORDINATOR_PORT") or str(
+        49152 + _int(env["SLURM_JOB_ID"], "SLURM_JOB_ID") % 16384
+    )
+    local_ids = None
+    if nodes and count and count > nodes:  # several tasks per node: one GPU each
+        local_ids = (_int(env["SLURM_LOCALID"], "SLURM_LOCALID"),)
+    return {
+        "coordinator_address": f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{port}",
+        "num_processes": count,
+        "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
+        "local_device_ids": local_ids,
+    }
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    needed = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    return all(k in env for k in needed) and "SLURM_STEP_NODELIST" in env
+
+
+def resolve_cluster(config: DistributedConfig, env: Mapping[str, str] | None = None) -> ClusterSpec:
+    """This process's place in the cluster, or a ClusterError that names what is missing."""
+    env = os.environ if env is None else env
+    settings = {
+        "coordinator_address": config.coordinator_address
+        or env.get(f"{ENV_PREFIX}COORDINATOR_ADDRESS")
+        or None,
+        "num_processes": config.num_processes
+        or _int(env.get(f"{ENV_PREFIX}NUM_PROCESSES"), f"{ENV_PREFIX}NUM_PROCESSES"),
+        "process_id": config.process_id
+        if config.process_id is not None
+        else _int(env.get(f"{ENV_PREFIX}PROCESS_ID"), f"{ENV_PREFIX}PROCESS_ID"),
+        "local_device_ids": config.local_device_ids,
+    }
+    source = "explicit"
+    if _in_slurm_step(env) and int(env["SLURM_NTASKS"]) > 1:
+        source = "slurm"
+        for name, value in _from_slurm(env).items():
+            settings[name] = value if settings[name] is None else settings[name]
+    elif "JOB_COMPLETION_INDEX" in env and settings["process_id"] is None:
+        source = "kubernetes"  # an Indexed Job: the pod's index is the process id
+        settings["process_id"] = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+    count = settings["num_processes"]
+    if count in (None, 1) and settings["coordinator_address"] is None:
+        return ClusterSpec("single")
+    missing = [name for name in ("coordinator_address", "num_processes", "process_id")
+               if settings[name] is None]  # fmt: skip
+    if missing:
+        flags = ", ".join(f"--{m} (or {ENV_PREFIX}{m.upper()})" for m in missing)
+        raise ClusterError(f"a {source} multi-process run needs {flags}")
+    if count < 1 or not 0 <= settings["process_id"] < count:
+        raise ClusterError(
+            f"process id {settings['process_id']} is outside 0..{count - 1} ({count} processes)"
+        )
+    if not re.fullmatch(r".+:\d+", settings["coordinator_address"]):
+        raise ClusterError(
+            f"coordinator address {settings['coordinator_address']!r} is not host:port"
+        )
+    return ClusterSpec(source, **settings)
+
+
+def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = None) -> PeerWatch:
+    """Join the cluster (nothing to do for one process); log who this process is, once."""
+    import jax
+
+    spec = resolve_cluster(config, env)
+    if not spec.multi_process:
+        return PeerWatch(spec, None, config.lost_after_s)
+    started = time.perf_counter()
+    if spec.process_id != 0:  # process 0 starts the coordinator inside initialize
+        _wait_for_coordinator(spec, config.init_timeout_s)
+    try:
+        jax.distributed.initialize(
+            spec.coordinator_address,
+            spec.num_processes,
+            spec.process_id,
+            local_device_ids=spec.local_device_ids,
+            cluster_detection_method="deactivate",  # resolve_cluster has decided
+            initialization_timeout=config.init_timeout_s,
+            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+        )
+    except Exception as error:  # noqa: BLE001  (JAX raises its runtime's error types)
+        reason = " ".join(str(error).split())[:300]
+        raise JoinError(
+            f"process {spec.process_id} of {spec.num_processes} could not join the cluster at "
+            f"{spec.coordinator_address} within {config.init_timeout_s} s: {reason}"
+        ) from None
+    from jax._src import distributed  # the runtime's key-value store, for PeerWatch
+
+    devices = jax.local_devices()
+    print(
+        f"process {spec.process_id}/{spec.num_processes} ({spec.source}) on "
+        f"{socket.gethostname()}: {len(devices)} local {devices[0].platform} devices "
+        f"{_id_ranges([d.id for d in devices])}, {jax.device_count()} in all; joined "
+        f"{spec.coordinator_address} in {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+    watch = PeerWatch(spec, distributed.global_state.client, config.lost_after_s)
+    watch.start()
+    return watch
+
+
+def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:
+    """Until the coordinator's port accepts a connection, or a JoinError at `timeout_s`.
+
+    JAX's client aborts the process with a stack dump when it cannot connect; this check turns
+    the commonest cause (a wrong address, a coordinator that never started) into one line.
+    """
+    host, _, port = spec.coordinator_address.rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, remaining))):
+                return
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+        if remaining <= 0:
+            raise JoinError(
+                f"process {spec.process_id} of {spec.num_processes} could not reach the "
+                f"coordinator at {spec.coordinator_address} within {timeout_s:g} s ({reason}); "
+                "is process 0 running, and is the address one the others can reach?"
+            )
+        time.sleep(min(0.5, max(remaining, 0)))
+
+
+def _id_ranges(ids: list[int]) -> str:
+    ids = sorted(ids)
+    if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1:
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+class PeerWatch:
+    """Signs of life through the runtime's key-value store; a lost peer ends this process."""
+
+    def __init__(self, spec: ClusterSpec, client, lost_after_s: float, interval_s: float = 1.0):
+        self.spec, self.client = spec, client
+        self.lost_after_s, self.interval_s = lost_after_s, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="t5scale-peers", daemon=True)
+
+    @property
+    def multi_process(self) -> bool:
+        return self.spec.multi_process
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _key(self, process: int) -> str:
+        return f"{_KEY}{process}"
+
+    def _run(self) -> None:
+        me, count = self.spec.process_id, self.spec.num_processes
+        last_seen = {p: (None, time.monotonic()) for p in range(count) if p != me}
+        beat = 0
+        while not self._stop.is_set():
+            try:
+                self.client.key_value_set(self._key(me), f"alive {beat}", allow_overwrite=True)
+                values = dict(self.client.key_value_dir_get(_KEY))
+            except Exception as error:  # noqa: BLE001  (the coordinator is unreachable)
+                if self._stop.is_set():
+                    return
+                self._exit(0, f"the coordinator at {self.spec.coordinator_address} stopped "
+                              f"answering ({' '.join(str(error).split())[:160]})")  # fmt: skip
+            beat += 1
+            now = time.monotonic()
+            for peer, (value, since) in last_seen.items():
+                current = values.get(self._key(peer))
+                if current and current.startswith("failed"):
+                    self._exit(peer, current.removeprefix("failed").strip(" :") or "it failed")
+                if current == "done":
+                    continue
+                if current != value:
+                    last_seen[peer] = (current, now)
+                elif now - since > self.lost_after_s:
+                    self._exit(
+                        peer,
+                        f"no sign of life for {self.lost_after_s:g} s "
+                        "(killed, crashed, or its host is down)",
+                    )
+            self._stop.wait(self.interval_s)
+
+    def _exit(self, peer: int, reason: str) -> None:
+        role = " (the coordinator)" if peer == 0 else ""
+        sys.stdout.flush()
+        print(
+            f"t5scale: error: process {peer}{role} of {self.spec.num_processes} was lost: "
+            f"{reason}; process {self.spec.process_id} stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(CLUSTER_FAILED)  # JAX's shutdown would wait for the lost process
+
+    def done(self) -> None:
+        """This process finished normally: peers no longer expect signs of life from it."""
+        if not self.multi_process:
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.client.key_value_set(self._key(self.spec.process_id), "done", allow_overwrite=True)
+
+    def fail(self, reason: str, exit_code: int) -> None:
+        """Tell the peers why this process stops, then exit without JAX's shutdown barrier."""
+        if not self.multi_process:
+            return
+        self._stop.set()
+        try:
+            self.client.key_value_set(
+                self._key(self.spec.process_id),
+                f"failed: {reason[:300]}",
+                allow_overwrite=True,
+            )
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+
+    def wait_for_verdict(self) -> None:
+        """After a collective failed: give the watch time to name the lost peer (it exits)."""
+        if self.multi_process:
+            self._stop.wait(self.lost_after_s + 3 * self.interval_s)
