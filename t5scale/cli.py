@@ -134,10 +134,10 @@ def _params(run, as_json: bool) -> None:
 
 
 def _train(run) -> None:
+    import jax
+
     from t5scale.config import operative_config
     from t5scale.train.loop import train
-
-    import jax
 
     history = train(run, operative_config())
     if jax.process_index() != 0:
@@ -257,8 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if cluster is None or not cluster.multi_process:
             raise
-        # Most often a collective that lost its peer: the watch names it and exits meanwhile.
-        cluster.wait_for_verdict()
+        import jax
+
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            # Most often a collective whose peer is gone: the watch names it and exits meanwhile.
+            cluster.wait_for_verdict()
         import traceback
 
         traceback.print_exc()

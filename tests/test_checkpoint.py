@@ -86,7 +86,7 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
     reference = _start(tmp_path / "reference")  # runs beside the interrupted chain
     run_dir = tmp_path / "interrupted"
     events = []
-    for step, signum in [(3, signal.SIGKILL), (7, signal.SIGKILL), (9, signal.SIGTERM)]:
+    for step, signum in [(3, signal.SIGKILL), (8, signal.SIGTERM)]:
         process = _start(run_dir)
         sent_at = _signal_after(process, run_dir, step, signum)
         out, err = process.communicate(timeout=120)
@@ -148,8 +148,12 @@ def _steps(plan, step, state, first: int, last: int):
 @pytest.mark.parametrize(
     "names",
     [
-        # In CI: stage 0 on 2 devices and stage 3 on 4 (another shape and count), both ways.
-        ("stage0 2 devices zero=2", "stage3 4 devices replica=2 zero=2"),
+        # Out of CI's budget: tests/test_multihost_training.py restores a checkpoint onto
+        # another stage, mesh, device and process count in CI.
+        pytest.param(
+            ("stage0 2 devices zero=2", "stage3 4 devices replica=2 zero=2"),
+            marks=pytest.mark.slow,
+        ),
         pytest.param(tuple(LAYOUTS), marks=pytest.mark.slow, id="every-pair"),
     ],
     ids=["stage0-stage3", "every-pair"],

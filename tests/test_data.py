@@ -267,6 +267,7 @@ def test_mc4_tasks_without_prepared_data_stop_with_one_line(tmp_path, capsys):
     assert "mC4 (c4/multilingual:3.1.0) is not prepared" in err[0] and str(tmp_path) in err[0]
 
 
+@pytest.mark.slow  # about 2 minutes: out of CI's budget, run with -m slow
 def test_learning_is_real_on_the_shipped_corpus(tmp_path):
     """mt5_tiny on the shipped corpus: the loss falls; validation loss is logged every N steps."""
     from t5scale.cli import main

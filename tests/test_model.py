@@ -81,6 +81,7 @@ def _loss_and_grads(cfg: ModelConfig, params, tokens):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow  # out of CI's budget: run with -m slow
 def test_remat_policies_do_not_change_the_numbers():
     cfg = ModelConfig()
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 1, cfg.vocab_size)

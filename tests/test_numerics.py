@@ -56,7 +56,7 @@ SLOW = pytest.mark.slow  # the same ground again in other combinations: out of C
 LAYOUTS = [
     # In CI: every stage; the mesh shapes 8×1, 4×2, 2×4; replica = 2.
     ParallelConfig(zero_stage=0, zero=8),
-    ParallelConfig(zero_stage=3, zero=8),
+    pytest.param(ParallelConfig(zero_stage=3, zero=8), marks=SLOW),
     ParallelConfig(zero_stage=1, zero=4, tensor=2),
     ParallelConfig(zero_stage=2, zero=2, tensor=4),
     ParallelConfig(zero_stage=3, replica=2, zero=4),
@@ -91,6 +91,7 @@ def test_gradient_accumulation_matches_one_big_batch(single_device):
         assert _relative(got, want) <= 1e-5
 
 
+@SLOW
 def test_adafactor_trains_the_same_under_stage_3():
     tx = optim.make_optimizer(
         optim.OptimizerConfig(name="adafactor", learning_rate=1e-2, warmup_steps=2)

@@ -1,0 +1,323 @@
+"""Multi-host: where a process finds its place, the mesh across processes, and real clusters of
+processes on 127.0.0.1 — start-up from each source, an unreachable coordinator, a process lost,
+SIGTERM reaching only one process."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from t5scale.parallel.cluster import (
+    CLUSTER_FAILED,
+    ClusterError,
+    DistributedConfig,
+    first_slurm_host,
+    resolve_cluster,
+)
+from t5scale.parallel.mesh import MeshError, ParallelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SH = str(REPO / "launch" / "local.sh")
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "16",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NODELIST": "gpu[003-008,011],login2",
+    "SLURM_STEP_NUM_NODES": "2",
+}
+
+
+# --- where a process finds its place: pure functions of the settings and the environment ---
+
+
+def test_nothing_set_is_one_process():
+    assert resolve_cluster(DistributedConfig(), {}).source == "single"
+    one = {"T5SCALE_NUM_PROCESSES": "1"}
+    assert not resolve_cluster(DistributedConfig(), one).multi_process
+
+
+def test_explicit_settings_come_from_config_before_the_environment():
+    env = {
+        "T5SCALE_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+        "T5SCALE_NUM_PROCESSES": "4",
+        "T5SCALE_PROCESS_ID": "3",
+    }
+    spec = resolve_cluster(DistributedConfig(), env)
+    assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == (
+        "explicit", "10.0.0.1:1234", 4, 3,
+    )  # fmt: skip
+    spec = resolve_cluster(DistributedConfig(process_id=0, coordinator_address="h:9"), env)
+    assert (spec.coordinator_address, spec.process_id) == ("h:9", 0)
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("node001", "node001"), ("a1,b2", "a1"), ("gpu[003-008,011],x", "gpu003"),
+     ("n[7,9]", "n7"), ("127.0.0.1", "127.0.0.1")],
+)  # fmt: skip
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+def test_slurm_step_gives_every_setting():
+    spec = resolve_cluster(DistributedConfig(), SLURM)
+    assert spec.source == "slurm"
+    assert (spec.num_processes, spec.process_id) == (16, 9)
+    assert spec.coordinator_address == f"gpu003:{49152 + 4242 % 16384}"
+    assert spec.local_device_ids == (1,)  # 16 tasks on 2 nodes: one GPU per task
+    per_node = resolve_cluster(
+        DistributedConfig(),
+        SLURM | {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "T5SCALE_COORDINATOR_PORT": "999"},
+    )
+    assert per_node.local_device_ids is None  # one task per node drives all its GPUs
+    assert per_node.coordinator_address == "gpu003:999"
+
+
+def test_slurm_batch_script_outside_srun_is_one_process():
+    outside = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
+    assert resolve_cluster(DistributedConfig(), outside).source == "single"
+
+
+def test_kubernetes_indexed_job_index_is_the_process_id():
+    env = {
+        "JOB_COMPLETION_INDEX": "2",
+        "T5SCALE_COORDINATOR_ADDRESS": "t5scale-0.t5scale:8476",
+        "T5SCALE_NUM_PROCESSES": "4",
+    }
+    spec = resolve_cluster(DistributedConfig(), env)
+    assert (spec.source, spec.process_id, spec.num_processes) == ("kubernetes", 2, 4)
+
+
+@pytest.mark.parametrize(
+    "config, env, says",
+    [
+        (DistributedConfig(num_processes=2), {}, "--coordinator_address"),
+        (DistributedConfig(), {"JOB_COMPLETION_INDEX": "0", "T5SCALE_NUM_PROCESSES": "2"},
+         "needs --coordinator_address"),
+        (DistributedConfig(num_processes=2, process_id=2, coordinator_address="h:1"), {},
+         "outside 0..1"),
+        (DistributedConfig(num_processes=2, process_id=0, coordinator_address="h"), {},
+         "not host:port"),
+        (DistributedConfig(), {"T5SCALE_NUM_PROCESSES": "two"}, "must be an integer"),
+    ],
+)  # fmt: skip
+def test_incomplete_or_wrong_settings_are_one_clear_error(config, env, says):
+    with pytest.raises(ClusterError, match=says):
+        resolve_cluster(config, env)
+
+
+def test_lost_after_must_come_before_jax_heartbeat_timeout():
+    with pytest.raises(ClusterError, match="below heartbeat_timeout_s"):
+        DistributedConfig(lost_after_s=100, heartbeat_timeout_s=100)
+
+
+def test_mesh_puts_replica_across_hosts_unless_zero_is_asked():
+    assert ParallelConfig().resolve(16, hosts=2) == (2, 8, 1)
+    assert ParallelConfig(zero_across_hosts=True).resolve(16, hosts=2) == (1, 16, 1)
+    assert ParallelConfig(tensor=2).resolve(16, hosts=4) == (4, 2, 2)
+    with pytest.raises(MeshError, match="must be a multiple of the 2 processes"):
+        ParallelConfig(replica=1).resolve(16, hosts=2)
+
+
+# --- real clusters of processes on 127.0.0.1 ---
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable} | extra
+
+
+def _processes(count: int, args: list[str], env_of) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [sys.executable, "-u", "-m", "t5scale.cli", *args],
+            cwd=REPO,
+            env=env_of(i),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(count)
+    ]
+
+
+def _finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=timeout)
+        results.append((process.returncode, out + err))
+    return results
+
+
+def test_local_sh_runs_a_two_process_cluster():
+    started = time.perf_counter()
+    result = subprocess.run(
+        [LOCAL_SH, "2", "t5scale", "cluster-check", "--cpu_devices=4"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    for i in (0, 1):
+        assert f"[p{i}] process {i}/2 (explicit)" in output
+        assert f"[p{i}] process {i}: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
+        assert f"process {i} holds replica {i}, zero 0-3" in output  # hybrid: a replica per host
+        assert f"[p{i}] process {i}: cluster ok: 2 processes, 8 devices, all-reduce 12" in output
+        assert f"local.sh: process {i} of 2 exited normally" in output
+    print(f"2-process cluster-check through local.sh: {elapsed:.1f} s wall")
+
+
+@pytest.mark.parametrize("source", ["slurm", "kubernetes"])
+def test_scheduler_environments_start_the_cluster(source):
+    port = _free_port()
+
+    def env_of(i: int) -> dict:
+        if source == "slurm":
+            return _env(
+                SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
+                SLURM_STEP_NODELIST="127.0.0.1", SLURM_STEP_NUM_NODES="1",
+                T5SCALE_COORDINATOR_PORT=str(port),
+            )  # fmt: skip
+        return _env(
+            JOB_COMPLETION_INDEX=str(i),
+            T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            T5SCALE_NUM_PROCESSES="2",
+        )
+
+    # ZeRO over the whole cluster: each process holds half of the zero axis.
+    args = ["cluster-check", "--cpu_devices=2", "--gin.ParallelConfig.zero_across_hosts=True"]
+    for i, (code, output) in enumerate(_finish(_processes(2, args, env_of))):
+        assert code == 0, output
+        assert f"process {i}/2 ({source})" in output
+        assert "mesh replica=1 × zero=4 × tensor=1 over 4 devices, zero across 2" in output
+        assert f"process {i} holds zero {2 * i}-{2 * i + 1}" in output
+        assert "cluster ok: 2 processes, 4 devices" in output
+
+
+def test_unreachable_coordinator_fails_within_the_timeout_in_one_line():
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "t5scale.cli", "cluster-check", "--cpu_devices=1",
+         f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2",
+         "--process_id=1", "--gin.DistributedConfig.init_timeout_s=3"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert result.returncode == CLUSTER_FAILED
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "could not reach the coordinator at 127.0.0.1:" in lines[0]
+    assert "within 3 s" in lines[0]
+    assert elapsed < 20  # 3 s of trying, plus starting Python and JAX
+
+
+# Training long enough to be killed in the middle; a smaller mt5_tiny to compile quickly.
+LONG_RUN = [
+    "train", "--cpu_devices=2", "--gin_file=gin/models/mt5_tiny.gin",
+    "--gin_file=gin/zero/stage3.gin", "--gin.DATA_SOURCE=synthetic",
+    "--gin.ModelConfig.num_encoder_layers=1", "--gin.ModelConfig.num_decoder_layers=1",
+    "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--gin.BATCH_SIZE=8",
+    "--gin.TRAIN_STEPS=100000", "--gin.DistributedConfig.lost_after_s=5",
+    "--gin.DistributedConfig.heartbeat_timeout_s=30",
+]  # fmt: skip
+
+
+def _explicit(port: int):
+    return lambda i: _env(
+        T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        T5SCALE_NUM_PROCESSES="2",
+        T5SCALE_PROCESS_ID=str(i),
+    )
+
+
+def _wait_for_step(model_dir: Path, step: int, processes, timeout: float = 180) -> None:
+    metrics = model_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count("\n") >= step:
+            return
+        if any(p.poll() is not None for p in processes):
+            raise AssertionError(_finish(processes))
+        time.sleep(0.1)
+    for p in processes:
+        p.kill()
+    raise AssertionError(f"step {step} never came")
+
+
+def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
+    processes = _processes(2, [*LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"], _explicit(_free_port()))
+    _wait_for_step(tmp_path, 2, processes)
+    processes[1].kill()
+    killed = time.perf_counter()
+    code, output = _finish(processes[:1], timeout=60)[0]
+    took = time.perf_counter() - killed
+    assert code == CLUSTER_FAILED, output
+    assert (
+        "t5scale: error: process 1 of 2 was lost: no sign of life for 5 s "
+        "(killed, crashed, or its host is down); process 0 stops"
+    ) in output
+    assert took < 30
+    print(f"survivor exited {took:.1f} s after process 1 was killed")
+
+
+@pytest.mark.slow  # out of CI's budget: run with -m slow
+def test_a_killed_coordinator_ends_the_others_and_local_sh_names_it(tmp_path):
+    launcher = subprocess.Popen(
+        [LOCAL_SH, "2", *LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    _wait_for_step(tmp_path, 2, [launcher])
+    coordinator = _process_in_session(launcher.pid, process_id=0)
+    os.kill(coordinator, signal.SIGKILL)
+    killed = time.perf_counter()
+    output, _ = launcher.communicate(timeout=90)
+    took = time.perf_counter() - killed
+    assert launcher.returncode != 0
+    assert "local.sh: process 0 of 2 was killed by signal 9 (SIGKILL)" in output
+    assert "local.sh: process 1 of 2 was killed by signal 6 (SIGABRT)" in output, output[-3000:]
+    # JAX's runtime client ends the survivor as soon as the coordinator's socket closes.
+    assert "Terminating process because the JAX distributed service detected fatal" in output
+    assert took < 30
+    print(f"survivor exited {took:.1f} s after the coordinator was killed")
+
+
+def _process_in_session(session: int, process_id: int) -> int:
+    """The pid of t5scale process `process_id` among those local.sh started in `session`."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(entry)) != session:
+                continue
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"t5scale.cli" in cmdline and f"T5SCALE_PROCESS_ID={process_id}".encode() in environ:
+            return int(entry)
+    raise AssertionError(f"no t5scale process {process_id} in session {session}")
+
+
+@pytest.mark.slow  # out of CI's budget: run with -m slow
+def test_sigterm_to_one_process_saves_the_same_step_on_all(tmp_path):
+    run = [*LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"]
+    processes = _processes(2, run, _explicit(_free_port()))
+    _wait_for_step(tmp_path, 2, processes)
+    processes[1].send_signal(signal.SIGTERM)  # as if only its node were preempted
+    results = _finish(processes)
+    saved = [int(step) for step in os.listdir(tmp_path / "checkpoints") if step.isdigit()]
+    assert len(saved) == 1, saved
+    for code, output in results:
+        assert code == 0, output
+        assert f"preempted (SIGTERM): checkpoint saved at step {saved[0]}" in output

@@ -1,0 +1,79 @@
+"""2 processes × 4 devices train like 1 process × 8 (real processes on 127.0.0.1), and a
+checkpoint written by 2 processes restores in 1 and training goes on."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SH = str(REPO / "launch" / "local.sh")
+RUN = [
+    "train", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
+    "--gin.INPUT_LENGTH=64", "--gin.TARGET_LENGTH=16", "--gin.BATCH_SIZE=8",
+    "--gin.CHECKPOINT_EVERY=10",
+]  # fmt: skip
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))},
+    "JAX_PLATFORMS": "cpu",
+    "PYTHON": sys.executable,
+}
+
+
+def _start(command: list[str], model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*command, *RUN, f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _one_process(model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
+    return _start(
+        [sys.executable, "-m", "t5scale.cli"], model_dir, steps, "--cpu_devices=8", *extra
+    )
+
+
+def _two_processes(model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
+    return _start([LOCAL_SH, "2"], model_dir, steps, "--cpu_devices=4", *extra)
+
+
+def _finish(*processes: subprocess.Popen) -> list[str]:
+    outputs = []
+    for process in processes:
+        output, _ = process.communicate(timeout=400)
+        assert process.returncode == 0, output[-4000:]
+        outputs.append(output)
+    return outputs
+
+
+def _losses(model_dir: Path) -> dict[int, float]:
+    records = map(json.loads, (model_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_path):
+    one, zero_across, hybrid = tmp_path / "one", tmp_path / "stage0", tmp_path / "stage3"
+    stage0, stage2, stage3 = (f"--gin_file=gin/zero/stage{n}.gin" for n in (0, 2, 3))
+    # One process × 8 devices, ZeRO-3, 12 steps without a break: the reference.
+    reference = _one_process(one, 12, stage3)
+    # Two processes × 4 devices: ZeRO-3 on the hybrid mesh (a replica per process, zero inside),
+    # then ZeRO-0 with the zero axis across both (plain data parallelism over all 8 devices).
+    _, output = _finish(reference, _two_processes(hybrid, 10, stage3))
+    assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
+    # Meanwhile the ZeRO-3 checkpoint of step 10, written by two processes (each its own
+    # shards), restores in one process under ZeRO-2 and trains steps 11 and 12.
+    two, resumed = _finish(
+        _two_processes(zero_across, 10, stage0, "--gin.ParallelConfig.zero_across_hosts=True"),
+        _one_process(hybrid, 12, stage2),
+    )
+    assert "[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices" in two
+    assert "resuming from the checkpoint at step 10" in resumed
+    want = _losses(one)
+    assert sorted(want) == list(range(1, 13))
+    for run, steps in ((hybrid, range(1, 13)), (zero_across, range(1, 11))):
+        got = _losses(run)
+        assert sorted(got) == list(steps), run.name
+        np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
