@@ -58,6 +58,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--hf_dir", required=True, help="as save_pretrained wrote it")
     commands.add_parser(
+        "study",
+        parents=[common],
+        help="the scaling study: a grid of isolated trials, funneled (gin/study/quick.gin)",
+    )
+    plan = commands.add_parser(
+        "plan",
+        parents=[common],
+        help="per ZeRO stage: memory per device and collective bytes on DEVICES, compile only",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    simulate = commands.add_parser(
+        "simulate",
+        parents=[common],
+        help="predict seconds per step on a GPU cluster (gin/clusters/) per stage and node count",
+    )
+    simulate.add_argument("--json", action="store_true", help="print JSON")
+    report = commands.add_parser(
+        "report", parents=[common], help="report.md and PNG plots from a study's results"
+    )
+    report.add_argument("study_dir", help="the STUDY_DIR a study wrote")
+    commands.add_parser(
         "cluster-check",
         parents=[common],
         help="join the cluster, build the mesh, all-reduce over every device, report",
@@ -240,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
     try:
+        if args.command in ("study", "report", "plan", "simulate"):
+            _study_command(args, bindings)
+            return 0
         run = _configure(args, bindings)
         if args.command == "params":
             _params(run, args.json)
@@ -266,6 +290,58 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         traceback.print_exc()
         return stop(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", 1)
+
+
+def _study_command(args, bindings) -> None:
+    """study, report and plan run no step in this process (plan compiles, on the CPU)."""
+    if args.command in ("plan", "simulate"):
+        _plan_or_simulate(args, bindings)
+        return
+    if args.command == "report":
+        from t5scale.study.report import write_report
+
+        path = write_report(args.study_dir)
+        print(f"wrote {path} and its plots")
+        return
+    from t5scale.config import build_study_config, operative_config, parse_gin
+    from t5scale.study.report import write_report
+    from t5scale.study.runner import run_study
+
+    parse_gin(args.gin_file, bindings, args.gin_search_paths)
+    study = build_study_config()
+    summary = run_study(study, operative_config())
+    print(
+        f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
+        f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"
+    )
+    print(f"report: {write_report(study.study_dir)}")
+
+
+def _plan_or_simulate(args, bindings) -> None:
+    import jax
+
+    from t5scale.config import build_run_config, build_study_config, parse_gin
+    from t5scale.study import plan, simulate
+
+    parse_gin(args.gin_file, bindings, args.gin_search_paths)
+    run = build_run_config()
+    if args.command == "plan":
+        config = build_study_config("plan")
+        devices = config.devices
+    else:
+        cluster, config = build_study_config("cluster"), build_study_config("simulate")
+        devices = max(config.nodes) * cluster.gpus_per_node
+    # Emulated CPU devices even on a GPU host: both answer for devices they do not have.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    show = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    if args.command == "plan":
+        result = plan.run_plan(run, config, show)
+        text = plan.format_plan(result)
+    else:
+        result = simulate.simulate(run, cluster, config, show)
+        text = simulate.format_simulation(result)
+    print(json.dumps(result, indent=2) if args.json else text)
 
 
 def _configure(args, bindings):

@@ -17,6 +17,9 @@ from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
+from t5scale.study.config import StudyConfig
+from t5scale.study.plan import PlanConfig
+from t5scale.study.simulate import ClusterConfig, SimulateConfig
 from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 
@@ -32,6 +35,12 @@ _CONFIGURABLES = {
     "data": gin.external_configurable(DataConfig, "DataConfig"),
     "checkpoint": gin.external_configurable(CheckpointConfig, "CheckpointConfig"),
     "distributed": gin.external_configurable(DistributedConfig, "DistributedConfig"),
+}
+_STUDY_CONFIGURABLES = {
+    "study": gin.external_configurable(StudyConfig, "StudyConfig"),
+    "plan": gin.external_configurable(PlanConfig, "PlanConfig"),
+    "cluster": gin.external_configurable(ClusterConfig, "ClusterConfig"),
+    "simulate": gin.external_configurable(SimulateConfig, "SimulateConfig"),
 }
 
 
@@ -75,10 +84,19 @@ def parse_gin(
         root_logger.setLevel(level)
 
 
+def build_study_config(name: str = "study"):
+    """The StudyConfig ('study'), PlanConfig ('plan') … that the parsed gin files describe."""
+    return _build(_STUDY_CONFIGURABLES[name])
+
+
 def build_run_config() -> RunConfig:
     """The RunConfig the parsed gin files describe; bad values become one-line ConfigErrors."""
+    return _build(lambda: RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()}))
+
+
+def _build(make):
     try:
-        return RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()})
+        return make()
     except (ValueError, TypeError) as error:
         # gin appends "In call to configurable …" on later lines; the first line is the reason.
         raise ConfigError(str(error).splitlines()[0]) from None

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SH = str(REPO / "launch" / "local.sh")
@@ -54,28 +55,39 @@ def _losses(model_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
+STAGES = {n: f"--gin_file=gin/zero/stage{n}.gin" for n in (0, 2, 3)}
+
+
+def _assert_same_losses(run: Path, reference: Path, steps: range) -> None:
+    want, got = _losses(reference), _losses(run)
+    assert sorted(got) == list(steps), run.name
+    got, ref = np.array([got[s] for s in steps]), np.array([want[s] for s in steps])
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    print(f"{run.name}: max relative difference {np.max(np.abs(got / ref - 1)):.2e}")
+
+
 def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_path):
-    one, zero_across, hybrid = tmp_path / "one", tmp_path / "stage0", tmp_path / "stage3"
-    stage0, stage2, stage3 = (f"--gin_file=gin/zero/stage{n}.gin" for n in (0, 2, 3))
-    # One process × 8 devices, ZeRO-3, 12 steps without a break: the reference.
-    reference = _one_process(one, 12, stage3)
-    # Two processes × 4 devices: ZeRO-3 on the hybrid mesh (a replica per process, zero inside),
-    # then ZeRO-0 with the zero axis across both (plain data parallelism over all 8 devices).
-    _, output = _finish(reference, _two_processes(hybrid, 10, stage3))
+    one, hybrid = tmp_path / "one", tmp_path / "stage3"
+    # One process × 8 devices, ZeRO-3, 12 steps without a break: the reference; beside it two
+    # processes × 4 devices, ZeRO-3 on the hybrid mesh (a replica per process, zero inside).
+    reference = _one_process(one, 12, STAGES[3])
+    _, output = _finish(reference, _two_processes(hybrid, 10, STAGES[3]))
     assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
-    # Meanwhile the ZeRO-3 checkpoint of step 10, written by two processes (each its own
-    # shards), restores in one process under ZeRO-2 and trains steps 11 and 12.
-    two, resumed = _finish(
-        _two_processes(zero_across, 10, stage0, "--gin.ParallelConfig.zero_across_hosts=True"),
-        _one_process(hybrid, 12, stage2),
+    # The ZeRO-3 checkpoint of step 10, written by two processes (each its own shards),
+    # restores in one process under ZeRO-2 and trains steps 11 and 12.
+    (resumed,) = _finish(_one_process(hybrid, 12, STAGES[2]))
+    assert "resuming from the checkpoint at step 10" in resumed
+    assert sorted(_losses(one)) == list(range(1, 13))
+    _assert_same_losses(hybrid, one, range(1, 13))
+
+
+@pytest.mark.slow  # out of CI's budget
+def test_zero_across_two_processes_trains_like_one(tmp_path):
+    """ZeRO-0 with the zero axis across both processes: data parallelism over all 8 devices."""
+    one, across = tmp_path / "one", tmp_path / "stage0"
+    two, _ = _finish(
+        _two_processes(across, 6, STAGES[0], "--gin.ParallelConfig.zero_across_hosts=True"),
+        _one_process(one, 6, STAGES[3]),
     )
     assert "[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices" in two
-    assert "resuming from the checkpoint at step 10" in resumed
-    want = _losses(one)
-    assert sorted(want) == list(range(1, 13))
-    for run, steps in ((hybrid, range(1, 13)), (zero_across, range(1, 11))):
-        got = _losses(run)
-        assert sorted(got) == list(steps), run.name
-        got, ref = np.array([got[s] for s in steps]), np.array([want[s] for s in steps])
-        np.testing.assert_allclose(got, ref, rtol=1e-5)
-        print(f"{run.name}: max relative difference {np.max(np.abs(got / ref - 1)):.2e}")
+    _assert_same_losses(across, one, range(1, 7))

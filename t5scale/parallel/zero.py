@@ -15,6 +15,7 @@ this one table:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -104,6 +105,17 @@ class StatePlan:
     @property
     def param_shardings(self) -> Any:
         return self._named(self.stage.shard_parameters)
+
+    def parameters_per_device(self) -> int:
+        """Parameter values one device holds at rest (its largest shard of each leaf)."""
+        counts = self._map(
+            lambda leaf: math.prod(
+                NamedSharding(self.mesh, leaf.spec(self.stage.shard_parameters)).shard_shape(
+                    leaf.shape
+                )
+            )
+        )
+        return sum(jax.tree.leaves(counts))
 
     @property
     def grad_shardings(self) -> Any:

@@ -54,6 +54,12 @@ def sharded_abstract_state(abstract: TrainState, shardings: TrainState) -> Train
     )
 
 
+def state_initializer(model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan):
+    """The jitted init: random key → TrainState in its at-rest shardings."""
+    shardings = state_shardings(plan, tx, abstract_state(model, tx))
+    return jax.jit(_init_fn(model, tx), out_shardings=shardings)
+
+
 def create_state(
     model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan, seed: int
 ) -> TrainState:
@@ -62,9 +68,7 @@ def create_state(
     The random values do not depend on the mesh (partitionable threefry), so every stage and
     mesh shape starts from the same parameters.
     """
-    init = _init_fn(model, tx)
-    shardings = state_shardings(plan, tx, abstract_state(model, tx))
-    state = jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    state = state_initializer(model, tx, plan)(jax.random.key(seed))
     # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the same
     # collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
     return jax.block_until_ready(state)

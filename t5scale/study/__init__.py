@@ -1,0 +1,1 @@
+"""The scaling study: grid, isolated trials, funneled search, planner, cluster model, report."""

@@ -1,0 +1,194 @@
+"""What a study sweeps (StudyConfig, bound by gin/study/*.gin) and one point of its grid."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from t5scale.train.config import ConfigError
+
+OBJECTIVES = ("tokens_per_s_per_device", "loss")
+SEARCHES = ("funnel", "grid")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """The grid (every axis a list), how each trial runs, and how the funnel prunes.
+
+    The batch is weak-scaled, as DeepSpeed's `train_micro_batch_size_per_gpu`: the global batch
+    is micro_batch_size × data-parallel devices × gradient_accumulation.
+    search: 'funnel' (round 1 compiles every point and drops what does not fit; then timed
+    rounds at growing device counts keep the best `keep_fraction` per model) or 'grid' (every
+    point timed).
+    objective: 'tokens_per_s_per_device' (higher wins) or 'loss' (the loss after
+    `token_budget` tokens, lower wins; for learning-rate and batch-size choices).
+    device_memory_gb: the per-device budget; None → the GPU's own limit, or on the CPU this
+    machine's memory shared by the emulated devices.
+    """
+
+    study_dir: str = "runs/study"
+    models: tuple[str, ...] = ("mt5_tiny",)
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    devices: tuple[int, ...] = (1, 2, 4, 8)
+    micro_batch_sizes: tuple[int, ...] = (1,)
+    remats: tuple[str, ...] = ("none",)
+    learning_rates: tuple[float, ...] = (1e-3,)
+    tensor: int = 1
+    gradient_accumulation: int = 1
+    input_length: int = 128
+    target_length: int = 32
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    data_source: str = "synthetic"
+    warmup_steps: int = 1
+    timed_steps: int = 3
+    token_budget: int = 0
+    search: str = "funnel"
+    objective: str = "tokens_per_s_per_device"
+    keep_fraction: float = 0.5
+    device_memory_gb: float | None = None
+    trial_timeout_s: float = 300.0
+    compile_workers: int = 0  # parallel compile-only trials; 0: one per CPU core
+    # Several hosts: a trial with more devices than `devices_per_host` runs under this launcher
+    # (one process per host), e.g. 'srun --nodes={hosts} --ntasks-per-node=1 --kill-on-bad-exit'
+    # inside a SLURM allocation; {hosts} and {devices} are filled in. Empty: one process.
+    trial_launcher: str = ""
+    devices_per_host: int = 8
+    extra_bindings: tuple[str, ...] = ()  # NAME=VALUE gin bindings for every trial
+
+    def __post_init__(self) -> None:
+        for field in ("models", "stages", "devices", "micro_batch_sizes", "remats",
+                      "learning_rates", "extra_bindings"):  # fmt: skip
+            object.__setattr__(self, field, tuple(getattr(self, field)))  # gin gives lists
+        for axis in (
+            "models",
+            "stages",
+            "devices",
+            "micro_batch_sizes",
+            "remats",
+            "learning_rates",
+        ):
+            if not getattr(self, axis):
+                raise ConfigError(f"StudyConfig.{axis} is empty")
+        if bad := [s for s in self.stages if s not in (0, 1, 2, 3)]:
+            raise ConfigError(f"StudyConfig.stages: ZeRO stages are 0-3, got {bad}")
+        if bad := [d for d in self.devices if d < 1 or d % self.tensor]:
+            raise ConfigError(
+                f"StudyConfig.devices {bad}: each must be a positive multiple of tensor={self.tensor}"
+            )
+        if self.search not in SEARCHES:
+            raise ConfigError(f"StudyConfig.search must be one of {SEARCHES}, got {self.search!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(
+                f"StudyConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}"
+            )
+        if self.objective == "loss" and self.token_budget <= 0:
+            raise ConfigError("StudyConfig.objective='loss' needs a token_budget > 0")
+        if not 0 < self.keep_fraction <= 1:
+            raise ConfigError("StudyConfig.keep_fraction must be in (0, 1]")
+        if self.devices_per_host < 1:
+            raise ConfigError("StudyConfig.devices_per_host must be >= 1")
+        if self.trial_launcher and any(
+            d > self.devices_per_host and d % self.devices_per_host for d in self.devices
+        ):
+            raise ConfigError(
+                f"StudyConfig.devices: counts above devices_per_host={self.devices_per_host} "
+                "must be whole hosts"
+            )
+        if self.timed_steps < 1 or self.warmup_steps < 0 or self.trial_timeout_s <= 0:
+            raise ConfigError("timed_steps >= 1, warmup_steps >= 0, trial_timeout_s > 0")
+
+    def configurations(self) -> list[Configuration]:
+        """Every configuration of the grid, device count aside (the funnel's unit)."""
+        axes = (self.models, self.stages, self.micro_batch_sizes, self.remats, self.learning_rates)
+        return [Configuration(*values) for values in itertools.product(*axes)]
+
+    def point(self, configuration: Configuration, devices: int) -> Point:
+        return Point(
+            **dataclasses.asdict(configuration),
+            devices=devices,
+            tensor=self.tensor,
+            gradient_accumulation=self.gradient_accumulation,
+            input_length=self.input_length,
+            target_length=self.target_length,
+            dtype=self.dtype,
+            optimizer=self.optimizer,
+            data_source=self.data_source,
+        )
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Configuration:
+    """What the funnel keeps or drops: a grid point without its device count."""
+
+    model: str
+    stage: int
+    micro_batch_size: int
+    remat: str
+    learning_rate: float
+
+    def label(self) -> str:
+        return (
+            f"{self.model} stage {self.stage} mb {self.micro_batch_size} remat {self.remat}"
+            f" lr {self.learning_rate:g}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One trial's full configuration: everything that decides what the step is."""
+
+    model: str
+    stage: int
+    micro_batch_size: int
+    remat: str
+    learning_rate: float
+    devices: int
+    tensor: int = 1
+    gradient_accumulation: int = 1
+    input_length: int = 128
+    target_length: int = 32
+    dtype: str = "float32"
+    optimizer: str = "adamw"
+    data_source: str = "synthetic"
+
+    @property
+    def configuration(self) -> Configuration:
+        return Configuration(
+            self.model, self.stage, self.micro_batch_size, self.remat, self.learning_rate
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch_size * (self.devices // self.tensor) * self.gradient_accumulation
+
+    def gin_files(self) -> list[str]:
+        return [f"gin/models/{self.model}.gin"]
+
+    def gin_bindings(self) -> list[str]:
+        """The run this point is, as --gin.NAME=VALUE bindings over its model's gin file."""
+        return [
+            f"ParallelConfig.zero_stage={self.stage}",
+            "ParallelConfig.replica=1",
+            "ParallelConfig.zero_across_hosts=True",  # ZeRO over every device, as DeepSpeed
+            "ParallelConfig.zero=-1",
+            f"ParallelConfig.tensor={self.tensor}",
+            f"ModelConfig.remat='{self.remat}'",
+            f"ModelConfig.dtype='{self.dtype}'",
+            f"OptimizerConfig.name='{self.optimizer}'",
+            f"OptimizerConfig.learning_rate={self.learning_rate!r}",
+            f"BATCH_SIZE={self.batch_size}",
+            f"MICRO_BATCHES={self.gradient_accumulation}",
+            f"INPUT_LENGTH={self.input_length}",
+            f"TARGET_LENGTH={self.target_length}",
+            f"DATA_SOURCE='{self.data_source}'",
+        ]
+
+    def key(self, kind: str) -> str:
+        """Identifies a finished trial in results.jsonl, so a restarted study skips it."""
+        fields = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(self).items()))
+        return f"{kind}:{fields}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"batch_size": self.batch_size}

@@ -1,0 +1,156 @@
+"""The funnel's decisions and its account (funnel.md): pure functions over trial records."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from t5scale.study.config import Configuration, Point
+
+
+def score(record: dict[str, Any], objective: str) -> float:
+    """Higher is better: tokens/s per device, or the negated loss after the token budget."""
+    if objective == "loss":
+        return -record["final_loss"]
+    return record["tokens_per_s_per_device"]
+
+
+def keep_best(
+    records: Sequence[dict[str, Any]], objective: str, keep_fraction: float
+) -> set[Configuration]:
+    """Per model, the best ceil(keep_fraction · n) configurations of n timed ok (at least one)."""
+    by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        if record["status"] == "ok":
+            by_model[record["config"]["model"]].append(record)
+    kept = set()
+    for group in by_model.values():
+        group.sort(key=lambda r: score(r, objective), reverse=True)
+        kept |= {
+            configuration_of(r) for r in group[: max(1, math.ceil(keep_fraction * len(group)))]
+        }
+    return kept
+
+
+def configuration_of(record: dict[str, Any]) -> Configuration:
+    return Configuration(*(record["config"][f.name] for f in dataclasses.fields(Configuration)))
+
+
+@dataclasses.dataclass
+class Round:
+    """One round of the funnel: what entered, what was run, what left and why."""
+
+    name: str
+    entered: int
+    records: list[dict[str, Any]]
+    left: int = 0
+    pruned: int = 0  # ranked below the cut
+    note: str = ""
+
+    def reasons(self) -> Counter:
+        return Counter(r["status"] for r in self.records if r["status"] != "ok")
+
+    def wall_s(self) -> float:
+        return sum(r["wall_s"] for r in self.records)
+
+    def device_s(self) -> float:
+        return sum(r["wall_s"] * r["config"]["devices"] for r in self.records)
+
+
+def full_grid_estimate(
+    grid: Sequence[Point],
+    compile_records: Iterable[dict[str, Any]],
+    timed_records: Iterable[dict[str, Any]],
+) -> tuple[float, float]:
+    """(wall s, device s) that timing every grid point would have cost, as estimated here.
+
+    A grid trial compiles and then times; the funnel ran those halves as separate trials (the
+    timed one loading the step from the compilation cache), so a point is charged both. What
+    the funnel measured is charged as measured (a reused timing at what measuring it cost). A
+    point it never compiled or timed is charged the median measured trial of the same model,
+    kind and device count, or of the nearest device count measured.
+    """
+    measured = {}
+    walls: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for record in [*compile_records, *timed_records]:
+        wall = record.get("measured_wall_s", record["wall_s"])
+        measured[record["key"]] = (record["status"], wall)
+        walls[record["kind"], record["config"]["model"], record["config"]["devices"]].append(wall)
+
+    def estimate(kind: str, model: str, devices: int) -> float:
+        near = sorted((abs(d - devices), d) for k, m, d in walls if k == kind and m == model)
+        if not near:
+            return 0.0
+        values = sorted(walls[kind, model, near[0][1]])
+        return values[len(values) // 2]
+
+    wall = device = 0.0
+    for point in grid:
+        status, cost = measured.get(point.key("compile"), (None, None))
+        if cost is None:
+            cost = estimate("compile", point.model, point.devices)
+        if status in (None, "ok"):  # a point that fit (or was never checked) is also timed
+            timed = measured.get(point.key("timed"), (None, None))[1]
+            cost += timed if timed is not None else estimate("timed", point.model, point.devices)
+        wall += cost
+        device += cost * point.devices
+    return wall, device
+
+
+def render(
+    rounds: Sequence[Round],
+    winners: dict[str, dict[str, Any]],
+    objective: str,
+    spent: tuple[float, float],
+    full_grid: tuple[float, float] | None,
+) -> str:
+    """funnel.md: rounds, reasons, winners, and the device-time spent against the full grid."""
+    lines = [
+        "# Funnel",
+        "",
+        f"Objective: `{objective}` (higher tokens/s per device wins; for `loss`, the lower loss "
+        "after the token budget). Each round's configurations are grid points without their "
+        "device count. At each device count the configurations still in are first compiled "
+        "(no step runs) and those that do not fit the memory budget are not timed there; the "
+        "rest are timed, and the best fraction per model goes on to the next device count.",
+        "",
+        "| round | entered | trials | failed (why) | pruned | left | trial wall s | device·s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        why = ", ".join(f"{n} {status}" for status, n in sorted(r.reasons().items())) or "-"
+        lines.append(
+            f"| {r.name} | {r.entered} | {len(r.records)} | {why} | {r.pruned} | {r.left} | "
+            f"{r.wall_s():.0f} | {r.device_s():.0f} |"
+        )
+    notes = [f"- {r.name}: {r.note}" for r in rounds if r.note]
+    if notes:
+        lines += ["", *notes]
+    lines += ["", "## Winner", ""]
+    if not winners:
+        lines.append("No configuration ran to the end.")
+    for model, record in sorted(winners.items()):
+        c = record["config"]
+        lines.append(
+            f"- **{model}**: ZeRO stage {c['stage']}, micro-batch {c['micro_batch_size']}, remat "
+            f"{c['remat']}, lr {c['learning_rate']:g} at {c['devices']} devices: "
+            f"{record['tokens_per_s_per_device']:,.0f} tokens/s per device, step "
+            f"{record['step_time_s']['median']:.3g} s, final loss {record['final_loss']:.4f}"
+        )
+    wall, device = spent
+    lines += ["", "## Device time", "", f"Spent: {wall:.0f} s of trials, {device:.0f} device·s "
+              "(trial wall time × its device count)."]  # fmt: skip
+    if full_grid:
+        grid_wall, grid_device = full_grid
+        lines.append(
+            f"Timing every grid point would have cost about {grid_wall:.0f} s and "
+            f"{grid_device:.0f} device·s (estimated: see `full_grid_estimate` in "
+            f"t5scale/study/funnel.py): the funnel saved {100 * (1 - device / grid_device):.0f}% "
+            "of the device time."
+            if grid_device
+            else "No grid estimate: nothing was compiled."
+        )
+    return "\n".join(lines) + "\n"

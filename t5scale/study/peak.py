@@ -1,0 +1,55 @@
+"""A device's peak FLOP/s, the denominator of MFU: measured on the CPU, datasheet on GPUs.
+
+On the CPU the emulated devices share the same cores, so they share one measured peak (MFU is
+taken against the machine, not against devices × peak). On a GPU the peak is the datasheet's
+dense figure for the compute dtype; float32 matmuls on NVIDIA GPUs run as TF32 under JAX's
+default precision, so fp32 uses the TF32 figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Dense (no sparsity) tensor-core FLOP/s from NVIDIA's datasheets, per device kind prefix.
+GPU_DATASHEET = {
+    "NVIDIA H200": {"bfloat16": 989.4e12, "float32": 494.7e12},
+    "NVIDIA H100 PCIe": {"bfloat16": 756.0e12, "float32": 378.0e12},
+    "NVIDIA H100": {"bfloat16": 989.4e12, "float32": 494.7e12},  # SXM
+    "NVIDIA A100": {"bfloat16": 312.0e12, "float32": 156.0e12},
+}
+
+
+def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
+    """FLOP/s of a large matmul chain on one device in `dtype` (median of `repeats`)."""
+    on_gpu = jax.default_backend() == "gpu"
+    n, inner = (8192, 20) if on_gpu else (4096, 1)  # GPU: time 20 products per sample
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+
+    @jax.jit
+    def matmuls(x):
+        for _ in range(inner):  # a chain, so none is optimised away
+            x = (x @ a).astype(x.dtype)
+        return x
+
+    matmuls(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmuls(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return inner * 2 * n**3 / statistics.median(times)
+
+
+def device_peak(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from)."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        for prefix, peaks in GPU_DATASHEET.items():
+            if device.device_kind.startswith(prefix):
+                return peaks[dtype], f"datasheet, {prefix}, dense {dtype}"
+    peak = matmul_peak(dtype, repeats=3)
+    return peak, f"measured: 4096² {dtype} matmul on {device.device_kind}, median of 3"

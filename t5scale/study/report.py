@@ -1,0 +1,235 @@
+"""report.md and PNG plots from a study's results.jsonl (`t5scale report STUDY_DIR`).
+
+Where the grid has several micro-batch sizes, remat policies or learning rates for one model,
+stage and device count, the tables and plots show the best of them by tokens/s per device (the
+full rows are in results.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from t5scale.analysis.hlo import collective_summary
+from t5scale.train.config import ConfigError
+
+GIB = 2**30
+STAGE_COLOURS = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868", 3: "#c44e52"}
+
+
+def load_results(study_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(study_dir, "results.jsonl")
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: run `t5scale study` with that STUDY_DIR first")
+    records = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            records[record["key"]] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill; the study reruns that trial
+    return list(records.values())
+
+
+def best_timed(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """(model, stage, devices) → the ok timed trial with the most tokens/s per device."""
+    best: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in records:
+        if r["kind"] != "timed" or r["status"] != "ok":
+            continue
+        key = (r["config"]["model"], r["config"]["stage"], r["config"]["devices"])
+        if key not in best or r["tokens_per_s_per_device"] > best[key]["tokens_per_s_per_device"]:
+            best[key] = r
+    return best
+
+
+def memory_points(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict]:
+    """(model, stage, devices) → the smallest XLA estimate compiled (out-of-memory included)."""
+    points: dict[tuple[str, int, int], dict] = {}
+    for r in records:
+        if "analysis" not in r:
+            continue
+        key = (r["config"]["model"], r["config"]["stage"], r["config"]["devices"])
+        peak = r["analysis"]["memory_per_device"]["peak_estimate_bytes"]
+        if key not in points or peak < points[key]["xla_peak"]:
+            points[key] = {
+                "xla_peak": peak,
+                "formula": r["analysis"]["model_state_per_device"]["zero_formula_bytes"]["total"],
+                "budget": r.get("memory_budget_bytes"),
+                "fits": r["status"] != "out-of-memory",
+            }
+    return points
+
+
+def write_report(study_dir: str | Path) -> Path:
+    study_dir = Path(study_dir)
+    records = load_results(study_dir)
+    best = best_timed(records)
+    memory = memory_points(records)
+    models = sorted({r["config"]["model"] for r in records}, key=_model_order)
+    plots = {
+        "step_time.png": _plot_lines(best, models, "step", "seconds per step", "Step time"),
+        "tokens_per_device.png": _plot_lines(
+            best, models, "per_device", "tokens/s per device", "Tokens/s per device (scaling)"
+        ),
+        "mfu.png": _plot_lines(best, models, "mfu", "MFU (%)", "Model FLOPs utilisation"),
+        "memory.png": _plot_memory(memory, models),
+    }
+    for name, figure in plots.items():
+        figure.savefig(study_dir / name, dpi=110, bbox_inches="tight")
+    path = study_dir / "report.md"
+    path.write_text(_markdown(study_dir, records, best, memory, models), encoding="utf-8")
+    return path
+
+
+def _model_order(name: str) -> int:
+    order = ("tiny", "small", "base", "large", "xl", "xxl")
+    return next((i for i, size in enumerate(order) if name.endswith("_" + size)), len(order))
+
+
+def _value(record: dict[str, Any], what: str) -> float:
+    if what == "step":
+        return record["step_time_s"]["median"]
+    if what == "per_device":
+        return record["tokens_per_s_per_device"]
+    return 100 * record["mfu"]
+
+
+def _figure(models: Sequence[str]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.8), squeeze=False)
+    return figure, axes[0]
+
+
+def _plot_lines(best, models, what: str, ylabel: str, title: str):
+    figure, axes = _figure(models)
+    for ax, model in zip(axes, models, strict=True):
+        for stage in range(4):
+            points = sorted((d, r) for (m, s, d), r in best.items() if m == model and s == stage)
+            if not points:
+                continue
+            xs = [d for d, _ in points]
+            ys = [_value(r, what) for _, r in points]
+            ax.plot(xs, ys, marker="o", color=STAGE_COLOURS[stage], label=f"ZeRO {stage}")
+            if what == "step":  # the spread of the timed steps
+                lows = [r["step_time_s"]["min"] for _, r in points]
+                highs = [r["step_time_s"]["max"] for _, r in points]
+                ax.fill_between(xs, lows, highs, color=STAGE_COLOURS[stage], alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel(ylabel)
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle(f"{title} (best micro-batch and remat per point; lines end where pruned)")
+    return figure
+
+
+def _plot_memory(memory, models):
+    figure, axes = _figure(models)
+    for ax, model in zip(axes, models, strict=True):
+        device_counts = sorted({d for (m, _, d) in memory if m == model})
+        width = 0.8 / max(len(device_counts), 1)
+        for i, d in enumerate(device_counts):
+            stages = [s for s in range(4) if (model, s, d) in memory]
+            xs = [s - 0.4 + width * (i + 0.5) for s in stages]
+            peaks = [memory[model, s, d]["xla_peak"] / GIB for s in stages]
+            formula = [memory[model, s, d]["formula"] / GIB for s in stages]
+            ax.bar(xs, peaks, width * 0.9, label=f"XLA, {d} dev", alpha=0.8)
+            ax.scatter(xs, formula, marker="_", s=200, color="black", zorder=3,
+                       label="ZeRO formula (model state)" if i == 0 else None)  # fmt: skip
+        ax.set_xticks(range(4), [f"ZeRO {s}" for s in range(4)])
+        ax.set_ylabel("GiB per device")
+        ax.set_title(model)
+        ax.grid(alpha=0.3, axis="y")
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+                  bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+    figure.suptitle("Memory per device: XLA's compiled estimate (bars) and the ZeRO formula")
+    return figure
+
+
+def _markdown(study_dir, records, best, memory, models) -> str:
+    machine = next((r["machine"] for r in records if "machine" in r), {})
+    peak = next((r["peak_flops_per_s"] for r in records if "peak_flops_per_s" in r), 0.0)
+    timed = [r for r in records if r["kind"] == "timed"]
+    steps = next((r["step_time_s"] for r in timed if r["status"] == "ok"), None)
+    lines = [
+        f"# Study report: {study_dir}",
+        "",
+        f"Machine: {machine.get('device_kind', '?')} ({machine.get('backend', '?')}); peak "
+        f"{peak / 1e12:.3g} TFLOP/s per device ({machine.get('peak_source', '?')}).",
+    ]
+    extra = next((r["gin_bindings"] for r in records if "gin_bindings" in r), [])
+    shared = [b for b in extra if b.startswith("ModelConfig.") and "remat" not in b
+              and "dtype" not in b]  # fmt: skip
+    if shared:
+        lines.append(f"Every trial's model also had: `{'`, `'.join(shared)}`.")
+    if steps:
+        lines.append(
+            f"Step time: median of {steps['timed_steps']} timed steps after "
+            f"{steps['warmup_steps']} warm-up, each to block_until_ready; spread = (max - min) / "
+            "median. Compile time from the compile-only round where there was one."
+        )
+    if machine.get("backend") == "cpu":
+        lines.append(
+            "On the CPU the emulated devices share this machine's cores and its one measured "
+            "peak: more devices cannot be faster here, and tokens/s per device falls by "
+            "construction. What the CPU shows truly is memory per device and the collectives."
+        )
+    lines += [
+        "",
+        "![step time](step_time.png)",
+        "![tokens per device](tokens_per_device.png)",
+        "![MFU](mfu.png)",
+        "![memory](memory.png)",
+        "",
+        "## Timed trials (best per model, stage and device count)",
+        "",
+        "| model | stage | devices | batch | step s | spread | tokens/s | tokens/s/device | MFU | "
+        "XLA GiB/device | ZeRO formula GiB | compile s | collectives per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    compile_time = {
+        r["key"].split(":", 1)[1]: r["analysis"]["compile_time_s"]
+        for r in records
+        if r["kind"] == "compile" and "analysis" in r
+    }
+    for (model, stage, devices), r in sorted(
+        best.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1:])
+    ):
+        a = r["analysis"]
+        compiled_s = compile_time.get(r["key"].split(":", 1)[1], a["compile_time_s"])
+        lines.append(
+            f"| {model} | {stage} | {devices} | {r['config']['batch_size']} | "
+            f"{r['step_time_s']['median']:.3g}{' †' if 'same_program_as' in r else ''} | "
+            f"{100 * r['step_time_s']['spread']:.0f}% | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {a['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
+            f"{a['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} | "
+            f"{compiled_s:.1f} | {collective_summary(a['collectives'])} |"
+        )
+    if any("same_program_as" in r for r in best.values()):
+        lines += ["", "† the same compiled program as another stage's trial at this device count "
+                  "(on one device every stage is): its timing is reused, not measured again."]  # fmt: skip
+    failed = [r for r in records if r["status"] != "ok"]
+    lines += ["", f"## Trials that did not run ({len(failed)})", ""]
+    if failed:
+        lines += ["| kind | model | stage | devices | micro-batch | remat | status | why |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in failed:
+            c = r["config"]
+            lines.append(
+                f"| {r['kind']} | {c['model']} | {c['stage']} | {c['devices']} | "
+                f"{c['micro_batch_size']} | {c['remat']} | {r['status']} | {r.get('error', '')} |"
+            )
+    funnel = Path(study_dir, "funnel.md")
+    if funnel.exists():
+        lines += ["", "The funnel's rounds: [funnel.md](funnel.md)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,340 @@
+"""Run a study: isolated trials over the grid, funnel rounds, results.jsonl, funnel.md.
+
+results.jsonl holds one JSON object per finished trial (compile-only or timed). A study started
+again over the same STUDY_DIR reads it first and skips every trial it finds there, so the
+rounds replay the same decisions and only the missing trials run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from t5scale.study import funnel
+from t5scale.study.config import Point, StudyConfig
+from t5scale.study.trial import run_trial
+
+CPU_MEMORY_SHARE = 0.8  # of this machine's memory, for all emulated devices together
+
+
+class Results:
+    """results.jsonl: read once, appended one flushed line per finished trial."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[str, dict[str, Any]] = {}
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        if text and not text.endswith("\n"):
+            # A line cut by a kill mid-write: cut it off, so that appends start a fresh line.
+            print(f"study: {path} ends in a cut line; its trial runs again", flush=True)
+            text = text[: text.rfind("\n") + 1]
+            path.write_text(text, encoding="utf-8")
+        if text:
+            for number, line in enumerate(text.splitlines(), 1):
+                try:
+                    record = json.loads(line)
+                    self.records[record["key"]] = record
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    print(f"study: {path}:{number} is not a record; ignored", flush=True)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records[record["key"]] = record
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """`[done/planned] … elapsed, ETA` lines: ETA = elapsed per trial run so far × trials left."""
+
+    def __init__(self, planned: int, show: Callable[[str], None]):
+        self.planned, self.done, self.ran, self.show = planned, 0, 0, show
+        self.started = time.perf_counter()
+
+    def replan(self, planned: int) -> None:
+        self.planned = max(planned, self.done)
+
+    def report(self, line: str, ran: bool) -> None:
+        self.done += 1
+        self.ran += ran
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(self.ran, 1) * (self.planned - self.done)
+        self.show(
+            f"[{self.done}/{self.planned}] {line}  · {_clock(elapsed)} elapsed, ETA {_clock(eta)}"
+        )
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_study(
+    config: StudyConfig, gin_config: str = "", show: Callable[[str], None] = _print
+) -> dict[str, Any]:
+    """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows."""
+    study_dir = Path(config.study_dir)
+    study_dir.mkdir(parents=True, exist_ok=True)
+    if gin_config:
+        (study_dir / "study.gin").write_text(gin_config, encoding="utf-8")
+    results = Results(study_dir / "results.jsonl")
+    machine = _machine(config, study_dir)
+    show(
+        f"study: {len(config.configurations())} configurations × devices {list(config.devices)} "
+        f"on {machine['device_kind']} ({machine['backend']}); peak "
+        f"{machine['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({machine['peak_source']})"
+    )
+    runner = _TrialRunner(config, study_dir, results, machine)
+    configurations = config.configurations()
+    devices = sorted(config.devices)
+    funnel_mode = config.search == "funnel"
+    progress = Progress(_planned(len(configurations), devices, config), show)
+    rounds: list[funnel.Round] = []
+    compile_records: list[dict[str, Any]] = []
+    timed_records: list[dict[str, Any]] = []
+    alive = set(configurations)
+    for index, d in enumerate(devices):
+        per = f"{d} device{'s' if d > 1 else ''}"
+        # Stage-major, models interleaved: on one device every stage is the same program, and
+        # a stage's twin then starts after it has compiled (and loads it from the cache).
+        todo = sorted(alive, key=lambda c: (c.stage, c.model, c))
+        if funnel_mode:
+            # Compile only: drop, at this device count, what does not fit. A configuration that
+            # does not fit here stays in for the others.
+            records = runner.run_all(
+                [config.point(c, d) for c in todo], "compile", f"{per}, compile", progress
+            )
+            compile_records += records
+            todo = [funnel.configuration_of(r) for r in records if r["status"] == "ok"]
+            # A crash or timeout is no matter of device count: that configuration is out. One
+            # that does not fit, or does not divide this mesh, may still run on another count.
+            alive -= {
+                funnel.configuration_of(r) for r in records if r["status"] in ("crash", "timeout")
+            }
+            rounds.append(funnel.Round(
+                f"{len(rounds) + 1}: {per}, compile only", len(records), records,
+                left=len(todo), note="XLA's per-device memory estimate against the budget",
+            ))  # fmt: skip
+        entered = len(todo)
+        records = runner.run_all(
+            [config.point(c, d) for c in todo], "timed", f"{per}, timed", progress
+        )
+        timed_records += records
+        alive -= {funnel.configuration_of(r) for r in records if r["status"] != "ok"}
+        ok = [r for r in records if r["status"] == "ok"]
+        note, pruned = "", 0
+        last = index == len(devices) - 1
+        if funnel_mode and not last and d > 1 and ok:
+            ranked = {funnel.configuration_of(r) for r in ok}
+            kept = funnel.keep_best(ok, config.objective, config.keep_fraction)
+            pruned = len(ranked - kept)
+            alive -= ranked - kept
+            note = f"kept the best {config.keep_fraction:.0%} per model by {config.objective}"
+        elif funnel_mode and d == 1 and not last:
+            note = "no pruning on 1 device: every ZeRO stage is the same program there"
+        rounds.append(funnel.Round(
+            f"{len(rounds) + 1}: {per}, timed", entered, records,
+            left=len([r for r in ok if funnel.configuration_of(r) in alive]), pruned=pruned,
+            note=note,
+        ))  # fmt: skip
+        progress.replan(progress.done + _planned(len(alive), devices[index + 1 :], config))
+
+    winners = _winners(timed_records, config.objective)
+    spent_wall = sum(r["wall_s"] for r in compile_records + timed_records)
+    spent_device = sum(
+        r["wall_s"] * r["config"]["devices"] for r in compile_records + timed_records
+    )
+    grid = [config.point(c, d) for c in configurations for d in devices]
+    full = funnel.full_grid_estimate(grid, compile_records, timed_records) if funnel_mode else None
+    text = funnel.render(rounds, winners, config.objective, (spent_wall, spent_device), full)
+    (study_dir / "funnel.md").write_text(text, encoding="utf-8")
+    return {
+        "rounds": rounds,
+        "winners": winners,
+        "spent": (spent_wall, spent_device),
+        "full_grid": full,
+        "trials": len(compile_records) + len(timed_records),
+        "elapsed_s": time.perf_counter() - progress.started,
+    }
+
+
+def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
+    """Trials still ahead if each later round kept keep_fraction (for the ETA, not a promise)."""
+    total, share = 0.0, float(alive)
+    per_point = 2 if config.search == "funnel" else 1
+    for d in devices:
+        total += per_point * share
+        if d > 1 and config.search == "funnel":
+            share = max(1.0, share * config.keep_fraction)
+    return round(total)
+
+
+def _winners(timed: Sequence[dict[str, Any]], objective: str) -> dict[str, dict[str, Any]]:
+    """Per model, the best ok trial at the largest device count any of its trials reached."""
+    best: dict[str, dict[str, Any]] = {}
+    for record in timed:
+        if record["status"] != "ok":
+            continue
+        model, devices = record["config"]["model"], record["config"]["devices"]
+        current = best.get(model)
+        if (
+            current is None
+            or devices > current["config"]["devices"]
+            or (
+                devices == current["config"]["devices"]
+                and funnel.score(record, objective) > funnel.score(current, objective)
+            )
+        ):
+            best[model] = record
+    return best
+
+
+def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
+    """The backend, its peak FLOP/s and memory: probed once per study, in a child process."""
+    path = study_dir / "machine.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = run_trial(
+        {"kind": "machine", "dtype": config.dtype, "devices_per_process": 1},
+        study_dir / "trials", "machine", 300,
+    )  # fmt: skip
+    if result["status"] != "ok":
+        raise RuntimeError(f"could not probe the machine: {result.get('error')} ({result['log']})")
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+class _TrialRunner:
+    def __init__(self, config: StudyConfig, study_dir: Path, results: Results, machine: dict):
+        self.config, self.study_dir, self.results, self.machine = (
+            config,
+            study_dir,
+            results,
+            machine,
+        )
+        # numbered after every trial this study dir has seen, so that no log is overwritten
+        self.counter = len(list((study_dir / "trials").glob("0*.spec.json")))
+
+    def budget(self, devices: int) -> int | None:
+        if self.config.device_memory_gb is not None:
+            return int(self.config.device_memory_gb * 2**30)
+        if self.machine["backend"] == "cpu":
+            return int(CPU_MEMORY_SHARE * self.machine["host_memory_bytes"] / devices)
+        return self.machine.get("device_memory_limit_bytes")
+
+    def hosts(self, devices: int) -> int:
+        per_host = self.config.devices_per_host
+        return max(1, devices // per_host) if self.config.trial_launcher else 1
+
+    def launcher(self, devices: int) -> list[str]:
+        """The launcher's command for a trial on `devices`, if it spans several hosts."""
+        hosts = self.hosts(devices)
+        if hosts == 1:
+            return []
+        return shlex.split(self.config.trial_launcher.format(hosts=hosts, devices=devices))
+
+    def spec(self, point: Point, kind: str) -> dict[str, Any]:
+        c = self.config
+        return {
+            "kind": kind,
+            "devices_per_process": point.devices // self.hosts(point.devices),
+            "point": point.__dict__,
+            "memory_budget_bytes": self.budget(point.devices),
+            "warmup_steps": c.warmup_steps,
+            "timed_steps": c.timed_steps,
+            "token_budget": c.token_budget if c.objective == "loss" else 0,
+            "peak_flops_per_s": self.machine["peak_flops_per_s"],
+            "extra_bindings": list(c.extra_bindings),
+        }
+
+    def run_one(self, point: Point, kind: str, round_name: str) -> tuple[dict[str, Any], bool]:
+        """(record, whether it ran now): a trial found in results.jsonl is not run again."""
+        key = point.key(kind)
+        if key in self.results.records:
+            return self.results.records[key], False
+        if kind == "timed" and (twin := self._timed_twin(point)):
+            # The same compiled program (e.g. every stage on one device) runs the same steps:
+            # its timing is reused rather than measured again, and says so.
+            record = twin | {"key": key, "round": round_name, "config": point.as_dict(),
+                             "config_point": point.__dict__, "same_program_as": twin["key"],
+                             "wall_s": 0.0, "measured_wall_s": twin["wall_s"]}  # fmt: skip
+            self.results.add(record)
+            return record, False
+        self.counter += 1
+        result = run_trial(
+            self.spec(point, kind), self.study_dir / "trials", f"{self.counter:04d}-{kind}",
+            self.config.trial_timeout_s, self.launcher(point.devices),
+        )  # fmt: skip
+        record = {
+            "key": key,
+            "kind": kind,
+            "round": round_name,
+            "config": point.as_dict(),
+            "config_point": point.__dict__,
+            "gin_bindings": point.gin_bindings() + list(self.config.extra_bindings),
+            "machine": {k: self.machine[k] for k in ("backend", "device_kind", "peak_source")},
+            "peak_flops_per_s": self.machine["peak_flops_per_s"],
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        } | result
+        self.results.add(record)
+        return record, True
+
+    def _timed_twin(self, point: Point) -> dict[str, Any] | None:
+        """A timed trial, already run, whose compile-only trial produced this point's program."""
+        fingerprint = self._fingerprint(point)
+        if fingerprint is None:
+            return None
+        for record in self.results.records.values():
+            if (
+                record["kind"] == "timed"
+                and "same_program_as" not in record
+                and record["status"] == "ok"
+                and self._fingerprint(Point(**record["config_point"])) == fingerprint
+            ):
+                return record
+        return None
+
+    def _fingerprint(self, point: Point) -> str | None:
+        compiled = self.results.records.get(point.key("compile"), {})
+        return compiled.get("program_fingerprint")
+
+    def run_all(self, points: list[Point], kind: str, round_name: str, progress: Progress):
+        """Compile-only trials run `compile_workers` at a time; timed trials one by one."""
+        workers = 1
+        if kind == "compile":
+            workers = self.config.compile_workers or (
+                os.cpu_count() or 1 if self.machine["backend"] == "cpu" else 1
+            )
+        records: list[dict[str, Any]] = []
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self.run_one, p, kind, round_name) for p in points]
+            for point, future in zip(points, futures, strict=True):
+                record, ran = future.result()
+                records.append(record)
+                progress.report(
+                    f"{round_name}: {point.configuration.label()} × {point.devices}: "
+                    f"{_outcome(record)}",
+                    ran,
+                )
+        return records
+
+
+def _outcome(record: dict[str, Any]) -> str:
+    status = record["status"]
+    if status != "ok":
+        return f"{status} ({record.get('error', '')})"
+    memory = record["analysis"]["memory_per_device"]["peak_estimate_bytes"] / 2**30
+    if record["kind"] == "compile":
+        return f"fits, {memory:.2f} GiB/device, compiled in {record['analysis']['compile_time_s']:.1f} s"
+    return (
+        f"{record['step_time_s']['median']:.3g} s/step, "
+        f"{record['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {100 * record['mfu']:.1f}%"
+    )

@@ -1,0 +1,210 @@
+"""One trial in its own process: compile a grid point, check its memory, time a few steps.
+
+    python -m t5scale.study.trial SPEC.json RESULT.json
+
+The study starts each trial with `run_trial`, which gives it a time limit and turns whatever
+happens to it into a status: ok, out-of-memory, compile error, timeout or crash. A trial that
+dies takes nothing else with it. Kind 'machine' probes the backend once per study (peak FLOP/s,
+device kind and memory), so that the study's own process never starts an accelerator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("ok", "out-of-memory", "compile error", "timeout", "crash")
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def run_trial(
+    spec: dict[str, Any], work_dir: Path, name: str, timeout_s: float, launcher: list[str] = ()
+) -> dict[str, Any]:
+    """Run one trial in a child process (under `launcher`, one per host, when it spans hosts);
+    always returns a result with a `status`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
+    log_path = work_dir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    env = os.environ | {
+        "JAX_NUM_CPU_DEVICES": str(spec.get("devices_per_process", 1)),
+        # the caller's cache if it has one, else the study's own: a point compiled in round 1
+        # loads from it in its timed round
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(work_dir.parent / "compile_cache")
+        ),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    started = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(
+            [*launcher, sys.executable, "-m", "t5scale.study.trial", str(spec_path),
+             str(result_path)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            code = None
+    wall = time.perf_counter() - started
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+    elif code is None:
+        result = {"status": "timeout", "error": f"no result within the {timeout_s:g} s limit"}
+    else:
+        result = {"status": "crash", "error": _crash_reason(code, log_path)}
+    return result | {"wall_s": wall, "log": str(log_path)}
+
+
+def _crash_reason(code: int, log_path: Path) -> str:
+    if code < 0:
+        reason = f"killed by {signal.Signals(-code).name}"
+        if -code == signal.SIGKILL:
+            reason += " (often the kernel's out-of-memory killer)"
+        return reason
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return f"exit code {code}: {lines[-1][:300] if lines else 'no output'}"
+
+
+# ---- inside the child process ------------------------------------------------------------
+
+
+def _machine(spec: dict[str, Any]) -> dict[str, Any]:
+    import jax
+
+    from t5scale.study.peak import device_peak
+
+    device = jax.devices()[0]
+    peak, source = device_peak(spec["dtype"])
+    stats = device.memory_stats() or {}
+    return {
+        "status": "ok",
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "peak_flops_per_s": peak,
+        "peak_source": source,
+        "device_memory_limit_bytes": stats.get("bytes_limit"),
+        "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    }
+
+
+def _point_run(spec: dict[str, Any]):
+    from t5scale.config import build_run_config, parse_gin
+    from t5scale.study.config import Point
+
+    point = Point(**spec["point"])
+    parse_gin(point.gin_files(), point.gin_bindings() + list(spec.get("extra_bindings", ())))
+    return point, build_run_config()
+
+
+def _trial(spec: dict[str, Any]) -> dict[str, Any]:
+    import jax
+
+    from t5scale.analysis.flops import mfu
+    from t5scale.parallel.mesh import MeshError
+    from t5scale.study.measure import (
+        compile_state_init,
+        compile_step,
+        model_state_per_device,
+        time_steps,
+    )
+    from t5scale.train.config import ConfigError
+
+    point, run = _point_run(spec)
+    if point.devices > jax.device_count():
+        return {
+            "status": "crash",
+            "error": f"{point.devices} devices asked, {jax.device_count()} here",
+        }
+    budget = spec.get("memory_budget_bytes")
+    try:
+        lower_bound = model_state_per_device(run, jax.devices()[: point.devices])
+        if budget is not None and lower_bound > budget:  # no need to compile to know
+            return {"status": "out-of-memory", "memory_budget_bytes": budget, "fits": False,
+                    "error": f"the ZeRO formula's model state alone, {lower_bound / 2**30:.2f} GiB "
+                    f"per device, exceeds the budget {budget / 2**30:.2f} GiB"}  # fmt: skip
+        step = compile_step(run, jax.devices()[: point.devices])
+    except (ConfigError, MeshError) as error:
+        return {"status": "compile error", "error": str(error)}
+    except Exception as error:  # XLA's own compile failures
+        return {"status": _failure_status(error, "compile error"), "error": _one_line(error)}
+    analysis = step.analysis
+    result: dict[str, Any] = {"status": "ok", "analysis": analysis}
+    peak_bytes = analysis["memory_per_device"]["peak_estimate_bytes"]
+    result["memory_budget_bytes"] = budget
+    result["fits"] = budget is None or peak_bytes <= budget
+    if not result["fits"]:
+        return result | {
+            "status": "out-of-memory",
+            "error": f"XLA's per-device estimate {peak_bytes / 2**30:.2f} GiB exceeds the budget "
+            f"{budget / 2**30:.2f} GiB",
+        }
+    if spec["kind"] == "compile":
+        # Identical programs (every stage on one device) are timed once: see runner.py.
+        result["program_fingerprint"] = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
+        compile_state_init(run, step)  # cached for the timed trial of this point, if any
+        return result
+    tokens_per_step = point.batch_size * (point.input_length + point.target_length)
+    timed = spec["timed_steps"]
+    if spec.get("token_budget"):  # the loss objective: run until the token budget is spent
+        timed = max(timed, math.ceil(spec["token_budget"] / tokens_per_step) - spec["warmup_steps"])
+    try:
+        timing = time_steps(run, step, spec["warmup_steps"], timed)
+    except Exception as error:
+        return result | {"status": _failure_status(error, "crash"), "error": _one_line(error)}
+    median = timing["step_time_s"]["median"]
+    # Emulated CPU devices share one machine, so they share its one measured peak.
+    peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
+    return result | timing | {
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / median,
+        "tokens_per_s_per_device": tokens_per_step / median / point.devices,
+        "mfu": mfu(analysis["flops_per_step"]["model"], median, spec["peak_flops_per_s"], peak_devices),
+        "final_loss": timing["losses"][-1],
+        "tokens_seen": tokens_per_step * len(timing["losses"]),
+    }  # fmt: skip
+
+
+def _failure_status(error: BaseException, otherwise: str) -> str:
+    return "out-of-memory" if any(m in str(error) for m in _OOM_MARKERS) else otherwise
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    import jax
+
+    import t5scale  # noqa: F401  (CPU collective ordering, before anything compiles)
+    from t5scale.parallel.cluster import DistributedConfig, start_cluster
+
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", 1)))
+    # Under a launcher (srun, several hosts) each process joins the cluster; one writes.
+    cluster = start_cluster(DistributedConfig())
+    result = _machine(spec) if spec["kind"] == "machine" else _trial(spec)
+    if jax.process_index() == 0:
+        tmp = Path(result_path + ".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(result_path)  # complete or absent: a killed trial leaves no half result
+    cluster.done()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

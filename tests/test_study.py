@@ -1,0 +1,278 @@
+"""The scaling study: real trials in real processes, the funnel, resume, failures, the report,
+the planner, the cluster model and the Colab notebook.
+
+The study, plan and notebook tests share one small grid (mt5_tiny, lengths 32/8, micro-batch 1,
+stages 0 and 3 on 2 and 4 devices), so the session's compilation cache compiles each of its
+programs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from t5scale.study import funnel
+from t5scale.study.config import Point
+from t5scale.study.simulate import ClusterConfig, collective_seconds, predict
+from t5scale.study.trial import run_trial
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = [
+    "--gin.StudyConfig.models=['mt5_tiny']",
+    "--gin.StudyConfig.stages=[0, 3]",
+    "--gin.StudyConfig.devices=[2, 4]",
+    "--gin.StudyConfig.input_length=32",
+    "--gin.StudyConfig.target_length=8",
+    "--gin.StudyConfig.timed_steps=2",
+    "--gin.StudyConfig.trial_timeout_s=180",
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def t5scale(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "t5scale.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy(),
+    )  # fmt: skip
+
+
+def records(study_dir: Path) -> list[dict]:
+    lines = (study_dir / "results.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory):
+    """One funneled study of the shared grid."""
+    study_dir = tmp_path_factory.mktemp("study") / "study"
+    done = t5scale("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
+    return study_dir, done
+
+
+def test_quick_study_funnels_records_resumes_and_reports(finished_study):
+    study_dir, done = finished_study
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ETA" in done.stdout and "study done" in done.stdout
+
+    found = records(study_dir)
+    compiled = [r for r in found if r["kind"] == "compile"]
+    timed = [r for r in found if r["kind"] == "timed"]
+    # compiled: both stages on 2 devices, then only the one that goes on, on 4
+    assert len(compiled) == 3 and all(r["status"] == "ok" for r in compiled)
+    for r in timed:
+        assert r["status"] == "ok", r
+        step = r["step_time_s"]
+        assert step["timed_steps"] == 2 and step["min"] <= step["median"] <= step["max"]
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / step["median"])
+        assert r["tokens_per_s_per_device"] == pytest.approx(
+            r["tokens_per_s"] / r["config"]["devices"]
+        )
+        assert 0 < r["mfu"] < 1
+        memory = r["analysis"]["memory_per_device"]
+        assert memory["peak_estimate_bytes"] > 0 and r["fits"]
+        assert r["analysis"]["model_state_per_device"]["zero_formula_bytes"]["total"] > 0
+        assert r["analysis"]["compile_time_s"] > 0
+        assert r["gin_bindings"] and r["machine"]["backend"] == "cpu"
+    # The stages are real: their collectives differ as the table says.
+    by_stage = {r["config"]["stage"]: r for r in timed if r["config"]["devices"] == 2}
+    assert "all-reduce" in by_stage[0]["analysis"]["collectives"]
+    assert {"all-gather", "reduce-scatter"} <= set(by_stage[3]["analysis"]["collectives"])
+
+    # The funnel: both stages timed on 2 devices, only the faster per device goes on to 4.
+    faster = max(by_stage.values(), key=lambda r: r["tokens_per_s_per_device"])
+    on_four = [r for r in timed if r["config"]["devices"] == 4]
+    assert [r["config"]["stage"] for r in on_four] == [faster["config"]["stage"]]
+    text = (study_dir / "funnel.md").read_text()
+    assert "| 1: 2 devices, compile only | 2 | 2 | - | 0 | 2 |" in text
+    assert "| 2: 2 devices, timed | 2 | 2 | - | 1 | 1 |" in text
+    assert "| 3: 4 devices, compile only | 1 | 1 | - | 0 | 1 |" in text
+    assert f"ZeRO stage {faster['config']['stage']}" in text and "saved" in text
+
+    # The report: tables and four PNG plots.
+    report = (study_dir / "report.md").read_text()
+    assert "| mt5_tiny | 3 | 2 |" in report
+    for name in ("step_time", "tokens_per_device", "mfu", "memory"):
+        assert (study_dir / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+
+    # Resume: a study cut short (last record lost, a half-written line) runs only what is missing.
+    lines = (study_dir / "results.jsonl").read_text().splitlines()
+    (study_dir / "results.jsonl").write_text("\n".join(lines[:-1]) + '\n{"key": "timed:mod')
+    logs_before = len(list((study_dir / "trials").glob("*.log")))
+    again = t5scale("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "ends in a cut line" in again.stdout
+    assert len(list((study_dir / "trials").glob("*.log"))) == logs_before + 1
+    assert {r["key"] for r in records(study_dir) if "key" in r} >= {r["key"] for r in found}
+
+
+def _spec(point: Point, kind: str = "compile", budget: int | None = None) -> dict:
+    return {"kind": kind, "point": point.__dict__, "memory_budget_bytes": budget,
+            "devices_per_process": point.devices,
+            "warmup_steps": 1, "timed_steps": 1, "token_budget": 0, "peak_flops_per_s": 1e11}  # fmt: skip
+
+
+def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
+    tiny = Point("mt5_tiny", 3, 1, "none", 1e-3, devices=2, input_length=32, target_length=8)
+    timeout = run_trial(_spec(tiny, "timed"), tmp_path, "timeout", timeout_s=0.5)
+    assert timeout["status"] == "timeout" and timeout["wall_s"] < 10
+    oom = run_trial(_spec(tiny, budget=1024), tmp_path, "oom", timeout_s=180)
+    assert oom["status"] == "out-of-memory" and "exceeds the budget" in oom["error"]
+    # 4 heads do not split over tensor=3
+    bad = Point(
+        "mt5_tiny", 0, 1, "none", 1e-3, devices=3, tensor=3, input_length=32, target_length=8
+    )
+    error = run_trial(_spec(bad), tmp_path, "bad", timeout_s=180)
+    assert error["status"] == "compile error", error
+    missing = dataclasses.replace(tiny, model="mt5_missing")  # its gin file does not exist
+    crash = run_trial(_spec(missing), tmp_path, "crash", timeout_s=180)
+    assert crash["status"] == "crash" and "mt5_missing.gin" in crash["error"]
+
+
+def test_keep_best_by_throughput_or_by_loss():
+    def record(stage: int, per_device: float, loss: float) -> dict:
+        point = Point("m", stage, 1, "none", 1e-3, devices=2)
+        return {"status": "ok", "config": point.as_dict(), "tokens_per_s_per_device": per_device,
+                "final_loss": loss}  # fmt: skip
+
+    runs = [record(0, 100, 5.0), record(1, 300, 6.0), record(2, 200, 4.0), record(3, 50, 7.0)]
+    runs.append({**record(3, 0, 0), "status": "timeout"})
+    by_speed = {c.stage for c in funnel.keep_best(runs, "tokens_per_s_per_device", 0.5)}
+    by_loss = {c.stage for c in funnel.keep_best(runs, "loss", 0.5)}
+    assert by_speed == {1, 2} and by_loss == {2, 0}
+    assert len(funnel.keep_best(runs, "loss", 0.01)) == 1  # at least one survives
+
+
+def test_study_config_errors_are_one_line(tmp_path):
+    bad = t5scale("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "ZeRO stages are 0-3" in bad.stderr
+    missing = t5scale("report", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "run `t5scale study`" in missing.stderr
+
+
+def test_plan_answers_per_stage_without_running(tmp_path):
+    done = t5scale(
+        "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DEVICES=2",
+        "--gin.DEVICE_MEMORY_GB=0.010", "--gin.PlanConfig.stages=[0, 3]",
+        "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout)
+    zero, three = plan["stages"]
+    assert zero["parameters_per_device"] == zero["parameters"]
+    assert three["parameters_per_device"] < zero["parameters"] / 1.9  # sharded 2 ways (+ odd dims)
+    assert three["zero_formula_bytes"]["total"] < zero["zero_formula_bytes"]["total"] / 1.9
+    assert (
+        three["xla_memory_per_device"]["peak_estimate_bytes"]
+        < zero["xla_memory_per_device"]["peak_estimate_bytes"]
+    )
+    assert not zero["fits"] and three["fits"]  # 10 MB: stage 0 needs 12.8 MB, stage 3 7.6 MB
+    assert "all-reduce" in zero["collectives"] and "reduce-scatter" in three["collectives"]
+
+
+def test_cluster_model_ring_times():
+    # 2 all-gathers of 8 GB in all over 8 GPUs at 100 GB/s, 1 µs latency
+    seconds = collective_seconds("all-gather", 2, 8e9, 8, 100e9, 1e-6)
+    assert seconds == pytest.approx(7 / 8 * 8e9 / 100e9 + 2 * 7 * 1e-6)
+    assert collective_seconds("all-reduce", 2, 8e9, 8, 100e9, 1e-6) == pytest.approx(2 * seconds)
+    assert collective_seconds("all-reduce", 5, 8e9, 1, 100e9, 1e-6) == 0
+
+
+def test_simulate_finds_stage_2_faster_than_3_and_diminishing_returns(tmp_path):
+    cluster = [
+        "--gin.ClusterConfig.gpus_per_node=1", "--gin.ClusterConfig.peak_flops=1e12",
+        "--gin.ClusterConfig.inter_node_bandwidth=1e8", "--gin.ClusterConfig.intra_node_bandwidth=1e9",
+        "--gin.SimulateConfig.nodes=[1, 2]", "--gin.SimulateConfig.stages=[0, 3]",
+        "--gin.SimulateConfig.micro_batch_size=1",
+    ]  # fmt: skip
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path)}
+    done = t5scale(
+        "simulate", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/a100.gin",
+        *cluster, "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json", env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(r["stage"], r["nodes"]): r for r in json.loads(done.stdout)["rows"]}
+    assert rows[3, 1]["communication_s"] == rows[0, 1]["communication_s"] == 0  # one GPU
+    assert rows[3, 2]["communication_s"] > rows[0, 2]["communication_s"]
+    assert rows[3, 2]["step_s"] > rows[0, 2]["step_s"]
+    for stage in (0, 3):  # more nodes, less per GPU: one GPU needs no network
+        assert rows[stage, 2]["tokens_per_s_per_device"] < rows[stage, 1]["tokens_per_s_per_device"]
+    assert (tmp_path / "t5scale" / "step_analyses.json").exists()  # the next call compiles nothing
+
+
+def test_predict_adds_compute_update_and_unhidden_communication():
+    analysis = {
+        "devices": 16, "zero_stage": 3, "parameters": 1_000_000,
+        "flops_per_step": {"model": 16e12, "model_per_device": 1e12},
+        "model_state_per_device": {"zero_formula_bytes": {"optimizer_state": 8e6 / 16}},
+        "memory_per_device": {"peak_estimate_bytes": 1e9},
+        "collectives": {"all-gather": {"count": 10, "bytes": 4e9, "operand_bytes": 4e9 / 16}},
+    }  # fmt: skip
+    cluster = ClusterConfig(peak_flops=1e13, compute_efficiency=0.5, memory_bandwidth=1e9,
+                            inter_node_bandwidth=1e9, inter_node_latency_s=0, overlap=0.5)  # fmt: skip
+    got = predict(analysis, cluster, nodes=2, remat="none", tokens_per_step=1000)
+    compute, comm = 1e12 / 5e12, 15 / 16 * 4e9 / 1e9
+    update = (2 * 8e6 / 16 + 3 * 4e6 / 16) / 1e9
+    assert got["step_s"] == pytest.approx(compute + update + comm - 0.5 * compute)
+    assert got["fits"]
+
+
+def test_colab_notebook_runs_headless(finished_study, tmp_path):
+    """The notebook on the finished study's grid, one trial of which it runs itself."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    study_dir = finished_study[0]
+    lines = (study_dir / "results.jsonl").read_text().splitlines()
+    (study_dir / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    notebook = nbformat.read(REPO / "notebooks" / "t5scale_colab.ipynb", as_version=4)
+    index = next(
+        i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])
+    )
+    reduced = nbformat.v4.new_code_cell(
+        f"STUDY_DIR = {str(study_dir)!r}\nMODELS = ['mt5_tiny']\n"
+        "STAGES = [0, 3]\nDEVICES = [2, 4]\nINPUT_LENGTH, TARGET_LENGTH = 32, 8\nTIMED_STEPS = 2"
+    )
+    notebook.cells.insert(index + 1, reduced)  # as papermill injects parameters
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()  # fmt: skip
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 4
+    assert len(records(study_dir)) == len(lines)  # the missing trial ran again
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "backend: cpu" in text and "trials in" in text
+
+
+@pytest.mark.slow  # out of CI's budget
+def test_trials_across_hosts_run_under_the_launcher(tmp_path):
+    """A 4-device trial on 2 'hosts' of 2 devices: two processes under a stand-in srun."""
+    from test_launch import FAKE_SRUN
+
+    srun = tmp_path / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
+    env |= {"PATH": f"{tmp_path}:{env['PATH']}", "SLURM_JOB_ID": "7",
+            "T5SCALE_COORDINATOR_PORT": str(port)}  # fmt: skip
+    study_dir = tmp_path / "study"
+    done = t5scale(
+        "study", *GRID, "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[4]",
+        "--gin.StudyConfig.search='grid'", "--gin.StudyConfig.devices_per_host=2",
+        "--gin.StudyConfig.trial_launcher='env SLURM_NTASKS={hosts} srun --nodes={hosts}'",
+        f"--gin.StudyConfig.study_dir={study_dir}", env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (record,) = records(study_dir)
+    assert record["status"] == "ok", record
+    assert record["analysis"]["devices"] == 4 and record["analysis"]["mesh"]["zero"] == 4
+    log = Path(record["log"]).read_text()
+    assert "process 1/2 (slurm)" in log
