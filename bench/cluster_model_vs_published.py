@@ -24,7 +24,9 @@ jax.config.update("jax_num_cpu_devices", 256)
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
 from t5scale.study.simulate import predict, step_analysis  # noqa: E402
 
-T5X = "NVIDIA/JAX-Toolbox rosetta/rosetta/projects/t5x/README.md @ 12d19d5c (t5x, A100 80G SXM, bf16)"
+T5X = (
+    "NVIDIA/JAX-Toolbox rosetta/rosetta/projects/t5x/README.md @ 12d19d5c (t5x, A100 80G SXM, bf16)"
+)
 NEMO = "NVIDIA/NeMo-Framework-Launcher README.md @ 003d7e63, mT5 3B scaling (DGX A100 80GB)"
 # (label, preset, GPUs, per-GPU batch, published sequences/s)
 T5X_ROWS = [
