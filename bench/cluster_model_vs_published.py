@@ -13,6 +13,7 @@ Compiling on up to 256 emulated devices takes minutes; analyses are cached (simu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 
@@ -39,6 +40,11 @@ T5X_ROWS = [
 NEMO_ROWS = {1: 91166, 2: 179583, 4: 346263, 5: 429088, 10: 798570, 20: 1303767}
 
 
+def OVERLAPPED(cluster):  # noqa: N802  (a second reading of the same cluster)
+    """The same cluster with communication fully hidden behind compute where it can be."""
+    return dataclasses.replace(cluster, overlap=1.0)
+
+
 def run_for(preset: str, vocab: int | None, remat: str = "none"):
     bindings = ["INPUT_LENGTH=512", "TARGET_LENGTH=128", "ModelConfig.dtype='bfloat16'",
                 f"ModelConfig.remat='{remat}'"]  # fmt: skip
@@ -51,16 +57,20 @@ def run_for(preset: str, vocab: int | None, remat: str = "none"):
 def t5x_table() -> list[str]:
     lines = [f"Source: {T5X}.", "",
              "| model | GPUs | batch/GPU | published seq/s | predicted seq/s | error | "
-             "predicted MFU | fits (XLA GB) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "predicted, full overlap | error | fits (XLA GB) |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, preset, gpus, micro, published in T5X_ROWS:
         run, cluster = run_for(preset, vocab=32128)
         analysis = step_analysis(run, 0, gpus, micro)
         tokens = micro * gpus * 640
-        p = predict(analysis, cluster, gpus // cluster.gpus_per_node, run.model.remat, tokens)
-        predicted = p["tokens_per_s"] / 640
+        nodes = gpus // cluster.gpus_per_node
+        p = predict(analysis, cluster, nodes, run.model.remat, tokens)
+        full = predict(analysis, OVERLAPPED(cluster), nodes, run.model.remat, tokens)
+        predicted, overlapped = p["tokens_per_s"] / 640, full["tokens_per_s"] / 640
         lines.append(
             f"| {label} | {gpus} | {micro} | {published:,} | {predicted:,.0f} | "
-            f"{100 * (predicted / published - 1):+.0f}% | {100 * p['mfu']:.0f}% | "
+            f"{100 * (predicted / published - 1):+.0f}% | {overlapped:,.0f} | "
+            f"{100 * (overlapped / published - 1):+.0f}% | "
             f"{'yes' if p['fits'] else 'no'} ({p['xla_peak_bytes'] / 1e9:.0f}) |"
         )
         print(lines[-1], flush=True)
@@ -71,17 +81,21 @@ def nemo_table() -> list[str]:
     run, cluster = run_for("mt5_xl", vocab=None)
     lines = [f"Source: {NEMO}. Predicted: mt5_xl, ZeRO stage 1 (closest to a distributed "
              "optimizer; t5scale has no TP 2 in the cluster model), batch 24 per GPU.", "",
-             "| nodes | published tokens/s | speed-up | predicted tokens/s | predicted speed-up |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    base_pub = base_pred = None
+             "| nodes | published tokens/s | speed-up | predicted tokens/s | speed-up | error | "
+             "predicted, full overlap | speed-up | error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    base_pub = base_pred = base_full = None
     for nodes, published in NEMO_ROWS.items():
         gpus = nodes * cluster.gpus_per_node
         analysis = step_analysis(run, 1, gpus, 24)
-        p = predict(analysis, cluster, nodes, run.model.remat, 24 * gpus * 640)
-        base_pub, base_pred = base_pub or published, base_pred or p["tokens_per_s"]
+        p = predict(analysis, cluster, nodes, run.model.remat, 24 * gpus * 640)["tokens_per_s"]
+        full = predict(analysis, OVERLAPPED(cluster), nodes, run.model.remat, 24 * gpus * 640)
+        full = full["tokens_per_s"]
+        base_pub, base_pred, base_full = base_pub or published, base_pred or p, base_full or full
         lines.append(
-            f"| {nodes} | {published:,} | {published / base_pub:.2f}× | {p['tokens_per_s']:,.0f} | "
-            f"{p['tokens_per_s'] / base_pred:.2f}× |"
+            f"| {nodes} | {published:,} | {published / base_pub:.2f}× | {p:,.0f} | "
+            f"{p / base_pred:.2f}× | {100 * (p / published - 1):+.0f}% | {full:,.0f} | "
+            f"{full / base_full:.2f}× | {100 * (full / published - 1):+.0f}% |"
         )
         print(lines[-1], flush=True)
     return lines
