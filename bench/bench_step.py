@@ -35,13 +35,13 @@ import t5scale  # noqa: F401  (CPU collective-ordering flag, before JAX starts)
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
 
 from t5scale.analysis.flops import mfu, training_flops_per_step  # noqa: E402
 from t5scale.analysis.memory import compiled_memory  # noqa: E402
 from t5scale.data.synthetic import DataConfig, synthetic_batch  # noqa: E402
 from t5scale.model.sizes import preset  # noqa: E402
 from t5scale.parallel.mesh import ParallelConfig, make_mesh  # noqa: E402
+from t5scale.study.peak import matmul_peak  # noqa: E402
 from t5scale.train import optim  # noqa: E402
 from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings  # noqa: E402
 from t5scale.train.step import batch_sharding, make_train_step  # noqa: E402
@@ -71,26 +71,6 @@ def memory_budget(devices: list) -> int:
     if on_gpu():
         return int(devices[0].memory_stats()["bytes_limit"])
     return CPU_MEMORY_BUDGET // len(devices)
-
-
-def matmul_peak(dtype: str, repeats: int = 5) -> float:
-    """FLOP/s of a large matmul on one device in `dtype` (median of `repeats`)."""
-    n, inner = (8192, 20) if on_gpu() else (4096, 1)  # GPU: time 20 products per sample
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
-
-    @jax.jit
-    def matmuls(x):
-        for _ in range(inner):  # a chain, so none is optimised away
-            x = (x @ a).astype(x.dtype)
-        return x
-
-    matmuls(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmuls(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return inner * 2 * n**3 / statistics.median(times)
 
 
 def bench_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> dict:
