@@ -276,3 +276,21 @@ def test_trials_across_hosts_run_under_the_launcher(tmp_path):
     assert record["analysis"]["devices"] == 4 and record["analysis"]["mesh"]["zero"] == 4
     log = Path(record["log"]).read_text()
     assert "process 1/2 (slurm)" in log
+
+
+@pytest.mark.slow  # out of CI's budget
+def test_the_loss_objective_keeps_the_learning_rate_that_learns(tmp_path):
+    """Two learning rates, the same token budget: the one that lowers the loss goes on."""
+    study_dir = tmp_path / "study"
+    done = t5scale(
+        "study", *GRID, "--gin.StudyConfig.stages=[0]", "--gin.StudyConfig.objective='loss'",
+        "--gin.StudyConfig.learning_rates=[1e-6, 3e-3]", "--gin.StudyConfig.token_budget=800",
+        "--gin.StudyConfig.extra_bindings=['OptimizerConfig.warmup_steps=1']",
+        f"--gin.StudyConfig.study_dir={study_dir}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    timed = [r for r in records(study_dir) if r["kind"] == "timed"]
+    on_two = {r["config"]["learning_rate"]: r for r in timed if r["config"]["devices"] == 2}
+    assert on_two[1e-6]["tokens_seen"] == on_two[3e-3]["tokens_seen"] >= 800
+    assert on_two[3e-3]["final_loss"] < on_two[1e-6]["final_loss"]
+    assert [r["config"]["learning_rate"] for r in timed if r["config"]["devices"] == 4] == [3e-3]

@@ -111,17 +111,8 @@ def _point_run(spec: dict[str, Any]):
 
 
 def _trial(spec: dict[str, Any]) -> dict[str, Any]:
+    """Compile the point; if it fits and the trial is timed, time it."""
     import jax
-
-    from t5scale.analysis.flops import mfu
-    from t5scale.parallel.mesh import MeshError
-    from t5scale.study.measure import (
-        compile_state_init,
-        compile_step,
-        model_state_per_device,
-        time_steps,
-    )
-    from t5scale.train.config import ConfigError
 
     point, run = _point_run(spec)
     if point.devices > jax.device_count():
@@ -129,53 +120,78 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
             "status": "crash",
             "error": f"{point.devices} devices asked, {jax.device_count()} here",
         }
-    budget = spec.get("memory_budget_bytes")
-    try:
-        lower_bound = model_state_per_device(run, jax.devices()[: point.devices])
-        if budget is not None and lower_bound > budget:  # no need to compile to know
-            return {"status": "out-of-memory", "memory_budget_bytes": budget, "fits": False,
-                    "error": f"the ZeRO formula's model state alone, {lower_bound / 2**30:.2f} GiB "
-                    f"per device, exceeds the budget {budget / 2**30:.2f} GiB"}  # fmt: skip
-        step = compile_step(run, jax.devices()[: point.devices])
-    except (ConfigError, MeshError) as error:
-        return {"status": "compile error", "error": str(error)}
-    except Exception as error:  # XLA's own compile failures
-        return {"status": _failure_status(error, "compile error"), "error": _one_line(error)}
-    analysis = step.analysis
-    result: dict[str, Any] = {"status": "ok", "analysis": analysis}
-    peak_bytes = analysis["memory_per_device"]["peak_estimate_bytes"]
-    result["memory_budget_bytes"] = budget
-    result["fits"] = budget is None or peak_bytes <= budget
-    if not result["fits"]:
-        return result | {
-            "status": "out-of-memory",
-            "error": f"XLA's per-device estimate {peak_bytes / 2**30:.2f} GiB exceeds the budget "
-            f"{budget / 2**30:.2f} GiB",
-        }
+    step, result = _compile(run, jax.devices()[: point.devices], spec.get("memory_budget_bytes"))
+    if result["status"] != "ok":
+        return result
     if spec["kind"] == "compile":
+        from t5scale.study.measure import compile_state_init
+
         # Identical programs (every stage on one device) are timed once: see runner.py.
         result["program_fingerprint"] = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
         compile_state_init(run, step)  # cached for the timed trial of this point, if any
         return result
+    return result | _time(spec, point, run, step)
+
+
+def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
+    """(compiled step or None, result): out-of-memory by the ZeRO formula before compiling,
+    or by XLA's estimate after."""
+    from t5scale.parallel.mesh import MeshError
+    from t5scale.study.measure import compile_step, model_state_per_device
+    from t5scale.train.config import ConfigError
+
+    try:
+        lower_bound = model_state_per_device(run, devices)
+        if budget is not None and lower_bound > budget:  # no need to compile to know
+            return None, {"status": "out-of-memory", "memory_budget_bytes": budget, "fits": False,
+                          "error": f"the ZeRO formula's model state alone, "
+                          f"{lower_bound / 2**30:.2f} GiB per device, exceeds the budget "
+                          f"{budget / 2**30:.2f} GiB"}  # fmt: skip
+        step = compile_step(run, devices)
+    except (ConfigError, MeshError) as error:
+        return None, {"status": "compile error", "error": str(error)}
+    except Exception as error:  # XLA's own compile failures
+        return None, {"status": _failure_status(error, "compile error"), "error": _one_line(error)}
+    peak_bytes = step.analysis["memory_per_device"]["peak_estimate_bytes"]
+    fits = budget is None or peak_bytes <= budget
+    result = {"status": "ok", "analysis": step.analysis, "memory_budget_bytes": budget,
+              "fits": fits}  # fmt: skip
+    if not fits:
+        result |= {
+            "status": "out-of-memory",
+            "error": f"XLA's per-device estimate {peak_bytes / 2**30:.2f} GiB exceeds the budget "
+            f"{budget / 2**30:.2f} GiB",
+        }
+    return step, result
+
+
+def _time(spec: dict[str, Any], point, run, step) -> dict[str, Any]:
+    """Warm-up and timed steps; with a token budget (the loss objective), as many as it takes."""
+    import jax
+
+    from t5scale.analysis.flops import mfu
+    from t5scale.study.measure import time_steps
+
     tokens_per_step = point.batch_size * (point.input_length + point.target_length)
     timed = spec["timed_steps"]
-    if spec.get("token_budget"):  # the loss objective: run until the token budget is spent
+    if spec.get("token_budget"):
         timed = max(timed, math.ceil(spec["token_budget"] / tokens_per_step) - spec["warmup_steps"])
     try:
         timing = time_steps(run, step, spec["warmup_steps"], timed)
     except Exception as error:
-        return result | {"status": _failure_status(error, "crash"), "error": _one_line(error)}
+        return {"status": _failure_status(error, "crash"), "error": _one_line(error)}
     median = timing["step_time_s"]["median"]
     # Emulated CPU devices share one machine, so they share its one measured peak.
     peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
-    return result | timing | {
+    model_flops = step.analysis["flops_per_step"]["model"]
+    return timing | {
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / median,
         "tokens_per_s_per_device": tokens_per_step / median / point.devices,
-        "mfu": mfu(analysis["flops_per_step"]["model"], median, spec["peak_flops_per_s"], peak_devices),
+        "mfu": mfu(model_flops, median, spec["peak_flops_per_s"], peak_devices),
         "final_loss": timing["losses"][-1],
         "tokens_seen": tokens_per_step * len(timing["losses"]),
-    }  # fmt: skip
+    }
 
 
 def _failure_status(error: BaseException, otherwise: str) -> str:
