@@ -40,7 +40,7 @@ T5X_ROWS = [
 NEMO_ROWS = {1: 91166, 2: 179583, 4: 346263, 5: 429088, 10: 798570, 20: 1303767}
 
 
-def OVERLAPPED(cluster):  # noqa: N802  (a second reading of the same cluster)
+def with_full_overlap(cluster):
     """The same cluster with communication fully hidden behind compute where it can be."""
     return dataclasses.replace(cluster, overlap=1.0)
 
@@ -65,7 +65,7 @@ def t5x_table() -> list[str]:
         tokens = micro * gpus * 640
         nodes = gpus // cluster.gpus_per_node
         p = predict(analysis, cluster, nodes, run.model.remat, tokens)
-        full = predict(analysis, OVERLAPPED(cluster), nodes, run.model.remat, tokens)
+        full = predict(analysis, with_full_overlap(cluster), nodes, run.model.remat, tokens)
         predicted, overlapped = p["tokens_per_s"] / 640, full["tokens_per_s"] / 640
         lines.append(
             f"| {label} | {gpus} | {micro} | {published:,} | {predicted:,.0f} | "
@@ -89,7 +89,9 @@ def nemo_table() -> list[str]:
         gpus = nodes * cluster.gpus_per_node
         analysis = step_analysis(run, 1, gpus, 24)
         p = predict(analysis, cluster, nodes, run.model.remat, 24 * gpus * 640)["tokens_per_s"]
-        full = predict(analysis, OVERLAPPED(cluster), nodes, run.model.remat, 24 * gpus * 640)
+        full = predict(
+            analysis, with_full_overlap(cluster), nodes, run.model.remat, 24 * gpus * 640
+        )
         full = full["tokens_per_s"]
         base_pub, base_pred, base_full = base_pub or published, base_pred or p, base_full or full
         lines.append(

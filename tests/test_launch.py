@@ -35,7 +35,9 @@ def _gpu_flags() -> str:
     return subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
 
 
-def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
+def fake_slurm_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without SLURM or t5scale settings, a stand-in srun first on PATH and a
+    free coordinator port."""
     srun = tmp_path / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
@@ -43,11 +45,15 @@ def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
+    return env | {"PATH": f"{tmp_path}:{env['PATH']}", "T5SCALE_COORDINATOR_PORT": str(port)}
+
+
+def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
+    env = fake_slurm_env(tmp_path)
     env |= {
-        "PATH": f"{tmp_path}:{env['PATH']}",
         "SLURM_JOB_ID": "31337", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1",
         "SLURM_SUBMIT_DIR": str(REPO), "T5SCALE_PYTHON": sys.executable,
-        "T5SCALE_COORDINATOR_PORT": str(port), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
     }  # fmt: skip
     result = subprocess.run(
         ["bash", str(LAUNCH / "slurm.sbatch"), "t5scale", "cluster-check", "--cpu_devices=2"],

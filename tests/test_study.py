@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -252,17 +251,9 @@ def test_colab_notebook_runs_headless(finished_study, tmp_path):
 @pytest.mark.slow  # out of CI's budget
 def test_trials_across_hosts_run_under_the_launcher(tmp_path):
     """A 4-device trial on 2 'hosts' of 2 devices: two processes under a stand-in srun."""
-    from test_launch import FAKE_SRUN
+    from test_launch import fake_slurm_env
 
-    srun = tmp_path / "srun"
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
-    env |= {"PATH": f"{tmp_path}:{env['PATH']}", "SLURM_JOB_ID": "7",
-            "T5SCALE_COORDINATOR_PORT": str(port)}  # fmt: skip
+    env = fake_slurm_env(tmp_path) | {"SLURM_JOB_ID": "7"}
     study_dir = tmp_path / "study"
     done = t5scale(
         "study", *GRID, "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[4]",

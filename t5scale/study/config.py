@@ -105,17 +105,10 @@ class StudyConfig:
         return [Configuration(*values) for values in itertools.product(*axes)]
 
     def point(self, configuration: Configuration, devices: int) -> Point:
-        return Point(
-            **dataclasses.asdict(configuration),
-            devices=devices,
-            tensor=self.tensor,
-            gradient_accumulation=self.gradient_accumulation,
-            input_length=self.input_length,
-            target_length=self.target_length,
-            dtype=self.dtype,
-            optimizer=self.optimizer,
-            data_source=self.data_source,
-        )
+        """The configuration on `devices`, with this study's settings for every trial."""
+        shared = {f.name for f in dataclasses.fields(Point)} - {"devices"}
+        settings = {name: getattr(self, name) for name in shared if hasattr(self, name)}
+        return Point(**dataclasses.asdict(configuration), devices=devices, **settings)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -155,9 +148,7 @@ class Point:
 
     @property
     def configuration(self) -> Configuration:
-        return Configuration(
-            self.model, self.stage, self.micro_batch_size, self.remat, self.learning_rate
-        )
+        return Configuration(*(getattr(self, f.name) for f in dataclasses.fields(Configuration)))
 
     @property
     def batch_size(self) -> int:

@@ -10,21 +10,19 @@ from typing import Any
 import jax
 
 from t5scale.analysis.memory import model_state_bytes
-from t5scale.analysis.step import analyze_step
 from t5scale.parallel.mesh import make_mesh
 from t5scale.parallel.zero import get_stage
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
-from t5scale.train.loop import abstract_batch, check_batch
+from t5scale.train.loop import check_batch, compile_train_step
 from t5scale.train.state import (
     abstract_state,
     create_state,
     plan_for,
-    sharded_abstract_state,
     state_initializer,
     state_shardings,
 )
-from t5scale.train.step import LossConfig, batch_sharding, make_train_step
+from t5scale.train.step import batch_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +41,7 @@ def compile_step(run: RunConfig, devices=None) -> CompiledStep:
     plan = plan_for(run.model, run.parallel.zero_stage, mesh)
     abstract = abstract_state(run.model, tx)
     shardings = state_shardings(plan, tx, abstract)
-    step = make_train_step(
-        run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss)
-    )
-    started = time.perf_counter()
-    compiled = step.lower(
-        sharded_abstract_state(abstract, shardings), abstract_batch(run, plan)
-    ).compile()
-    analysis = analyze_step(compiled, run, plan, tx, time.perf_counter() - started)
+    compiled, analysis = compile_train_step(run, plan, tx, abstract, shardings)
     return CompiledStep(compiled, plan, tx, analysis)
 
 

@@ -91,14 +91,8 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         )  # fmt: skip
     try:
         state = restored.state if restored else create_state(run.model, tx, plan, cfg.seed)
-        step_fn = make_train_step(
-            run.model, plan, tx, shardings, cfg.micro_batches, LossConfig(cfg.z_loss),
-            skip_nonfinite=run.checkpoint.on_nonfinite == "skip",
-        )  # fmt: skip
-        started = time.perf_counter()
-        compiled = step_fn.lower(state, abstract_batch(run, plan)).compile()
-        analysis = analyze_step(
-            compiled, run, plan, tx, compile_time_s=time.perf_counter() - started
+        compiled, analysis = compile_train_step(
+            run, plan, tx, abstract, shardings, skip_nonfinite=run.checkpoint.on_nonfinite == "skip"
         )
         evaluate = validation_loss(run, plan, held_out) if held_out else None
         if primary:
@@ -112,6 +106,19 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             held_out.close()
         if checkpoints:
             checkpoints.close()  # waits for a save in flight
+
+
+def compile_train_step(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False):
+    """(compiled step, step_analysis.json's dict), lowered from abstract shapes in their
+    shardings (nothing allocated): for the training loop and the study's trials alike."""
+    step = make_train_step(
+        run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss),
+        skip_nonfinite=skip_nonfinite,
+    )  # fmt: skip
+    started = time.perf_counter()
+    state = sharded_abstract_state(abstract, shardings)
+    compiled = step.lower(state, abstract_batch(run, plan)).compile()
+    return compiled, analyze_step(compiled, run, plan, tx, time.perf_counter() - started)
 
 
 def abstract_batch(run: RunConfig, plan) -> dict[str, jax.ShapeDtypeStruct]:
