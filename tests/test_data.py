@@ -301,6 +301,7 @@ def test_learning_is_real_on_the_shipped_corpus(tmp_path):
     assert validation[-1][1] < validation[0][1]
 
 
+@pytest.mark.slow  # out of CI's budget
 def test_data_bench_reports_tokens_per_second(capsys):
     from t5scale.cli import main
 
