@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.model.mt5 import MT5, abstract_params, relative_position_bucket
+from t5scale.model.mt5 import MT5, abstract_params, project_to_vocab, relative_position_bucket
 from t5scale.model.sizes import PRESETS, ModelConfig
 
 PUBLISHED = {
@@ -92,6 +92,27 @@ def test_remat_policies_do_not_change_the_numbers():
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vocab_projection_has_the_gradients_of_a_plain_matmul(dtype):
+    """The output projection's hand-written backward pass (for the CPU's fast matmul form)
+    gives autodiff's gradients, under jit, with batch and length dimensions."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (3, 5, 16)).astype(dtype)
+    w = jax.random.normal(kw, (16, 40)).astype(dtype)
+    cotangent = jax.random.normal(kg, (3, 5, 40)).astype(dtype)
+
+    def grads(f):
+        out, vjp = jax.vjp(f, x, w)
+        return (out, *vjp(cotangent))
+
+    mine = jax.jit(lambda: grads(project_to_vocab))()
+    plain = jax.jit(lambda: grads(lambda a, b: a @ b))()
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    for a, b in zip(mine, plain, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():

@@ -221,6 +221,36 @@ def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast
     )
 
 
+@jax.custom_vjp
+def project_to_vocab(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for the output projection ([..., d_model] @ [d_model, vocab]), with a backward pass
+    written so that both of its matmuls are in the row-major form fast CPU kernels take.
+
+    Left to autodiff, w's gradient is x^T @ g contracted over the tokens, the leading dimension
+    of both: XLA:CPU then transposes the [tokens, vocab] gradient (0.5 s for mt5_small at batch
+    8, 512/114) and runs the product through its generic Eigen path at half the speed of its
+    YNNPACK matmuls (3.5 s against 2.0 s). Here x is transposed instead (tokens × d_model, 500×
+    smaller), behind an optimization barrier so that XLA cannot fold the transpose back.
+    """
+    return x @ w
+
+
+def _project_forward(x: jax.Array, w: jax.Array):
+    return x @ w, (x, w)
+
+
+def _project_backward(residuals, g: jax.Array):
+    x, w = residuals
+    rows = x.reshape(-1, x.shape[-1])
+    x_t = jax.lax.optimization_barrier(rows.T)  # [d_model, tokens], laid out row-major
+    dw = (x_t @ g.reshape(-1, g.shape[-1])).astype(w.dtype)
+    dx = (g @ w.T).astype(x.dtype)
+    return dx, dw
+
+
+project_to_vocab.defvjp(_project_forward, _project_backward)
+
+
 def _mask_to_bias(mask: jax.Array) -> jax.Array:
     return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)[:, None]  # [batch, 1, q, k]
 
@@ -300,7 +330,7 @@ class MT5(_Module):
         lm_head = self.weight(
             "lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )
-        logits = (decoded @ lm_head).astype(jnp.float32)
+        logits = project_to_vocab(decoded, lm_head).astype(jnp.float32)
         return self.constrain(logits, ("batch", "length", "vocab"))
 
 
