@@ -6,12 +6,15 @@
 
 Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks.md. Step time
 is the median of --steps timed steps after one warm-up step, each timed to block_until_ready;
-compile time is reported apart. MFU = model FLOPs per step (t5scale.analysis.flops) / (step time ·
+compile time is reported apart. Every run's steps alternate one by one with steps of the
+1-device t5scale run (the reference), so that a comparison is made in the same moments of a
+machine whose speed drifts; "speed vs 1 device, paired" is the median over those pairs of the
+reference's step time over the run's. MFU = model FLOPs per step (t5scale.analysis.flops) / (step time ·
 peak · devices), the peak being this machine's measured fp32 matmul FLOP/s shared by all
 emulated devices (they share the same cores), so 8 emulated devices are held to one peak.
 The Hugging Face PyTorch MT5ForConditionalGeneration baseline runs on the same config, batch,
 lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping), in the same
-process.
+process, interleaved with the reference like the rest.
 
 On a GPU the same script runs on the one device it has (ZeRO stages need several), measures the
 matmul peak in the compute dtype (bf16: 8192³), and runs the transformers baseline on CUDA with
@@ -27,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -73,7 +77,16 @@ def memory_budget(devices: list) -> int:
     return CPU_MEMORY_BUDGET // len(devices)
 
 
-def bench_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> dict:
+@dataclasses.dataclass
+class Prepared:
+    """A run ready to time: compiled (or built), its state made, one warm-up step taken."""
+
+    row: dict
+    step: Callable[[], None] | None  # one blocking training step; None: it does not fit
+    release: Callable[[], None] = lambda: None
+
+
+def prepare_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> Prepared:
     model = dataclasses.replace(preset(model_name), dtype=setup.dtype, remat=setup.remat)
     data = DataConfig(input_length=setup.input_length, target_length=setup.target_length)
     # Plain AdamW without clipping, exactly as the transformers baseline runs it.
@@ -81,35 +94,34 @@ def bench_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> d
     mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=len(devices)), devices)
     plan = plan_for(model, stage, mesh)
     shardings = state_shardings(plan, tx, abstract_state(model, tx))
-    step = make_train_step(model, plan, tx, shardings)
+    train_step = make_train_step(model, plan, tx, shardings)
     batches = [
         jax.device_put(
             synthetic_batch(data, setup.batch, model.vocab_size, 0, i), batch_sharding(plan)
         )
         for i in range(2)
     ]
-    result = {"model": model_name, "stage": stage, "devices": len(devices)}
+    row = {"model": model_name, "framework": "t5scale (JAX)", "stage": stage,
+           "devices": len(devices)}  # fmt: skip
     started = time.perf_counter()
-    compiled = step.lower(abstract_state(model, tx), batches[0]).compile()
-    result["compile_s"] = time.perf_counter() - started
+    compiled = train_step.lower(abstract_state(model, tx), batches[0]).compile()
+    row["compile_s"] = time.perf_counter() - started
     peak = compiled_memory(compiled)["peak_estimate_bytes"]
-    result["memory_per_device_gib"] = peak / 2**30
+    row["memory_per_device_gib"] = peak / 2**30
     if peak > memory_budget(devices):
-        return result | {"status": "does not fit"}
-    state = create_state(model, tx, plan, seed=0)
-    state, metrics = compiled(state, batches[0])  # warm-up
-    jax.block_until_ready((state, metrics))
-    times = []
-    for i in range(setup.steps):
-        started = time.perf_counter()
-        state, metrics = compiled(state, batches[(i + 1) % 2])
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - started)
-    del state
-    return result | {"status": "ok", "step_s": statistics.median(times), "step_times_s": times}
+        return Prepared(row | {"status": "does not fit"}, None)
+    held = {"state": create_state(model, tx, plan, seed=0), "i": 0}
+
+    def step() -> None:
+        held["state"], metrics = compiled(held["state"], batches[held["i"] % 2])
+        jax.block_until_ready((held["state"], metrics))
+        held["i"] += 1
+
+    step()  # warm-up
+    return Prepared(row | {"status": "ok"}, step, held.clear)
 
 
-def bench_transformers(model_name: str, setup: Setup) -> dict:
+def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
     import contextlib
 
     import torch
@@ -128,31 +140,64 @@ def bench_transformers(model_name: str, setup: Setup) -> dict:
         d_kv=m.d_kv, num_layers=m.num_encoder_layers, num_decoder_layers=m.num_decoder_layers,
         feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
     )  # fmt: skip
-    model = MT5ForConditionalGeneration(config).to(device).train()
+    held = {"model": MT5ForConditionalGeneration(config).to(device).train()}
     # fused: one kernel for the whole update on CUDA (the fastest torch AdamW there).
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
+    held["optimizer"] = torch.optim.AdamW(
+        held["model"].parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
     )
     inputs = torch.randint(2, m.vocab_size, (setup.batch, setup.input_length), device=device)
     labels = torch.randint(2, m.vocab_size, (setup.batch, setup.target_length), device=device)
 
     def step() -> None:
         with autocast:
-            loss = model(input_ids=inputs, labels=labels).loss
+            loss = held["model"](input_ids=inputs, labels=labels).loss
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        held["optimizer"].step()
+        held["optimizer"].zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
 
     step()  # warm-up
-    times = []
-    for _ in range(setup.steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return {"model": model_name, "stage": "-", "devices": 1, "framework": "transformers (PyTorch)",
-            "status": "ok", "step_s": statistics.median(times), "step_times_s": times}  # fmt: skip
+    row = {"model": model_name, "stage": "-", "devices": 1,
+           "framework": "transformers (PyTorch)", "status": "ok"}  # fmt: skip
+    return Prepared(row, step, held.clear)
+
+
+def timed(step: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def time_runs(reference: Prepared | None, others: list[Callable[[], Prepared]], steps: int):
+    """Time each run's steps interleaved one by one with the reference's, so that both see the
+    same machine: on a shared 2-core VM the speed drifts by ±15% over minutes. Only the
+    reference and one other run are alive at a time (memory). Returns the finished rows."""
+    rows, reference_times = [], []
+    for prepare in others:
+        run = prepare()
+        if run.step is not None:
+            pairs = [
+                (timed(reference.step) if reference else None, timed(run.step))
+                for _ in range(steps)
+            ]
+            run.row["step_times_s"] = [t for _, t in pairs]
+            if reference:
+                reference_times += [r for r, _ in pairs]
+                # > 1: faster than the reference in the same moments
+                run.row["speed_vs_1_device"] = statistics.median(r / t for r, t in pairs)
+        run.release()
+        rows.append(run.row)
+    if reference is not None:
+        if not reference_times:  # nothing else to time: the reference alone
+            reference_times = [timed(reference.step) for _ in range(steps)]
+        reference.row["step_times_s"] = reference_times
+        reference.release()
+        rows.insert(0, reference.row)
+    for row in rows:
+        if row["status"] == "ok":
+            row["step_s"] = statistics.median(row["step_times_s"])
+    return rows
 
 
 def main() -> None:
@@ -183,16 +228,13 @@ def main() -> None:
         flops = training_flops_per_step(
             preset(name), setup.batch, setup.input_length, setup.target_length
         )
-        runs = []
-        if not args.no_t5scale:
-            runs.append(partial(bench_t5scale, name, 0, jax.devices()[:1], setup))
-            if len(jax.devices()) > 1:
-                runs += [partial(bench_t5scale, name, st, jax.devices(), setup) for st in range(4)]
+        reference = None if args.no_t5scale else prepare_t5scale(name, 0, jax.devices()[:1], setup)
+        others = []
+        if not args.no_t5scale and len(jax.devices()) > 1:
+            others += [partial(prepare_t5scale, name, st, jax.devices(), setup) for st in range(4)]
         if name in args.torch_models and not args.no_torch:
-            runs.append(partial(bench_transformers, name, setup))
-        for run_one in runs:
-            run = run_one()
-            run.setdefault("framework", "t5scale (JAX)")
+            others.append(partial(prepare_transformers, name, setup))
+        for run in time_runs(reference, others, setup.steps):
             run["model_flops_per_step"] = flops
             if run["status"] == "ok":
                 run["tokens_per_s"] = setup.tokens_per_step / run["step_s"]
@@ -203,17 +245,21 @@ def main() -> None:
 
     print(f"\n{device.device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
           f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
-          f"median of {setup.steps} steps after 1 warm-up\n")  # fmt: skip
-    print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"median of {setup.steps} steps after 1 warm-up, each interleaved with a step of the "
+          f"1-device t5scale run (its row: the median of all of those)\n")  # fmt: skip
+    print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
+          "| speed vs 1 device, paired |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
+        paired = f"{r['speed_vs_1_device']:.2f}×" if "speed_vs_1_device" in r else "-"
         if r["status"] != "ok":
             print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | "
-                  f"{compile_s} | {r['status']} ({r['memory_per_device_gib']:.1f} GiB/device) | | |")  # fmt: skip
+                  f"{compile_s} | {r['status']} ({r['memory_per_device_gib']:.1f} GiB/device) | | | |")  # fmt: skip
             continue
         print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | {compile_s} | "
-              f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% |")  # fmt: skip
+              f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% | "
+              f"{paired} |")  # fmt: skip
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"matmul_peak_flops": peak, "setup": dataclasses.asdict(setup),
