@@ -19,18 +19,22 @@ STEPS, BATCH = 5, 8
 TX = optim.make_optimizer(optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2))
 
 
-def run_steps(parallel: ParallelConfig, devices=None, micro_batches: int = 1, tx=TX):
+def run_steps(
+    parallel: ParallelConfig, devices=None, micro_batches: int = 1, tx=TX, model=MODEL, hlo=None
+):
     mesh = make_mesh(parallel, devices)
-    plan = plan_for(MODEL, parallel.zero_stage, mesh)
-    state = create_state(MODEL, tx, plan, seed=0)
+    plan = plan_for(model, parallel.zero_stage, mesh)
+    state = create_state(model, tx, plan, seed=0)
     step = make_train_step(
-        MODEL, plan, tx, state_shardings(plan, tx, abstract_state(MODEL, tx)), micro_batches
+        model, plan, tx, state_shardings(plan, tx, abstract_state(model, tx)), micro_batches
     )
     losses = []
     for i in range(STEPS):
         batch = jax.device_put(
-            synthetic_batch(DATA, BATCH, MODEL.vocab_size, 0, i), batch_sharding(plan)
+            synthetic_batch(DATA, BATCH, model.vocab_size, 0, i), batch_sharding(plan)
         )
+        if hlo is not None and i == 0:
+            hlo.append(step.lower(state, batch).compile().as_text())
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
@@ -103,3 +107,20 @@ def test_adafactor_trains_the_same_under_stage_3():
     assert base_losses[-1] < base_losses[0]
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True):
         assert _relative(got, want) <= 1e-5
+
+
+def test_stage3_gathers_the_tables_when_the_batch_outweighs_them():
+    # 8 examples of 32 + 2·16 rows against a 256-id vocabulary: moving the activations would
+    # cost as much as gathering the tables (t5scale/parallel/vocab.py), so stage 3 gathers them.
+    small_vocab = ModelConfig(vocab_size=256)
+    base_losses, base_params = run_steps(ParallelConfig(), jax.devices()[:1], model=small_vocab)
+    hlo = []
+    losses, params = run_steps(ParallelConfig(zero_stage=3, zero=8), model=small_vocab, hlo=hlo)
+    np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True):
+        assert _relative(got, want) <= 1e-5
+    # Both tables come out of all-gathers whole (in a tuple, where XLA combines gathers).
+    d = small_vocab.d_model
+    gathered = [line.split("all-gather")[0] for line in hlo[0].splitlines() if "all-gather" in line]
+    assert any(f"f32[256,{d}]" in result for result in gathered)  # the embedding
+    assert any(f"f32[{d},256]" in result for result in gathered)  # the output projection

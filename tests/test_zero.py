@@ -118,14 +118,27 @@ def test_stage3_gathers_parameters_before_each_use_and_reduce_scatters_gradients
     layers = model_state_bytes(
         [params["encoder"]["layers"], params["decoder"]["layers"]], {}
     ).parameters
-    others = model_state_bytes(params, {}).parameters - layers
+    tables = model_state_bytes([params["embedding"], params["lm_head"]], {}).parameters
+    norms_and_positions = model_state_bytes(params, {}).parameters - layers - tables
+    # The zero group's activations that travel instead of the vocabulary-split tables, per
+    # micro-batch (float32): token ids and targets, the decoder's output, the embedded rows.
+    group = BATCH // MICRO_BATCHES
+    lengths = DATA.input_length + DATA.target_length
+    ids = group * (lengths + DATA.target_length) * 4
+    decoded = group * DATA.target_length * MODEL.d_model * 4
+    rows = group * lengths * MODEL.d_model * 4
     # Each layer's parameters are gathered in the forward pass and again in the backward pass
-    # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the embedding,
-    # head and norms out of the micro-batch loop, so those are gathered once per step.
-    expected = 2 * MICRO_BATCHES * layers + others
+    # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the norms and
+    # position tables out of the micro-batch loop, so those are gathered once per step. The
+    # embedding and output projection are never gathered: the activations are (the rows'
+    # cotangent in the backward pass).
+    expected = 2 * MICRO_BATCHES * layers + norms_and_positions
+    expected += MICRO_BATCHES * (ids + decoded + rows)
     assert 0.95 * expected <= found["all-gather"]["bytes"] <= 1.05 * expected
-    # The transpose of every gather is a reduce-scatter of that parameter's gradient.
-    assert found["reduce-scatter"]["operand_bytes"] >= 0.95 * (MICRO_BATCHES * layers + others)
+    # The transpose of every parameter gather is a reduce-scatter of that parameter's gradient;
+    # the tables' gradients are made where they lie: their reduce-scatters carry activations.
+    expected = MICRO_BATCHES * (layers + rows + decoded) + norms_and_positions
+    assert 0.95 * expected <= found["reduce-scatter"]["operand_bytes"] <= 1.05 * expected
     assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * layers
 
 

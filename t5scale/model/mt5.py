@@ -6,11 +6,12 @@ encoder, causal in the decoder) computed once per stack and added in every layer
 without the 1/sqrt(d_kv) factor (it is folded into the query initialisation); no biases anywhere;
 an untied output projection; one input embedding shared by encoder and decoder.
 
-Two hooks connect the model to the parallel layout without the model knowing about meshes:
+Hooks connect the model to the parallel layout without the model knowing about meshes:
 `gather_layer(params, path)` is applied to each scanned layer's parameters where the layer runs
 (ZeRO stage 3 all-gathers the layer's shards there, in the forward pass and again in the
-backward pass) and `constrain(array, logical_axes)` to the main activations (tensor parallelism).
-Both default to the identity.
+backward pass), `constrain(array, logical_axes)` to the main activations (tensor parallelism)
+and `embed(table, tokens, dtype)` looks up the encoder's and decoder's tokens, together (stage 3
+looks them up in a table split by vocabulary). They default to the identity and a plain gather.
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
     return x
 
 
+def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.
     constrain: Callable[[jax.Array, Axes], jax.Array] = _keep_activation
+    # embed(table, tokens, compute dtype): the tokens' rows of the embedding table.
+    embed: Callable[[jax.Array, jax.Array, Any], jax.Array] = _look_up
 
 
 class _Module(nn.Module):
@@ -298,7 +305,8 @@ class Decoder(_Module):
 
 
 class MT5(_Module):
-    """Encoder-decoder returning the decoder's logits over the vocabulary (float32)."""
+    """Encoder-decoder returning the decoder's logits over the vocabulary (float32), or with
+    project=False its output before the projection (vocabulary-parallel losses project it)."""
 
     @nn.compact
     def __call__(
@@ -307,6 +315,7 @@ class MT5(_Module):
         decoder_input_tokens: jax.Array,
         encoder_segment_ids: jax.Array | None = None,
         decoder_segment_ids: jax.Array | None = None,
+        project: bool = True,
     ) -> jax.Array:
         cfg = self.cfg
         if encoder_segment_ids is None:  # unpacked: every non-padding token is segment 1
@@ -317,16 +326,18 @@ class MT5(_Module):
             "embedding", _normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed")
         )
 
-        def embed(tokens: jax.Array) -> jax.Array:
-            rows = jnp.take(embedding, tokens, axis=0).astype(cfg.dtype)
-            return self.constrain(rows, ("batch", "length", "embed"))
-
-        x = embed(encoder_input_tokens)
+        # One look-up for both stacks' tokens: one collective where the table is split.
+        tokens = jnp.concatenate([encoder_input_tokens, decoder_input_tokens], axis=1)
+        rows = self.hooks.embed(embedding, tokens, cfg.dtype)
+        input_length = encoder_input_tokens.shape[1]
+        x = self.constrain(rows[:, :input_length], ("batch", "length", "embed"))
+        y = self.constrain(rows[:, input_length:], ("batch", "length", "embed"))
         encoded = Encoder(cfg, self.hooks, name="encoder")(x, encoder_segment_ids)
-        y = embed(decoder_input_tokens)
         decoded = Decoder(cfg, self.hooks, name="decoder")(
             y, encoded, decoder_segment_ids, encoder_segment_ids
         )
+        if not project:
+            return decoded
         lm_head = self.weight(
             "lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )

@@ -2,7 +2,8 @@
 
 Parameters and activations carry logical names (`embed`, `heads`, `mlp`, …). Tensor parallelism
 is a fixed rule: heads, mlp and vocab are split over `tensor`. ZeRO then picks, per parameter, one
-more dimension to split over `zero`.
+dimension to split over `zero`: the vocabulary of the embedding and the output projection (there
+it shares the dimension with `tensor`, zero-major), elsewhere one that `tensor` does not split.
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ def tensor_axes(logical_axes: tuple[str | None, ...]) -> list[str | None]:
 
 
 def zero_dim(
-    logical_axes: tuple[str | None, ...], shape: tuple[int, ...], zero_size: int
+    logical_axes: tuple[str | None, ...],
+    shape: tuple[int, ...],
+    zero_size: int,
+    tensor_size: int = 1,
 ) -> int | None:
     """The dimension a ZeRO stage shards over `zero`, or None when none divides evenly.
 
-    `embed` comes first (as in FSDP setups: it is never split by tensor parallelism); otherwise
-    the largest remaining dimension that is not tensor-parallel and divides by the zero size.
+    `vocab` comes first: split by vocabulary, stage 3 never gathers the 250k-row tables (it
+    moves the batch's activations instead, t5scale/parallel/vocab.py). Then `embed` (as in FSDP
+    setups: it is never split by tensor parallelism); otherwise the largest remaining dimension
+    that is not tensor-parallel and divides by the zero size.
     """
     if zero_size == 1:
         return None
+    if "vocab" in logical_axes:
+        vocab = logical_axes.index("vocab")
+        if shape[vocab] % (zero_size * tensor_size) == 0:
+            return vocab
     candidates = [
         d
         for d, name in enumerate(logical_axes)

@@ -10,6 +10,9 @@ this one table:
 | 1     | replicated | replicated              | sharded         | all-reduce          | all-gather after the update      |
 | 2     | replicated | sharded                 | sharded         | reduce-scatter      | all-gather after the update      |
 | 3     | sharded    | sharded                 | sharded         | reduce-scatter      | all-gather before each use       |
+
+At stage 3 the embedding and output projection are sharded by vocabulary and, while that moves
+less, used where they lie instead of gathered (t5scale/parallel/vocab.py).
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ class LeafLayout:
 
     def spec(self, over_zero: bool) -> P:
         """Full (auto-mode) spec: tensor-parallel dims, plus `zero` when this tree is sharded."""
-        entries = rules.tensor_axes(self.axes)
+        entries: list = rules.tensor_axes(self.axes)
         if over_zero and self.zero_dim is not None:
-            entries[self.zero_dim] = "zero"
+            shared = entries[self.zero_dim]  # `tensor` on a vocabulary: zero-major, tensor-minor
+            entries[self.zero_dim] = ("zero", shared) if shared else "zero"
         return P(*entries)
 
     def manual_spec(self, over_zero: bool) -> P:
@@ -77,6 +81,10 @@ class LeafLayout:
     @property
     def sharded_by_zero(self) -> bool:
         return self.zero_dim is not None
+
+    @property
+    def split_by_vocabulary(self) -> bool:
+        return self.zero_dim is not None and self.axes[self.zero_dim] == "vocab"
 
 
 def _is_layout(x: Any) -> bool:
@@ -127,6 +135,13 @@ class StatePlan:
         return self._named(self.stage.shard_optimizer_state)
 
     @property
+    def vocabulary_parallel(self) -> bool:
+        """Stage 3 with the embedding and the output projection split by vocabulary: they are
+        used where they lie, never gathered (t5scale/parallel/vocab.py)."""
+        tables = (self.layouts["embedding"], self.layouts["lm_head"])
+        return self.stage.shard_parameters and all(t.split_by_vocabulary for t in tables)
+
+    @property
     def manual_param_specs(self) -> Any:
         return self._map(lambda leaf: leaf.manual_spec(self.stage.shard_parameters))
 
@@ -172,7 +187,9 @@ def make_plan(stage: int, mesh: Mesh, boxed_abstract_params: Any) -> StatePlan:
                 raise MeshError(
                     f"tensor={tensor_size} does not divide the {name!r} dimension ({size}) of the model"
                 )
-        return LeafLayout(axes, tuple(shape.shape), rules.zero_dim(axes, shape.shape, zero_size))
+        return LeafLayout(
+            axes, tuple(shape.shape), rules.zero_dim(axes, shape.shape, zero_size, tensor_size)
+        )
 
     layouts = jax.tree.map(layout, logical, shapes, is_leaf=lambda x: isinstance(x, P))
     return StatePlan(get_stage(stage), mesh, layouts)

@@ -8,7 +8,8 @@ turn all-reduce + slice into reduce-scatter by itself:
 - stage 2 reduce-scatters each micro-batch's gradients into a 1/N accumulator;
 - stage 3 receives parameter shards and all-gathers each layer's where the layer runs (forward,
   and again in the backward pass: they are never kept); the transpose of each all-gather is the
-  gradient reduce-scatter.
+  gradient reduce-scatter. The embedding and output projection, split by vocabulary, are never
+  gathered: the batch's activations move instead (t5scale/parallel/vocab.py).
 
 The update then runs in the optimizer state's layout; parameters go back to their own layout,
 which for stages 1 and 2 is the all-gather after the update.
@@ -28,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel import collectives, rules
+from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.parallel.zero import LeafLayout, StatePlan
 from t5scale.train.state import TrainState
@@ -90,10 +91,11 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
     """(params, batch) → (gradients in their at-rest layout, summed metrics), as a shard_map.
 
     Under ZeRO-3 parameters enter as `zero` shards: the scanned layers' are all-gathered layer
-    by layer where they run, the rest (embedding, output projection, final norms, position
-    tables) once per micro-batch before the model runs. Every explicit collective is ordered
-    (see t5scale/parallel/collectives.py); the embedding is gathered last, so the encoder cannot
-    start, and in the backward pass the reverse chain cannot begin, while any other runs.
+    by layer where they run, the small rest (final norms, position tables) once per micro-batch
+    before the model runs, and the embedding and output projection, split by vocabulary, are
+    used where they lie. Every explicit collective is ordered (see
+    t5scale/parallel/collectives.py); the embedding's comes last, so the encoder cannot start,
+    and in the backward pass the reverse chain cannot begin, while any other runs.
     """
     stage, zero_size = plan.stage, plan.mesh.shape["zero"]
 
@@ -114,21 +116,25 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
             lambda x, lays: gather(x, lays, dim_offset=1),
         )  # fmt: skip
 
-    def gather_outside_layers(params, start):
+    def gather_outside_layers(params, start, kept_split: bool):
+        """The parameters with those outside the layer stacks gathered (but the tables split by
+        vocabulary if `kept_split`), and the last gather's result (or `start`)."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         lays = jax.tree.leaves(plan.layouts, is_leaf=_is_layout)
         names = [jax.tree_util.keystr(path) for path, _ in leaves]
         chosen = [
             i
             for i, name in enumerate(names)
-            if "layers" not in name and lays[i].zero_dim is not None
+            if "layers" not in name
+            and lays[i].zero_dim is not None
+            and not (kept_split and lays[i].split_by_vocabulary)
         ]
         chosen.sort(key=lambda i: "embedding" in names[i])  # the embedding last
         values = [leaf for _, leaf in leaves]
         done = gather([values[i] for i in chosen], [lays[i] for i in chosen], start=start)
         for i, value in zip(chosen, done, strict=True):
             values[i] = value
-        return jax.tree.unflatten(treedef, values)
+        return jax.tree.unflatten(treedef, values), (done[-1] if done else start)
 
     hooks = ShardingHooks(constrain=_constrain)
     if stage.shard_parameters:
@@ -164,23 +170,56 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
             shape[layout.zero_dim] //= zero_size
         return _to_varying(jnp.zeros(shape, jnp.float32))
 
+    def model_inputs(mb: Batch) -> tuple:
+        return (
+            mb["encoder_input_tokens"],
+            mb["decoder_input_tokens"],
+            mb["encoder_segment_ids"],
+            mb["decoder_segment_ids"],
+        )
+
+    def split_vocabulary_loss_sums(p, mb: Batch, after_this):
+        """The model and loss with the tables used where they lie (t5scale/parallel/vocab.py)."""
+
+        def embed(table, tokens, dtype):
+            return vocab.embed(table, tokens, dtype, after_this)
+
+        # The model sees its device's slice of the vocabulary.
+        sliced = dataclasses.replace(model, vocab_size=model.vocab_size // zero_size)
+        sliced_module = MT5(sliced, dataclasses.replace(module.hooks, embed=embed))
+        decoded = sliced_module.apply({"params": p}, *model_inputs(mb), project=False)
+        return vocab.loss_sums(
+            decoded,
+            p["lm_head"].astype(model.dtype),
+            mb["decoder_target_tokens"],
+            mb["decoder_loss_weights"],
+            loss.z_loss,
+            lambda x: _constrain(x, ("batch", "length", "vocab")),
+        )
+
     def local_gradients(params, batch: Batch):
         weights = batch["decoder_loss_weights"].astype(jnp.float32)
         total_weight = jnp.maximum(lax.psum(jnp.sum(weights), DATA_AXES), 1.0)
         params = jax.tree.map(_to_varying, params)
 
         def micro_loss(p, mb: Batch):
-            if stage.shard_parameters:
-                p = gather_outside_layers(p, start=total_weight)
-            logits = module.apply(
-                {"params": p},
-                mb["encoder_input_tokens"],
-                mb["decoder_input_tokens"],
-                mb["encoder_segment_ids"],
-                mb["decoder_segment_ids"],
+            local_batch, input_length = mb["encoder_input_tokens"].shape
+            split = plan.vocabulary_parallel and vocab.pays_off(
+                local_batch * zero_size,
+                input_length,
+                mb["decoder_input_tokens"].shape[1],
+                model.vocab_size,
             )
-            targets, mask = mb["decoder_target_tokens"], mb["decoder_loss_weights"]
-            ce, z = loss_sums(logits, targets, mask, loss.z_loss)
+            last_collective = total_weight
+            if stage.shard_parameters:
+                p, last_collective = gather_outside_layers(p, total_weight, kept_split=split)
+            if split:
+                ce, z = split_vocabulary_loss_sums(p, mb, last_collective)
+            else:
+                logits = module.apply({"params": p}, *model_inputs(mb))
+                ce, z = loss_sums(
+                    logits, mb["decoder_target_tokens"], mb["decoder_loss_weights"], loss.z_loss
+                )
             return (ce + z) / total_weight, (ce, z)
 
         def accumulate(acc, mb: Batch):

@@ -1,0 +1,101 @@
+"""Vocabulary-parallel embedding and cross-entropy, inside the data-parallel shard_map (stage 3).
+
+mT5's embedding and output projection are 250,112 × d_model each: at mt5_small's size, 0.5 GB
+apiece, more than its twelve layers together. Gathering them whole on every device, and
+reduce-scattering their dense gradients, moved ~20 GB per step on 8 emulated devices and cost a
+third of the step (docs/benchmarks.md). Here each device keeps its slice of the vocabulary and
+the batch's activations travel instead (Megatron-LM's vocabulary parallelism, over `zero`):
+
+- embedding: the zero group's token ids are all-gathered (a few KB), each device looks up the ids
+  that fall in its slice (zero elsewhere) and a reduce-scatter sums the partial rows back to each
+  device's own examples. The gradient is a scatter-add into the local slice only.
+- output projection: the decoder's output is all-gathered over the group, each device computes
+  the logits of its vocabulary slice for every token of the group, and the softmax's max, sum of
+  exponentials and target logit are combined across slices. The gradient of the local slice
+  needs no collective; that of the decoder's output is the reduce-scatter (the gather's transpose)
+  of its partial sums over slices.
+
+This pays while the group's tokens are few against the vocabulary (`pays_off`); with many
+devices and long sequences the tables are gathered whole as before (t5scale/train/step.py).
+
+Every collective here is chained after the one before it (t5scale/parallel/collectives.py), and
+the first one after `after_this`, the previous collective of the step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from t5scale.model.mt5 import project_to_vocab
+from t5scale.parallel import collectives
+
+AXIS = "zero"
+
+
+def pays_off(group_batch: int, input_length: int, target_length: int, vocab_size: int) -> bool:
+    """Whether moving a micro-batch's activations costs less than gathering the tables.
+
+    Per micro-batch the group's embedded rows travel twice (reduce-scatter, and the all-gather
+    of their gradient) and the decoder's output twice, in all 2·B·(L_in + 2·L_out) rows of
+    d_model; gathering both tables and reduce-scattering their gradients moves 4·V rows.
+    """
+    return group_batch * (input_length + 2 * target_length) < 2 * vocab_size
+
+
+def _slice_start(rows_per_device: int) -> jax.Array:
+    return lax.axis_index(AXIS) * rows_per_device
+
+
+def _gather_ids(ids: jax.Array, after_this) -> jax.Array:
+    """The zero group's ids, stacked on the batch axis. They travel as float32 (exact below
+    2**24) because the ordering dependency is a floating multiply by zero."""
+    as_float = collectives.after(ids.astype(jnp.float32), after_this)
+    return lax.all_gather(as_float, AXIS, axis=0, tiled=True).astype(jnp.int32)
+
+
+def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
+    """Rows of `tokens` [batch, length] from this device's vocabulary slice `table` [V/N, d]."""
+    all_tokens = _gather_ids(tokens, after_this)
+    local = all_tokens - _slice_start(table.shape[0])
+    inside = (local >= 0) & (local < table.shape[0])
+    rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+    # One slice holds each id, so the sum below adds zeros: exact in the compute dtype.
+    partial = jnp.where(inside[..., None], rows, 0.0).astype(dtype)
+    # The gradient path to `after_this` orders the backward pass's collectives the same way.
+    partial = collectives.after(partial, after_this)
+    return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
+
+
+def loss_sums(
+    decoded: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    z_loss: float,
+    constrain_logits=lambda x: x,
+) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy and z-loss of this device's examples, as t5scale.train.step.loss_sums
+    gives them, from the decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]."""
+    group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
+    group_targets = _gather_ids(targets, group_decoded)
+    logits = constrain_logits(project_to_vocab(group_decoded, lm_head).astype(jnp.float32))
+    slice_size = logits.shape[-1]
+    local_max = collectives.after(lax.stop_gradient(jnp.max(logits, axis=-1)), group_targets)
+    peak = lax.pmax(local_max, AXIS)  # [group batch, T], the same on every slice
+    sum_exp = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+    local_target = group_targets - _slice_start(slice_size)
+    # Zero unless the target falls in this slice; a one-hot product keeps `tensor` shards local.
+    target_logit = jnp.sum(
+        logits * jax.nn.one_hot(local_target, slice_size, dtype=logits.dtype), -1
+    )
+    totals = lax.psum(jnp.stack([sum_exp, target_logit]), AXIS)
+    # This device's own examples, so that the step's sums over devices count each token once.
+    batch = decoded.shape[0]
+    start = lax.axis_index(AXIS) * batch
+    mine = lax.dynamic_slice_in_dim(totals, start, batch, axis=1)
+    log_z = lax.dynamic_slice_in_dim(peak, start, batch, axis=0) + jnp.log(mine[0])
+    cross_entropy = jnp.sum((log_z - mine[1]) * weights)
+    z_term = jnp.sum(z_loss * jnp.square(log_z) * weights)
+    return cross_entropy, z_term
