@@ -45,6 +45,7 @@ def pays_off(group_batch: int, input_length: int, target_length: int, vocab_size
 
 
 def _slice_start(rows_per_device: int) -> jax.Array:
+    """The first row of this device's slice along a dimension split over `zero`."""
     return lax.axis_index(AXIS) * rows_per_device
 
 
@@ -93,7 +94,7 @@ def loss_sums(
     totals = lax.psum(jnp.stack([sum_exp, target_logit]), AXIS)
     # This device's own examples, so that the step's sums over devices count each token once.
     batch = decoded.shape[0]
-    start = lax.axis_index(AXIS) * batch
+    start = _slice_start(batch)
     mine = lax.dynamic_slice_in_dim(totals, start, batch, axis=1)
     log_z = lax.dynamic_slice_in_dim(peak, start, batch, axis=0) + jnp.log(mine[0])
     cross_entropy = jnp.sum((log_z - mine[1]) * weights)

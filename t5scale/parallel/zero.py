@@ -136,8 +136,8 @@ class StatePlan:
 
     @property
     def vocabulary_parallel(self) -> bool:
-        """Stage 3 with the embedding and the output projection split by vocabulary: they are
-        used where they lie, never gathered (t5scale/parallel/vocab.py)."""
+        """Stage 3 with the embedding and the output projection split by vocabulary, so that the
+        step may use them where they lie (t5scale/parallel/vocab.py decides when it pays)."""
         tables = (self.layouts["embedding"], self.layouts["lm_head"])
         return self.stage.shard_parameters and all(t.split_by_vocabulary for t in tables)
 
