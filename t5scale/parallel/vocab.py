@@ -69,16 +69,12 @@ def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
     return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
 
 
-def loss_sums(
-    decoded: jax.Array,
-    lm_head: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array,
-    z_loss: float,
-    constrain_logits=lambda x: x,
+def log_z_and_target_logit(
+    decoded: jax.Array, lm_head: jax.Array, targets: jax.Array, constrain_logits=lambda x: x
 ) -> tuple[jax.Array, jax.Array]:
-    """Summed cross-entropy and z-loss of this device's examples, as t5scale.train.step.loss_sums
-    gives them, from the decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]."""
+    """log Z and the target's logit for each of this device's target tokens [b, T], from the
+    decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]: what
+    t5scale.train.step.loss_sums computes from whole logits."""
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
     logits = constrain_logits(project_to_vocab(group_decoded, lm_head).astype(jnp.float32))
@@ -97,6 +93,4 @@ def loss_sums(
     start = _slice_start(batch)
     mine = lax.dynamic_slice_in_dim(totals, start, batch, axis=1)
     log_z = lax.dynamic_slice_in_dim(peak, start, batch, axis=0) + jnp.log(mine[0])
-    cross_entropy = jnp.sum((log_z - mine[1]) * weights)
-    z_term = jnp.sum(z_loss * jnp.square(log_z) * weights)
-    return cross_entropy, z_term
+    return log_z, mine[1]

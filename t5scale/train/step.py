@@ -8,8 +8,9 @@ turn all-reduce + slice into reduce-scatter by itself:
 - stage 2 reduce-scatters each micro-batch's gradients into a 1/N accumulator;
 - stage 3 receives parameter shards and all-gathers each layer's where the layer runs (forward,
   and again in the backward pass: they are never kept); the transpose of each all-gather is the
-  gradient reduce-scatter. The embedding and output projection, split by vocabulary, are never
-  gathered: the batch's activations move instead (t5scale/parallel/vocab.py).
+  gradient reduce-scatter. The embedding and output projection, split by vocabulary, are used
+  where they lie while moving the batch's activations instead costs less
+  (t5scale/parallel/vocab.py).
 
 The update then runs in the optimizer state's layout; parameters go back to their own layout,
 which for stages 1 and 2 is the all-gather after the update.
@@ -49,6 +50,10 @@ def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss:
     target_logit = jnp.sum(
         logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1
     )
+    return _weighted_sums(log_z, target_logit, weights, z_loss)
+
+
+def _weighted_sums(log_z: jax.Array, target_logit: jax.Array, weights: jax.Array, z_loss: float):
     cross_entropy = jnp.sum((log_z - target_logit) * weights)
     z_term = jnp.sum(z_loss * jnp.square(log_z) * weights)
     return cross_entropy, z_term
@@ -93,9 +98,10 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
     Under ZeRO-3 parameters enter as `zero` shards: the scanned layers' are all-gathered layer
     by layer where they run, the small rest (final norms, position tables) once per micro-batch
     before the model runs, and the embedding and output projection, split by vocabulary, are
-    used where they lie. Every explicit collective is ordered (see
-    t5scale/parallel/collectives.py); the embedding's comes last, so the encoder cannot start,
-    and in the backward pass the reverse chain cannot begin, while any other runs.
+    used where they lie (or, where that would move more, gathered with the rest). Every
+    explicit collective is ordered (see t5scale/parallel/collectives.py); the embedding's comes
+    last, so the encoder cannot start, and in the backward pass the reverse chain cannot begin,
+    while any other runs.
     """
     stage, zero_size = plan.stage, plan.mesh.shape["zero"]
 
@@ -188,14 +194,13 @@ def make_gradient_fn(model: ModelConfig, plan: StatePlan, micro_batches: int, lo
         sliced = dataclasses.replace(model, vocab_size=model.vocab_size // zero_size)
         sliced_module = MT5(sliced, dataclasses.replace(module.hooks, embed=embed))
         decoded = sliced_module.apply({"params": p}, *model_inputs(mb), project=False)
-        return vocab.loss_sums(
+        log_z, target_logit = vocab.log_z_and_target_logit(
             decoded,
             p["lm_head"].astype(model.dtype),
             mb["decoder_target_tokens"],
-            mb["decoder_loss_weights"],
-            loss.z_loss,
             lambda x: _constrain(x, ("batch", "length", "vocab")),
         )
+        return _weighted_sums(log_z, target_logit, mb["decoder_loss_weights"], loss.z_loss)
 
     def local_gradients(params, batch: Batch):
         weights = batch["decoder_loss_weights"].astype(jnp.float32)
