@@ -1,24 +1,29 @@
 """Train-step speed on this machine: tokens/s, MFU against the measured matmul peak, compile time.
 
-    python bench/bench_step.py [--models mt5_tiny mt5_small] [--steps 3] [--no-torch] [--out F]
+    python bench/bench_step.py [--models mt5_tiny mt5_small] [--steps 3] [--rounds 2] [--no-torch]
     python bench/bench_step.py --models mt5_small mt5_base --batch 32 --input-length 1024 \
         --target-length 229 --dtype bfloat16 --steps 10        # on a GPU
 
-Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks.md. Step time
-is the median of --steps timed steps after one warm-up step, each timed to block_until_ready;
-compile time is reported apart. Every run's steps alternate one by one with steps of the
-1-device t5scale run (the reference), so that a comparison is made in the same moments of a
-machine whose speed drifts; "speed vs 1 device, paired" is the median over those pairs of the
-reference's step time over the run's. MFU = model FLOPs per step (t5scale.analysis.flops) / (step time ·
-peak · devices), the peak being this machine's measured fp32 matmul FLOP/s shared by all
-emulated devices (they share the same cores), so 8 emulated devices are held to one peak.
+Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks.md.
+
+Each run (t5scale on one device, each ZeRO stage on all devices, the transformers baseline) is
+a process of its own that compiles, takes one warm-up step and then --steps timed steps back to
+back, each timed to block_until_ready, as a training run would; compile time is reported apart.
+Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
+that a machine whose speed drifts favours no run. A step is never timed right after another
+run's step: on this 2-core VM a step that follows another program's step is up to 15% faster or
+slower than one that follows its own (docs/benchmarks.md, 2026-11-24), a condition no training
+run meets. "speed vs 1 device" is the median over rounds of the 1-device t5scale run's median
+step time over the run's, in the same round. MFU = model FLOPs per step (t5scale.analysis.flops)
+/ (step time · peak · devices), the peak being this machine's measured fp32 matmul FLOP/s shared
+by all emulated devices (they share the same cores), so 8 emulated devices are held to one peak.
 The Hugging Face PyTorch MT5ForConditionalGeneration baseline runs on the same config, batch,
-lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping), in the same
-process, interleaved with the reference like the rest.
+lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping).
 
 On a GPU the same script runs on the one device it has (ZeRO stages need several), measures the
 matmul peak in the compute dtype (bf16: 8192³), and runs the transformers baseline on CUDA with
 bf16 autocast and fp32 parameters, the same mixed precision t5scale uses with --dtype bfloat16.
+Each run having the card to itself, JAX's memory pool and torch's never meet.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 
 import jax
 
@@ -83,7 +88,6 @@ class Prepared:
 
     row: dict
     step: Callable[[], None] | None  # one blocking training step; None: it does not fit
-    release: Callable[[], None] = lambda: None
 
 
 def prepare_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> Prepared:
@@ -118,7 +122,7 @@ def prepare_t5scale(model_name: str, stage: int, devices: list, setup: Setup) ->
         held["i"] += 1
 
     step()  # warm-up
-    return Prepared(row | {"status": "ok"}, step, held.clear)
+    return Prepared(row | {"status": "ok"}, step)
 
 
 def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
@@ -160,7 +164,7 @@ def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
     step()  # warm-up
     row = {"model": model_name, "stage": "-", "devices": 1,
            "framework": "transformers (PyTorch)", "status": "ok"}  # fmt: skip
-    return Prepared(row, step, held.clear)
+    return Prepared(row, step)
 
 
 def timed(step: Callable[[], None]) -> float:
@@ -169,41 +173,72 @@ def timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - started
 
 
-def time_runs(reference: Prepared | None, others: list[Callable[[], Prepared]], steps: int):
-    """Time each run's steps interleaved one by one with the reference's, so that both see the
-    same machine: on a shared 2-core VM the speed drifts by ±15% over minutes. Only the
-    reference and one other run are alive at a time (memory). Returns the finished rows."""
-    rows, reference_times = [], []
-    for prepare in others:
-        run = prepare()
+ROW_MARK = "bench-row: "  # the worker's one line of result on stdout
+
+
+def worker(spec: dict) -> None:
+    """In a process of its own: prepare one run, time its steps back to back, print its row."""
+    if spec["framework"] == "peak":
+        row = {"peak": matmul_peak(spec["dtype"]), "device_kind": jax.devices()[0].device_kind,
+               "device_count": len(jax.devices())}  # fmt: skip
+    else:
+        setup = Setup(**spec["setup"])
+        if spec["framework"] == "transformers":
+            run = prepare_transformers(spec["model"], setup)
+        else:
+            devices = jax.devices()[: spec["devices"]]
+            run = prepare_t5scale(spec["model"], spec["stage"], devices, setup)
+        row = run.row
         if run.step is not None:
-            pairs = [
-                (timed(reference.step) if reference else None, timed(run.step))
-                for _ in range(steps)
-            ]
-            run.row["step_times_s"] = [t for _, t in pairs]
-            if reference:
-                reference_times += [r for r, _ in pairs]
-                # > 1: faster than the reference in the same moments
-                run.row["speed_vs_1_device"] = statistics.median(r / t for r, t in pairs)
-        run.release()
-        rows.append(run.row)
-    if reference is not None:
-        if not reference_times:  # nothing else to time: the reference alone
-            reference_times = [timed(reference.step) for _ in range(steps)]
-        reference.row["step_times_s"] = reference_times
-        reference.release()
-        rows.insert(0, reference.row)
-    for row in rows:
+            row["step_times_s"] = [timed(run.step) for _ in range(setup.steps)]
+    print(ROW_MARK + json.dumps(row), flush=True)
+
+
+def in_own_process(spec: dict) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    rows = [line for line in done.stdout.splitlines() if line.startswith(ROW_MARK)]
+    if done.returncode != 0 or not rows:
+        sys.exit(f"bench: the run {spec} failed (exit code {done.returncode})")
+    return json.loads(rows[-1][len(ROW_MARK) :])
+
+
+def time_runs(specs: list[dict], rounds: int) -> list[dict]:
+    """Each spec's row, its step times gathered over `rounds` rounds of alternating order; the
+    first spec is the reference that "speed vs 1 device" compares with."""
+    rows: list[dict | None] = [None] * len(specs)
+    medians: list[list[float]] = [[] for _ in specs]
+    for r in range(rounds):
+        order = list(range(len(specs)))[:: 1 if r % 2 == 0 else -1]
+        for i in order:
+            if rows[i] is not None and rows[i]["status"] != "ok":
+                continue  # compiled once: it does not fit
+            row = in_own_process(specs[i])
+            print(f"round {r + 1}/{rounds}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            if rows[i] is None:
+                rows[i] = row
+            elif "step_times_s" in row:
+                rows[i]["step_times_s"] += row["step_times_s"]
+            if "step_times_s" in row:
+                medians[i].append(statistics.median(row["step_times_s"]))
+    for row, per_round in zip(rows, medians, strict=True):
         if row["status"] == "ok":
             row["step_s"] = statistics.median(row["step_times_s"])
+            row["round_medians_s"] = per_round
+    for row, per_round in zip(rows[1:], medians[1:], strict=True):
+        if row["status"] == "ok" and medians[0]:
+            # > 1: faster than the reference in the same round
+            row["speed_vs_1_device"] = statistics.median(
+                ref / own for ref, own in zip(medians[0], per_round, strict=True)
+            )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run and round")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
@@ -212,58 +247,63 @@ def main() -> None:
     parser.add_argument("--torch-models", nargs="*", default=["mt5_small"],
                         help="models that also get the transformers baseline")  # fmt: skip
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--no-t5scale", action="store_true",
-                        help="only the baseline (on a GPU, JAX's memory pool would starve torch "
-                             "in the same process: run the two apart)")  # fmt: skip
+    parser.add_argument("--no-t5scale", action="store_true", help="only the baseline")
     parser.add_argument("--out", help="write the results as JSON here too")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
     args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
     setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
                   args.steps)  # fmt: skip
 
-    peak = matmul_peak(setup.dtype)
-    device = jax.devices()[0]
-    print(f"measured {setup.dtype} matmul peak: {peak / 1e12:.3f} TFLOP/s ({device.device_kind})")
+    machine = in_own_process({"framework": "peak", "dtype": setup.dtype})
+    peak, device_kind = machine["peak"], machine["device_kind"]
+    print(f"measured {setup.dtype} matmul peak: {peak / 1e12:.3f} TFLOP/s ({device_kind})")
     rows = []
     for name in args.models:
         flops = training_flops_per_step(
             preset(name), setup.batch, setup.input_length, setup.target_length
         )
-        reference = None if args.no_t5scale else prepare_t5scale(name, 0, jax.devices()[:1], setup)
-        others = []
-        if not args.no_t5scale and len(jax.devices()) > 1:
-            others += [partial(prepare_t5scale, name, st, jax.devices(), setup) for st in range(4)]
+        t5scale_run = {"framework": "t5scale (JAX)", "model": name,
+                       "setup": dataclasses.asdict(setup)}  # fmt: skip
+        specs = []
+        if not args.no_t5scale:
+            specs.append(t5scale_run | {"stage": 0, "devices": 1})
+            if machine["device_count"] > 1:
+                specs += [t5scale_run | {"stage": st, "devices": machine["device_count"]}
+                          for st in range(4)]  # fmt: skip
         if name in args.torch_models and not args.no_torch:
-            others.append(partial(prepare_transformers, name, setup))
-        for run in time_runs(reference, others, setup.steps):
+            specs.append(t5scale_run | {"framework": "transformers"})
+        for run in time_runs(specs, args.rounds):
             run["model_flops_per_step"] = flops
             if run["status"] == "ok":
                 run["tokens_per_s"] = setup.tokens_per_step / run["step_s"]
                 # emulated CPU devices share one peak; a GPU run uses one device
                 run["mfu"] = mfu(flops, run["step_s"], peak, 1)
             rows.append(run)
-            print(json.dumps(run), file=sys.stderr, flush=True)
 
-    print(f"\n{device.device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
+    print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
           f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
-          f"median of {setup.steps} steps after 1 warm-up, each interleaved with a step of the "
-          f"1-device t5scale run (its row: the median of all of those)\n")  # fmt: skip
+          f"each run in its own process, {setup.steps} steps back to back after 1 warm-up, in "
+          f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
     print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
-          "| speed vs 1 device, paired |")  # fmt: skip
+          "| speed vs 1 device |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
-        paired = f"{r['speed_vs_1_device']:.2f}×" if "speed_vs_1_device" in r else "-"
+        ratio = f"{r['speed_vs_1_device']:.2f}×" if "speed_vs_1_device" in r else "-"
         if r["status"] != "ok":
             print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | "
                   f"{compile_s} | {r['status']} ({r['memory_per_device_gib']:.1f} GiB/device) | | | |")  # fmt: skip
             continue
         print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | {compile_s} | "
               f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% | "
-              f"{paired} |")  # fmt: skip
+              f"{ratio} |")  # fmt: skip
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"matmul_peak_flops": peak, "setup": dataclasses.asdict(setup),
-                       "device": device.device_kind, "runs": rows}, f, indent=2)  # fmt: skip
+                       "device": device_kind, "rounds": args.rounds, "runs": rows}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":
