@@ -11,9 +11,9 @@ a process of its own that compiles, takes one warm-up step and then --steps time
 back, each timed to block_until_ready, as a training run would; compile time is reported apart.
 Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
 that a machine whose speed drifts favours no run. A step is never timed right after another
-run's step: on this 2-core VM a step that follows another program's step is up to 15% faster or
-slower than one that follows its own (docs/benchmarks.md, 2026-11-24), a condition no training
-run meets. "speed vs 1 device" is the median over rounds of the 1-device t5scale run's median
+run's step: on this 2-core VM a step that follows another program's step was up to 20% slower
+than one that follows its own (docs/benchmarks.md, 2026-11-24), a condition no training run
+meets. "speed vs 1 device" is the median over rounds of the 1-device t5scale run's median
 step time over the run's, in the same round. MFU = model FLOPs per step (t5scale.analysis.flops)
 / (step time · peak · devices), the peak being this machine's measured fp32 matmul FLOP/s shared
 by all emulated devices (they share the same cores), so 8 emulated devices are held to one peak.
