@@ -254,6 +254,8 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
     setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
                   args.steps)  # fmt: skip
 
