@@ -132,6 +132,10 @@ def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
     from transformers import MT5Config, MT5ForConditionalGeneration
 
     torch.set_num_threads(os.cpu_count() or 1)
+    # XLA:CPU flushes denormals to zero (FTZ/DAZ); PyTorch keeps them by default, and on an
+    # Intel CPU its matmuls ran 4-5x slower from the second step on (mt5_small: 90-100 s per
+    # step against 19-20 s; docs/benchmarks.md, 2026-11-25). Same numerics on both sides.
+    torch.set_flush_denormal(True)
     device = "cuda" if on_gpu() else "cpu"
     autocast = (
         torch.autocast(device, dtype=torch.bfloat16)
