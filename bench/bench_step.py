@@ -9,6 +9,9 @@ Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks
 Each run (t5scale on one device, each ZeRO stage on all devices, the transformers baseline) is
 a process of its own that compiles, takes one warm-up step and then --steps timed steps back to
 back, each timed to block_until_ready, as a training run would; compile time is reported apart.
+With --steps-per-execution k > 1, t5scale's runs take k steps per XLA execution
+(TrainConfig.steps_per_execution), warm up with one execution and time ceil(--steps / k)
+executions, each giving its time over k as the step time; one device is then also run at k = 1.
 Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
 that a machine whose speed drifts favours no run. A step is never timed right after another
 run's step: on this 2-core VM a step that follows another program's step was up to 20% slower
@@ -53,7 +56,7 @@ from t5scale.parallel.mesh import ParallelConfig, make_mesh  # noqa: E402
 from t5scale.study.peak import matmul_peak  # noqa: E402
 from t5scale.train import optim  # noqa: E402
 from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings  # noqa: E402
-from t5scale.train.step import batch_sharding, make_train_step  # noqa: E402
+from t5scale.train.step import batch_sharding, make_train_step, stack_batches  # noqa: E402
 
 CPU_MEMORY_BUDGET = 20 * 2**30  # of this machine's 24 GiB, shared by every emulated device
 
@@ -90,7 +93,10 @@ class Prepared:
     step: Callable[[], None] | None  # one blocking training step; None: it does not fit
 
 
-def prepare_t5scale(model_name: str, stage: int, devices: list, setup: Setup) -> Prepared:
+def prepare_t5scale(
+    model_name: str, stage: int, devices: list, setup: Setup, steps_per_execution: int = 1
+) -> Prepared:
+    """With steps_per_execution k > 1, `step` is one execution of k steps (t5scale/train/step.py)."""
     model = dataclasses.replace(preset(model_name), dtype=setup.dtype, remat=setup.remat)
     data = DataConfig(input_length=setup.input_length, target_length=setup.target_length)
     # Plain AdamW without clipping, exactly as the transformers baseline runs it.
@@ -98,15 +104,19 @@ def prepare_t5scale(model_name: str, stage: int, devices: list, setup: Setup) ->
     mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=len(devices)), devices)
     plan = plan_for(model, stage, mesh)
     shardings = state_shardings(plan, tx, abstract_state(model, tx))
-    train_step = make_train_step(model, plan, tx, shardings)
+    k = steps_per_execution
+    train_step = make_train_step(model, plan, tx, shardings, steps_per_execution=k)
     batches = [
         jax.device_put(
             synthetic_batch(data, setup.batch, model.vocab_size, 0, i), batch_sharding(plan)
         )
         for i in range(2)
     ]
-    row = {"model": model_name, "framework": "t5scale (JAX)", "stage": stage,
-           "devices": len(devices)}  # fmt: skip
+    if k > 1:  # k batches, alternating as the one-step runs' do
+        batches = [stack_batches([batches[i % 2] for i in range(k)], plan)] * 2
+    framework = "t5scale (JAX)" + (f", {k} steps per execution" if k > 1 else "")
+    row = {"model": model_name, "framework": framework, "stage": stage, "devices": len(devices),
+           "steps_per_execution": k}  # fmt: skip
     started = time.perf_counter()
     compiled = train_step.lower(abstract_state(model, tx), batches[0]).compile()
     row["compile_s"] = time.perf_counter() - started
@@ -171,10 +181,11 @@ def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
     return Prepared(row, step)
 
 
-def timed(step: Callable[[], None]) -> float:
+def timed(step: Callable[[], None], steps: int = 1) -> float:
+    """Seconds per step of one call of `step`, which takes `steps` steps."""
     started = time.perf_counter()
     step()
-    return time.perf_counter() - started
+    return (time.perf_counter() - started) / steps
 
 
 ROW_MARK = "bench-row: "  # the worker's one line of result on stdout
@@ -191,10 +202,13 @@ def worker(spec: dict) -> None:
             run = prepare_transformers(spec["model"], setup)
         else:
             devices = jax.devices()[: spec["devices"]]
-            run = prepare_t5scale(spec["model"], spec["stage"], devices, setup)
+            k = spec.get("steps_per_execution", 1)
+            run = prepare_t5scale(spec["model"], spec["stage"], devices, setup, k)
         row = run.row
         if run.step is not None:
-            row["step_times_s"] = [timed(run.step) for _ in range(setup.steps)]
+            k = row.get("steps_per_execution", 1)
+            # An execution of k steps gives one time per step; --steps steps, rounded up to k.
+            row["step_times_s"] = [timed(run.step, k) for _ in range(-(-setup.steps // k))]
     print(ROW_MARK + json.dumps(row), flush=True)
 
 
@@ -243,6 +257,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run and round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="k > 1: t5scale also runs k steps per XLA execution on one device, "
+                             "and so on all devices (TrainConfig.steps_per_execution)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
@@ -258,8 +275,8 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be at least 1")
+    if args.steps < 1 or args.rounds < 1 or args.steps_per_execution < 1:
+        parser.error("--steps, --rounds and --steps-per-execution must be at least 1")
     setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
                   args.steps)  # fmt: skip
 
@@ -274,10 +291,14 @@ def main() -> None:
         t5scale_run = {"framework": "t5scale (JAX)", "model": name,
                        "setup": dataclasses.asdict(setup)}  # fmt: skip
         specs = []
+        k = {"steps_per_execution": args.steps_per_execution}
         if not args.no_t5scale:
-            specs.append(t5scale_run | {"stage": 0, "devices": 1})
+            # The reference ("speed vs 1 device"): one device at --steps-per-execution.
+            specs.append(t5scale_run | {"stage": 0, "devices": 1} | k)
+            if args.steps_per_execution > 1:
+                specs.append(t5scale_run | {"stage": 0, "devices": 1})
             if machine["device_count"] > 1:
-                specs += [t5scale_run | {"stage": st, "devices": machine["device_count"]}
+                specs += [t5scale_run | {"stage": st, "devices": machine["device_count"]} | k
                           for st in range(4)]  # fmt: skip
         if name in args.torch_models and not args.no_torch:
             specs.append(t5scale_run | {"framework": "transformers"})

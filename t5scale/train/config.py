@@ -20,6 +20,8 @@ class TrainConfig:
     steps: int = 20
     batch_size: int = 8  # global, in sequences
     micro_batches: int = 1  # gradient accumulation steps per train step
+    # Train steps per XLA execution (a loop inside the compiled program; t5scale/train/step.py).
+    steps_per_execution: int = 1
     seed: int = 0
     log_every: int = 1
     z_loss: float = 1e-4
@@ -28,6 +30,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.micro_batches < 1:
             raise ConfigError("steps must be >= 0, batch_size and micro_batches >= 1")
+        if self.steps_per_execution < 1:
+            raise ConfigError(
+                f"TrainConfig.steps_per_execution must be >= 1, got {self.steps_per_execution}"
+            )
 
 
 NONFINITE_ACTIONS = ("stop", "skip")

@@ -31,7 +31,13 @@ from t5scale.train.state import (
     sharded_abstract_state,
     state_shardings,
 )
-from t5scale.train.step import LossConfig, batch_sharding, make_eval_step, make_train_step
+from t5scale.train.step import (
+    LossConfig,
+    batch_sharding,
+    make_eval_step,
+    make_train_step,
+    stack_batches,
+)
 
 
 class NonFiniteError(FloatingPointError):
@@ -91,15 +97,17 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         )  # fmt: skip
     try:
         state = restored.state if restored else create_state(run.model, tx, plan, cfg.seed)
-        compiled, analysis = compile_train_step(
-            run, plan, tx, abstract, shardings, skip_nonfinite=run.checkpoint.on_nonfinite == "skip"
-        )
+        skip = run.checkpoint.on_nonfinite == "skip"
+        compiled, analysis = compile_train_step(run, plan, tx, abstract, shardings, skip)
+        programs = StepPrograms(run, plan, compiled)
+        if cfg.steps_per_execution > 1:
+            programs.many = compile_steps(run, plan, tx, abstract, shardings, skip)
         evaluate = validation_loss(run, plan, held_out) if held_out else None
         if primary:
             _write_run_files(cfg.model_dir, operative_config, analysis)
         saver = _Saver(checkpoints, run, operative_config)
         with _Preemption() as preemption:
-            return _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption)
+            return _run_steps(run, state, start, programs, evaluate, batches, saver, preemption)
     finally:
         batches.close()
         if held_out:
@@ -111,22 +119,66 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
 def compile_train_step(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False):
     """(compiled step, step_analysis.json's dict), lowered from abstract shapes in their
     shardings (nothing allocated): for the training loop and the study's trials alike."""
-    step = make_train_step(
-        run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss),
-        skip_nonfinite=skip_nonfinite,
-    )  # fmt: skip
     started = time.perf_counter()
-    state = sharded_abstract_state(abstract, shardings)
-    compiled = step.lower(state, abstract_batch(run, plan)).compile()
+    compiled = compile_steps(run, plan, tx, abstract, shardings, skip_nonfinite, 1)
     return compiled, analyze_step(compiled, run, plan, tx, time.perf_counter() - started)
 
 
-def abstract_batch(run: RunConfig, plan) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch's shapes and sharding, to compile the step before any data arrive."""
+def compile_steps(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False, steps=None):
+    """The compiled program of `steps` training steps per execution (default
+    TrainConfig.steps_per_execution), from abstract shapes."""
+    steps = run.train.steps_per_execution if steps is None else steps
+    program = make_train_step(
+        run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss),
+        skip_nonfinite=skip_nonfinite, steps_per_execution=steps,
+    )  # fmt: skip
+    state = sharded_abstract_state(abstract, shardings)
+    return program.lower(state, abstract_batch(run, plan, steps)).compile()
+
+
+def abstract_batch(run: RunConfig, plan, steps: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch's shapes and sharding (`steps` > 1: that many stacked), to compile the
+    step before any data arrive."""
+    stack = (steps,) if steps > 1 else ()
     return {
-        name: jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sharding(plan))
+        name: jax.ShapeDtypeStruct(
+            stack + shape, np.int32, sharding=batch_sharding(plan, steps > 1)
+        )
         for name, shape in batch_shapes(run.data, run.train.batch_size).items()
     }
+
+
+class StepPrograms:
+    """The compiled one-step program and, with steps_per_execution k > 1, the k-step one.
+
+    `chunk(done)` is how many steps the next execution takes after `done` steps: k when none of
+    the next k - 1 steps is followed by a checkpoint, a validation or the end of the run (they
+    must see the state of their own step), else 1.
+    """
+
+    def __init__(self, run: RunConfig, plan, one):
+        self.run, self.plan, self.one, self.many = run, plan, one, None
+
+    def _boundary(self, step: int) -> bool:
+        every, validate = self.run.checkpoint.every, self.run.data.validation_every
+        return (
+            step == self.run.train.steps
+            or bool(every and step % every == 0)
+            or bool(validate and step % validate == 0)
+        )
+
+    def chunk(self, done: int) -> int:
+        k = self.run.train.steps_per_execution
+        if self.many is None or done + k > self.run.train.steps:
+            return 1
+        return 1 if any(self._boundary(s) for s in range(done + 1, done + k)) else k
+
+    def execute(self, state, batches: list) -> tuple:
+        """(state, metrics with one value per step) after len(batches) steps."""
+        if len(batches) == 1:
+            state, metrics = self.one(state, batches[0])
+            return state, jax.tree.map(lambda m: m[None], metrics)
+        return self.many(state, stack_batches(batches, self.plan))
 
 
 def _write_run_files(model_dir: str | None, operative_config: str | None, analysis: dict) -> None:
@@ -218,7 +270,7 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption) -> list[dict]:
+def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption) -> list[dict]:
     cfg, every = run.train, run.data.validation_every
     schedule = optim.inverse_sqrt_schedule(run.optimizer)
     tokens_per_step = cfg.batch_size * (run.data.input_length + run.data.target_length)
@@ -226,41 +278,47 @@ def _run_steps(run, state, start, compiled, evaluate, batches, saver, preemption
     log = MetricsLog(
         cfg.model_dir if primary else None, cfg.steps, cfg.log_every, resume_at=start, show=primary
     )
-    history, skipped = [], 0
+    history, skipped, done = [], 0, start
     try:
-        for step in range(start + 1, cfg.steps + 1):
-            batch = next(batches)  # the next is prefetched meanwhile
+        while done < cfg.steps:
+            chunk = [next(batches) for _ in range(programs.chunk(done))]  # the next prefetch
+            jax.block_until_ready(chunk)
             started = time.perf_counter()
-            state, metrics = compiled(state, batch)
+            state, metrics = programs.execute(state, chunk)
             metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
-            elapsed = time.perf_counter() - started
-            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-            record |= {
-                "learning_rate": float(schedule(step - 1)),
-                "step_time_s": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed,
-            }
-            finite = np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])
-            if not finite and run.checkpoint.on_nonfinite == "stop":
+            # Steps of one execution share its time equally: it is all there is to measure.
+            elapsed = (time.perf_counter() - started) / len(chunk)
+            preempted = False
+            for i in range(len(chunk)):
+                step = done + i + 1
+                record = {"step": step, **{k: float(v[i]) for k, v in metrics.items()}}
+                record |= {
+                    "learning_rate": float(schedule(step - 1)),
+                    "step_time_s": elapsed,
+                    "tokens_per_s": tokens_per_step / elapsed,
+                }
+                finite = np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])
+                if not finite and run.checkpoint.on_nonfinite == "stop":
+                    log.write(record)
+                    kept = f"step {saver.last_saved}" if saver.last_saved else "none this run"
+                    raise NonFiniteError(
+                        f"loss {record['loss']}, gradient norm {record['grad_norm']} at step "
+                        f"{step}: stopped without saving (last checkpoint: {kept}); "
+                        "CheckpointConfig.on_nonfinite='skip' skips such steps"
+                    )
+                skipped += not finite
+                record["skipped_steps"] = skipped
+                if evaluate and (step % every == 0 or step == cfg.steps):
+                    record["validation_loss"] = evaluate(state.params)  # a chunk's last step
                 log.write(record)
-                kept = f"step {saver.last_saved}" if saver.last_saved else "none this run"
-                raise NonFiniteError(
-                    f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {step}: "
-                    f"stopped without saving (last checkpoint: {kept}); "
-                    "CheckpointConfig.on_nonfinite='skip' skips such steps"
-                )
-            skipped += not finite
-            record["skipped_steps"] = skipped
-            if evaluate and (step % every == 0 or step == cfg.steps):
-                record["validation_loss"] = evaluate(state.params)
-            log.write(record)
-            history.append(record)
-            preempted = preemption.reached(step)
-            if saver.due(step) or preempted:
-                saver.save(step, state, batches.position)
-            if preempted and step < cfg.steps:
+                history.append(record)
+                preempted = preemption.reached(step) or preempted  # asked at every step
+            done += len(chunk)
+            if saver.due(done) or preempted:
+                saver.save(done, state, batches.position)
+            if preempted and done < cfg.steps:
                 print(
-                    f"preempted (SIGTERM): checkpoint saved at step {step}; "
+                    f"preempted (SIGTERM): checkpoint saved at step {done}; "
                     "the same command resumes from it",
                     flush=True,
                 )
