@@ -34,13 +34,10 @@ def _train(parallel: ParallelConfig, devices, steps_per_execution: int):
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
-        memory = step.lower(state, batches[0]).compile().memory_analysis()
     else:
-        stacked = stack_batches(batches, plan)
-        memory = step.lower(state, stacked).compile().memory_analysis()
-        state, metrics = step(state, stacked)
+        state, metrics = step(state, stack_batches(batches, plan))
         losses = [float(x) for x in metrics["loss"]]
-    return np.array(losses), jax.device_get(state.params), memory
+    return np.array(losses), jax.device_get(state.params)
 
 
 @pytest.mark.parametrize(
@@ -53,14 +50,12 @@ def _train(parallel: ParallelConfig, devices, steps_per_execution: int):
     ids=["1-device", "stage3-4x2"],
 )
 def test_k_steps_in_one_execution_are_k_single_steps(parallel, devices):
-    one_losses, one_params, one_memory = _train(parallel, jax.devices()[:devices], 1)
-    k_losses, k_params, k_memory = _train(parallel, jax.devices()[:devices], K)
+    one_losses, one_params = _train(parallel, jax.devices()[:devices], 1)
+    k_losses, k_params = _train(parallel, jax.devices()[:devices], K)
     assert len(k_losses) == K
     np.testing.assert_allclose(k_losses, one_losses, rtol=1e-5)
     worst = max(jax.tree.leaves(jax.tree.map(_relative, k_params, one_params)))
     assert worst <= 1e-5
-    # The loop reuses one step's temporaries rather than holding K sets of them.
-    assert k_memory.temp_size_in_bytes < 1.5 * one_memory.temp_size_in_bytes
 
 
 def _chunks(steps: int, every: int, validate: int = 0, done: int = 0) -> list[int]:

@@ -126,7 +126,9 @@ def compile_train_step(run: RunConfig, plan, tx, abstract, shardings, skip_nonfi
 
 def compile_steps(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False, steps=None):
     """The compiled program of `steps` training steps per execution (default
-    TrainConfig.steps_per_execution), from abstract shapes."""
+    TrainConfig.steps_per_execution), from abstract shapes. step_analysis.json and memory checks
+    use the one-step program: XLA's memory analysis of the k-step loop can under-count its
+    temporaries (bench/bench_step.py)."""
     steps = run.train.steps_per_execution if steps is None else steps
     program = make_train_step(
         run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss),
