@@ -1,5 +1,6 @@
-"""2 processes × 4 devices train like 1 process × 8 (real processes on 127.0.0.1), and a
-checkpoint written by 2 processes restores in 1 and training goes on."""
+"""2 processes × 4 devices train like 1 process × 8 (real processes on 127.0.0.1), also with
+several steps per execution, and a checkpoint written by 2 processes restores in 1 and training
+goes on."""
 
 import json
 import os
@@ -69,9 +70,11 @@ def _assert_same_losses(run: Path, reference: Path, steps: range) -> None:
 def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_path):
     one, hybrid = tmp_path / "one", tmp_path / "stage3"
     # One process × 8 devices, ZeRO-3, 12 steps without a break: the reference; beside it two
-    # processes × 4 devices, ZeRO-3 on the hybrid mesh (a replica per process, zero inside).
+    # processes × 4 devices, ZeRO-3 on the hybrid mesh (a replica per process, zero inside),
+    # 4 steps per execution (executions of 4, 4, 1 and 1 steps before the checkpoint at 10).
     reference = _one_process(one, 12, STAGES[3])
-    _, output = _finish(reference, _two_processes(hybrid, 10, STAGES[3]))
+    two = _two_processes(hybrid, 10, STAGES[3], "--gin.STEPS_PER_EXECUTION=4")
+    _, output = _finish(reference, two)
     assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
     # The ZeRO-3 checkpoint of step 10, written by two processes (each its own shards),
     # restores in one process under ZeRO-2 and trains steps 11 and 12.
