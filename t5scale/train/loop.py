@@ -284,7 +284,6 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
     try:
         while done < cfg.steps:
             chunk = [next(batches) for _ in range(programs.chunk(done))]  # the next prefetch
-            jax.block_until_ready(chunk)
             started = time.perf_counter()
             state, metrics = programs.execute(state, chunk)
             metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
