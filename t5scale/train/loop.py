@@ -161,26 +161,30 @@ class StepPrograms:
     def __init__(self, run: RunConfig, plan, one):
         self.run, self.plan, self.one, self.many = run, plan, one, None
 
-    def _boundary(self, step: int) -> bool:
-        every, validate = self.run.checkpoint.every, self.run.data.validation_every
-        return (
-            step == self.run.train.steps
-            or bool(every and step % every == 0)
-            or bool(validate and step % validate == 0)
-        )
-
     def chunk(self, done: int) -> int:
-        k = self.run.train.steps_per_execution
-        if self.many is None or done + k > self.run.train.steps:
+        k, run = self.run.train.steps_per_execution, self.run
+        if self.many is None or done + k > run.train.steps:
             return 1
-        return 1 if any(self._boundary(s) for s in range(done + 1, done + k)) else k
+        stops = (
+            _checkpoint_due(run, s) or _validation_due(run, s) for s in range(done + 1, done + k)
+        )
+        return 1 if any(stops) else k
 
     def execute(self, state, batches: list) -> tuple:
-        """(state, metrics with one value per step) after len(batches) steps."""
+        """(state, metrics) after len(batches) steps; with several, a value per step each."""
         if len(batches) == 1:
-            state, metrics = self.one(state, batches[0])
-            return state, jax.tree.map(lambda m: m[None], metrics)
+            return self.one(state, batches[0])
         return self.many(state, stack_batches(batches, self.plan))
+
+
+def _checkpoint_due(run: RunConfig, step: int) -> bool:
+    every = run.checkpoint.every
+    return bool(every and step % every == 0) or step == run.train.steps
+
+
+def _validation_due(run: RunConfig, step: int) -> bool:
+    every = run.data.validation_every
+    return bool(every) and (step % every == 0 or step == run.train.steps)
 
 
 def _write_run_files(model_dir: str | None, operative_config: str | None, analysis: dict) -> None:
@@ -216,8 +220,7 @@ class _Saver:
         self.last_saved: int | None = None
 
     def due(self, step: int) -> bool:
-        every = self.run.checkpoint.every
-        return bool(every and step % every == 0) or step == self.run.train.steps
+        return _checkpoint_due(self.run, step)
 
     def save(self, step: int, state, data_position: int) -> None:
         if self.checkpoints is None:
@@ -273,7 +276,7 @@ class _Preemption:
 
 
 def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption) -> list[dict]:
-    cfg, every = run.train, run.data.validation_every
+    cfg = run.train
     schedule = optim.inverse_sqrt_schedule(run.optimizer)
     tokens_per_step = cfg.batch_size * (run.data.input_length + run.data.target_length)
     primary = jax.process_index() == 0
@@ -287,6 +290,7 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
             started = time.perf_counter()
             state, metrics = programs.execute(state, chunk)
             metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
+            metrics = {name: np.atleast_1d(value) for name, value in metrics.items()}
             # Steps of one execution share its time equally: it is all there is to measure.
             elapsed = (time.perf_counter() - started) / len(chunk)
             preempted = False
@@ -309,7 +313,7 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
                     )
                 skipped += not finite
                 record["skipped_steps"] = skipped
-                if evaluate and (step % every == 0 or step == cfg.steps):
+                if evaluate and _validation_due(run, step):
                     record["validation_loss"] = evaluate(state.params)  # a chunk's last step
                 log.write(record)
                 history.append(record)

@@ -311,20 +311,14 @@ def make_train_step(
 
     if steps_per_execution < 1:
         raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
-    if steps_per_execution == 1:
-        return jax.jit(
-            step,
-            in_shardings=(state_shardings, batch_sharding(plan)),
-            out_shardings=(state_shardings, NamedSharding(plan.mesh, P())),
-            donate_argnums=0,
-        )
 
     def steps(state: TrainState, batches: Batch):
         return lax.scan(step, state, batches, length=steps_per_execution)
 
+    stacked = steps_per_execution > 1
     return jax.jit(
-        steps,
-        in_shardings=(state_shardings, batch_sharding(plan, stacked=True)),
+        steps if stacked else step,
+        in_shardings=(state_shardings, batch_sharding(plan, stacked)),
         out_shardings=(state_shardings, NamedSharding(plan.mesh, P())),
         donate_argnums=0,
     )
