@@ -35,18 +35,11 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from t5scale.model.sizes import PRESETS
-    from t5scale.parallel.mesh import ParallelConfig, make_mesh
-    from t5scale.train import optim
+    from t5scale.model.sizes import preset
+    from t5scale.parallel.mesh import ParallelConfig
     from t5scale.train.checkpoint import Checkpoints, model_signature
-    from t5scale.train.config import CheckpointConfig
-    from t5scale.train.state import (
-        abstract_state,
-        create_state,
-        plan_for,
-        sharded_abstract_state,
-        state_shardings,
-    )
+    from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
+    from t5scale.train.setup import build_setup
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="t5scale_ckpt_bench_"))
     print(f"{jax.devices()[0].platform}: {args.devices} devices, ZeRO stage {args.stage}, "
@@ -54,13 +47,11 @@ def main() -> None:
     print("| model | parameters | size on disk | save blocks s | save complete s | restore s |")
     print("|---|---|---|---|---|---|")
     for name in args.models:
-        model = PRESETS[name]
-        tx = optim.make_optimizer(optim.OptimizerConfig())
-        mesh = make_mesh(ParallelConfig(zero_stage=args.stage))
-        plan = plan_for(model, args.stage, mesh)
-        abstract = abstract_state(model, tx)
-        shardings = state_shardings(plan, tx, abstract)
-        state = create_state(model, tx, plan, seed=0)
+        model = preset(name)
+        parallel = ParallelConfig(zero_stage=args.stage)
+        run = RunConfig(model=model, parallel=parallel, train=TrainConfig(batch_size=args.devices))
+        setup = build_setup(run)
+        state = setup.create_state(seed=0)
         meta = {"step": 0, "data_position": 0, "model": model_signature(model)}
         meta["optimizer"] = "adamw"
         blocks, completes, restores, size = [], [], [], 0
@@ -73,9 +64,8 @@ def main() -> None:
             checkpoints.wait()
             completes.append(time.perf_counter() - started)
             size = _size(directory / "checkpoints" / "1")
-            target = sharded_abstract_state(abstract, shardings)
             started = time.perf_counter()
-            restored = checkpoints.restore_latest(target, model, "adamw")
+            restored = checkpoints.restore_latest(setup.state, model, "adamw")
             jax.block_until_ready(restored.state)
             restores.append(time.perf_counter() - started)
             checkpoints.close()

@@ -6,27 +6,26 @@
 
 Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks.md.
 
-Each run (t5scale on one device, each ZeRO stage on all devices, the transformers baseline) is
-a process of its own that compiles, takes one warm-up step and then --steps timed steps back to
-back, each timed to block_until_ready, as a training run would; compile time is reported apart.
-With --steps-per-execution k > 1, t5scale's runs take k steps per XLA execution
-(TrainConfig.steps_per_execution), warm up with one execution and time ceil(--steps / k)
-executions, each giving its time over k as the step time; one device is then also run at k = 1.
-Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
-that a machine whose speed drifts favours no run. A step is never timed right after another
-run's step: on this 2-core VM a step that follows another program's step was up to 20% slower
-than one that follows its own (docs/benchmarks.md, 2026-11-24), a condition no training run
-meets. "speed vs 1 device" is the median over rounds of the 1-device t5scale run's median
-step time over the run's, in the same round. MFU = model FLOPs per step (t5scale.analysis.flops)
-/ (step time · peak · devices), the peak being this machine's measured fp32 matmul FLOP/s shared
-by all emulated devices (they share the same cores), so 8 emulated devices are held to one peak.
-The Hugging Face PyTorch MT5ForConditionalGeneration baseline runs on the same config, batch,
-lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping).
+Each t5scale run (one device, and each ZeRO stage on all devices) is one of the study's trials
+(t5scale/study/trial.py): a process of its own that compiles, checks the one-step program's
+memory, takes one warm-up execution and then times --steps steps back to back, each to
+block_until_ready, as a training run would; compile time is reported apart. With
+--steps-per-execution k > 1, t5scale's runs take k steps per XLA execution
+(TrainConfig.steps_per_execution) and each execution gives its time over k as the step time;
+one device is then also run at k = 1. The Hugging Face PyTorch MT5ForConditionalGeneration
+baseline runs through the same process isolation (this file's `--worker`), on the same config,
+batch, lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping).
 
-On a GPU the same script runs on the one device it has (ZeRO stages need several), measures the
-matmul peak in the compute dtype (bf16: 8192³), and runs the transformers baseline on CUDA with
-bf16 autocast and fp32 parameters, the same mixed precision t5scale uses with --dtype bfloat16.
-Each run having the card to itself, JAX's memory pool and torch's never meet.
+Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
+that a machine whose speed drifts favours no run; a step is never timed right after another
+run's step (docs/benchmarks.md says why). "speed vs 1 device" is the median over rounds of the
+1-device t5scale run's median step time over the run's, in the same round. MFU = model FLOPs
+per step (t5scale.analysis.flops) / (step time · peak · devices), the peak being this machine's
+measured matmul FLOP/s shared by all emulated devices (they share the same cores).
+
+On a GPU the same script runs on the devices it has, takes the datasheet's peak for the compute
+dtype, and runs the transformers baseline on CUDA with bf16 autocast and fp32 parameters, the
+same mixed precision t5scale uses with --dtype bfloat16.
 """
 
 from __future__ import annotations
@@ -36,29 +35,21 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from pathlib import Path
 
-import jax
+from t5scale.analysis.flops import mfu, training_flops_per_step
+from t5scale.analysis.memory import cpu_memory_budget
+from t5scale.data.config import DataConfig
+from t5scale.model.sizes import preset
+from t5scale.study.config import Point
+from t5scale.study.trial import TRIAL_PROGRAM, run_trial, write_result
+from t5scale.train.config import RunConfig, TrainConfig
 
-import t5scale  # noqa: F401  (CPU collective-ordering flag, before JAX starts)
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-
-from t5scale.analysis.flops import mfu, training_flops_per_step  # noqa: E402
-from t5scale.analysis.memory import compiled_memory  # noqa: E402
-from t5scale.data.synthetic import DataConfig, synthetic_batch  # noqa: E402
-from t5scale.model.sizes import preset  # noqa: E402
-from t5scale.parallel.mesh import ParallelConfig, make_mesh  # noqa: E402
-from t5scale.study.peak import matmul_peak  # noqa: E402
-from t5scale.train import optim  # noqa: E402
-from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings  # noqa: E402
-from t5scale.train.step import batch_sharding, make_train_step, stack_batches  # noqa: E402
-
-CPU_MEMORY_BUDGET = 20 * 2**30  # of this machine's 24 GiB, shared by every emulated device
+CPU_DEVICES = 8
+TIMEOUT_S = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,90 +61,61 @@ class Setup:
     remat: str = "none"
     steps: int = 3
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch * (self.input_length + self.target_length)
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def memory_budget(devices: list) -> int:
-    if on_gpu():
-        return int(devices[0].memory_stats()["bytes_limit"])
-    return CPU_MEMORY_BUDGET // len(devices)
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A run ready to time: compiled (or built), its state made, one warm-up step taken."""
-
-    row: dict
-    step: Callable[[], None] | None  # one blocking training step; None: it does not fit
-
-
-def prepare_t5scale(
-    model_name: str, stage: int, devices: list, setup: Setup, steps_per_execution: int = 1
-) -> Prepared:
-    """With steps_per_execution k > 1, `step` is one execution of k steps (t5scale/train/step.py)."""
-    model = dataclasses.replace(preset(model_name), dtype=setup.dtype, remat=setup.remat)
-    data = DataConfig(input_length=setup.input_length, target_length=setup.target_length)
-    # Plain AdamW without clipping, exactly as the transformers baseline runs it.
-    tx = optim.make_optimizer(optim.OptimizerConfig(grad_clip_norm=None))
-    mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=len(devices)), devices)
-    plan = plan_for(model, stage, mesh)
-    shardings = state_shardings(plan, tx, abstract_state(model, tx))
-    k = steps_per_execution
-    batches = [
-        jax.device_put(
-            synthetic_batch(data, setup.batch, model.vocab_size, 0, i), batch_sharding(plan)
+    def run_config(self) -> RunConfig:
+        return RunConfig(
+            train=TrainConfig(batch_size=self.batch),
+            data=DataConfig(input_length=self.input_length, target_length=self.target_length),
         )
-        for i in range(2)
-    ]
-    framework = "t5scale (JAX)" + (f", {k} steps per execution" if k > 1 else "")
-    row = {"model": model_name, "framework": framework, "stage": stage, "devices": len(devices),
-           "steps_per_execution": k}  # fmt: skip
-    # Whether it fits is judged on the one-step program: XLA's memory analysis of the k-step
-    # loop under-counts its temporaries on several devices (mt5_small at stage 1 on 8 devices:
-    # 0.79 against 1.81 GiB per device; it was killed for memory when run).
-    started = time.perf_counter()
-    one_step = make_train_step(model, plan, tx, shardings)
-    compiled = one_step.lower(abstract_state(model, tx), batches[0]).compile()
-    row["compile_s"] = time.perf_counter() - started
-    peak = compiled_memory(compiled)["peak_estimate_bytes"]
-    row["memory_per_device_gib"] = peak / 2**30
-    if peak > memory_budget(devices):
-        return Prepared(row | {"status": "does not fit"}, None)
-    if k > 1:  # k batches, alternating as the one-step runs' do
-        batches = [stack_batches([batches[i % 2] for i in range(k)], plan)] * 2
-        started = time.perf_counter()
-        k_steps = make_train_step(model, plan, tx, shardings, steps_per_execution=k)
-        compiled = k_steps.lower(abstract_state(model, tx), batches[0]).compile()
-        row["compile_s"] = time.perf_counter() - started  # the program that is timed
-    held = {"state": create_state(model, tx, plan, seed=0), "i": 0}
-
-    def step() -> None:
-        held["state"], metrics = compiled(held["state"], batches[held["i"] % 2])
-        jax.block_until_ready((held["state"], metrics))
-        held["i"] += 1
-
-    step()  # warm-up
-    return Prepared(row | {"status": "ok"}, step)
 
 
-def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
+def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, machine: dict):
+    """A timed trial of the study: the model at `stage` over `devices` (zero = all of them)."""
+    point = Point(
+        model=model, stage=stage, micro_batch_size=setup.batch // devices, remat=setup.remat,
+        learning_rate=1e-3, devices=devices, input_length=setup.input_length,
+        target_length=setup.target_length, dtype=setup.dtype,
+    )  # fmt: skip
+    if machine["backend"] == "cpu":
+        budget = cpu_memory_budget(machine["host_memory_bytes"], devices)
+    else:
+        budget = machine["device_memory_limit_bytes"]
+    return {
+        "kind": "timed",
+        "label": {
+            "model": model,
+            "framework": "t5scale (JAX)" + (f", {k} steps per execution" if k > 1 else ""),
+            "stage": stage,
+            "devices": devices,
+        },  # fmt: skip
+        "devices_per_process": devices,
+        "point": point.__dict__,
+        "memory_budget_bytes": budget,
+        "warmup_steps": 1,
+        "timed_steps": setup.steps,
+        "peak_flops_per_s": machine["peak_flops_per_s"],
+        # Plain AdamW without clipping, exactly as the transformers baseline runs it.
+        "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"],
+    }
+
+
+def transformers_spec(model: str, setup: Setup) -> dict:
+    label = {"model": model, "framework": "transformers (PyTorch)", "stage": "-", "devices": 1}
+    return {"kind": "transformers", "label": label, "model": model,
+            "setup": dataclasses.asdict(setup)}  # fmt: skip
+
+
+def time_transformers(model_name: str, setup: Setup) -> dict:
+    """In the worker process: the baseline's warm-up step, then --steps timed steps."""
     import contextlib
 
     import torch
     from transformers import MT5Config, MT5ForConditionalGeneration
 
     torch.set_num_threads(os.cpu_count() or 1)
-    # XLA:CPU flushes denormals to zero (FTZ/DAZ); PyTorch keeps them by default, and on an
-    # Intel CPU its matmuls ran 4-5x slower from the second step on (mt5_small: 90-100 s per
-    # step against 19-20 s; docs/benchmarks.md, 2026-11-25). Same numerics on both sides.
+    # XLA:CPU flushes denormals to zero (FTZ/DAZ); PyTorch keeps them by default, which made
+    # its matmuls several times slower on an Intel CPU (docs/benchmarks.md). Same numerics.
     torch.set_flush_denormal(True)
-    device = "cuda" if on_gpu() else "cpu"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = (
         torch.autocast(device, dtype=torch.bfloat16)
         if setup.dtype == "bfloat16"
@@ -165,87 +127,67 @@ def prepare_transformers(model_name: str, setup: Setup) -> Prepared:
         d_kv=m.d_kv, num_layers=m.num_encoder_layers, num_decoder_layers=m.num_decoder_layers,
         feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
     )  # fmt: skip
-    held = {"model": MT5ForConditionalGeneration(config).to(device).train()}
+    model = MT5ForConditionalGeneration(config).to(device).train()
     # fused: one kernel for the whole update on CUDA (the fastest torch AdamW there).
-    held["optimizer"] = torch.optim.AdamW(
-        held["model"].parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
     )
     inputs = torch.randint(2, m.vocab_size, (setup.batch, setup.input_length), device=device)
     labels = torch.randint(2, m.vocab_size, (setup.batch, setup.target_length), device=device)
 
     def step() -> None:
         with autocast:
-            loss = held["model"](input_ids=inputs, labels=labels).loss
+            loss = model(input_ids=inputs, labels=labels).loss
         loss.backward()
-        held["optimizer"].step()
-        held["optimizer"].zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
 
     step()  # warm-up
-    row = {"model": model_name, "stage": "-", "devices": 1,
-           "framework": "transformers (PyTorch)", "status": "ok"}  # fmt: skip
-    return Prepared(row, step)
+    times = []
+    for _ in range(setup.steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return {"status": "ok", "step_times_s": times}
 
 
-def timed(step: Callable[[], None], steps: int = 1) -> float:
-    """Seconds per step of one call of `step`, which takes `steps` steps."""
-    started = time.perf_counter()
-    step()
-    return (time.perf_counter() - started) / steps
+def worker(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    result = time_transformers(spec["model"], Setup(**spec["setup"]))
+    write_result(Path(result_path), result)
 
 
-ROW_MARK = "bench-row: "  # the worker's one line of result on stdout
-
-
-def worker(spec: dict) -> None:
-    """In a process of its own: prepare one run, time its steps back to back, print its row."""
-    if spec["framework"] == "peak":
-        row = {"peak": matmul_peak(spec["dtype"]), "device_kind": jax.devices()[0].device_kind,
-               "device_count": len(jax.devices())}  # fmt: skip
-    else:
-        setup = Setup(**spec["setup"])
-        if spec["framework"] == "transformers":
-            run = prepare_transformers(spec["model"], setup)
-        else:
-            devices = jax.devices()[: spec["devices"]]
-            k = spec.get("steps_per_execution", 1)
-            run = prepare_t5scale(spec["model"], spec["stage"], devices, setup, k)
-        row = run.row
-        if run.step is not None:
-            k = row.get("steps_per_execution", 1)
-            # An execution of k steps gives one time per step; --steps steps, rounded up to k.
-            row["step_times_s"] = [timed(run.step, k) for _ in range(-(-setup.steps // k))]
-    print(ROW_MARK + json.dumps(row), flush=True)
-
-
-def in_own_process(spec: dict) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-    rows = [line for line in done.stdout.splitlines() if line.startswith(ROW_MARK)]
-    if done.returncode != 0 or not rows:
-        sys.exit(f"bench: the run {spec} failed (exit code {done.returncode})")
-    return json.loads(rows[-1][len(ROW_MARK) :])
-
-
-def time_runs(specs: list[dict], rounds: int) -> list[dict]:
+def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
     """Each spec's row, its step times gathered over `rounds` rounds of alternating order; the
     first spec is the reference that "speed vs 1 device" compares with."""
     rows: list[dict | None] = [None] * len(specs)
     medians: list[list[float]] = [[] for _ in specs]
     for r in range(rounds):
         order = list(range(len(specs)))[:: 1 if r % 2 == 0 else -1]
-        for i in order:
-            if rows[i] is not None and rows[i]["status"] != "ok":
+        for index in order:
+            if rows[index] is not None and rows[index]["status"] != "ok":
                 continue  # compiled once: it does not fit
-            row = in_own_process(specs[i])
-            print(f"round {r + 1}/{rounds}: {json.dumps(row)}", file=sys.stderr, flush=True)
-            if rows[i] is None:
-                rows[i] = row
-            elif "step_times_s" in row:
-                rows[i]["step_times_s"] += row["step_times_s"]
-            if "step_times_s" in row:
-                medians[i].append(statistics.median(row["step_times_s"]))
+            spec = specs[index]
+            program = (os.path.abspath(__file__), "--worker")
+            result = run_trial(
+                spec, work_dir, f"round{r}-run{index}", TIMEOUT_S,
+                program=program if spec["kind"] == "transformers" else TRIAL_PROGRAM,
+            )  # fmt: skip
+            print(f"round {r + 1}/{rounds}: {spec['label']} {result['status']}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            if result["status"] not in ("ok", "out-of-memory"):
+                sys.exit(f"bench: {spec['label']} failed: {result.get('error')} ({result['log']})")
+            row = rows[index] = rows[index] or dict(spec["label"]) | {"status": result["status"],
+                                                                      "step_times_s": []}  # fmt: skip
+            if "analysis" in result and "compile_s" not in row:  # round 1: no cached program
+                row["compile_s"] = result["analysis"]["compile_time_s"]
+                peak = result["analysis"]["memory_per_device"]["peak_estimate_bytes"]
+                row["memory_per_device_gib"] = peak / 2**30
+            if result["status"] == "ok":
+                row["step_times_s"] += result["step_times_s"]
+                medians[index].append(statistics.median(result["step_times_s"]))
     for row, per_round in zip(rows, medians, strict=True):
         if row["status"] == "ok":
             row["step_s"] = statistics.median(row["step_times_s"])
@@ -257,6 +199,42 @@ def time_runs(specs: list[dict], rounds: int) -> list[dict]:
                 ref / own for ref, own in zip(medians[0], per_round, strict=True)
             )
     return rows
+
+
+def run_specs(args, setup: Setup, machine: dict, name: str) -> list[dict]:
+    devices = CPU_DEVICES if machine["backend"] == "cpu" else machine["device_count"]
+    k = args.steps_per_execution
+    specs = []
+    if not args.no_t5scale:
+        # The reference ("speed vs 1 device"): one device at --steps-per-execution.
+        specs.append(t5scale_spec(name, 0, 1, setup, k, machine))
+        if k > 1:
+            specs.append(t5scale_spec(name, 0, 1, setup, 1, machine))
+        if devices > 1:
+            specs += [t5scale_spec(name, stage, devices, setup, k, machine) for stage in range(4)]
+    if name in args.torch_models and not args.no_torch:
+        specs.append(transformers_spec(name, setup))
+    return specs
+
+
+def print_table(rows: list[dict], setup: Setup, args, device_kind: str) -> None:
+    print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
+          f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
+          f"each run in its own process, {setup.steps} steps back to back after 1 warm-up, in "
+          f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
+    print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
+          "| speed vs 1 device |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        compile_s = f"{row['compile_s']:.1f}" if "compile_s" in row else "-"
+        ratio = f"{row['speed_vs_1_device']:.2f}×" if "speed_vs_1_device" in row else "-"
+        head = f"| {row['model']} | {row['framework']} | {row['devices']} | {row['stage']} | "
+        if row["status"] != "ok":
+            print(f"{head}{compile_s} | {row['status']} ({row['memory_per_device_gib']:.1f} "
+                  "GiB/device) | | | |")  # fmt: skip
+            continue
+        print(f"{head}{compile_s} | {row['step_s']:.3g} | {row['tokens_per_s']:,.0f} | "
+              f"{100 * row['mfu']:.0f}% | {ratio} |")  # fmt: skip
 
 
 def main() -> None:
@@ -277,67 +255,42 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-t5scale", action="store_true", help="only the baseline")
     parser.add_argument("--out", help="write the results as JSON here too")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # the baseline's process
     args = parser.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        worker(*args.worker)
         return
     if args.steps < 1 or args.rounds < 1 or args.steps_per_execution < 1:
         parser.error("--steps, --rounds and --steps-per-execution must be at least 1")
     setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
                   args.steps)  # fmt: skip
-
-    machine = in_own_process({"framework": "peak", "dtype": setup.dtype})
-    peak, device_kind = machine["peak"], machine["device_kind"]
-    print(f"measured {setup.dtype} matmul peak: {peak / 1e12:.3f} TFLOP/s ({device_kind})")
+    work_dir = Path(tempfile.mkdtemp(prefix="t5scale_bench_"))
+    # A cache of this run's own: round 1's compile times are compiles, not cache loads.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(work_dir / "compile_cache"))
+    machine = run_trial({"kind": "machine", "dtype": setup.dtype}, work_dir, "machine", 600)
+    if machine["status"] != "ok":
+        sys.exit(f"bench: could not probe the machine: {machine.get('error')}")
+    peak = machine["peak_flops_per_s"]
+    print(f"{setup.dtype} peak: {peak / 1e12:.3f} TFLOP/s ({machine['peak_source']})")
     rows = []
     for name in args.models:
         flops = training_flops_per_step(
             preset(name), setup.batch, setup.input_length, setup.target_length
         )
-        t5scale_run = {"framework": "t5scale (JAX)", "model": name,
-                       "setup": dataclasses.asdict(setup)}  # fmt: skip
-        specs = []
-        k = {"steps_per_execution": args.steps_per_execution}
-        if not args.no_t5scale:
-            # The reference ("speed vs 1 device"): one device at --steps-per-execution.
-            specs.append(t5scale_run | {"stage": 0, "devices": 1} | k)
-            if args.steps_per_execution > 1:
-                specs.append(t5scale_run | {"stage": 0, "devices": 1})
-            if machine["device_count"] > 1:
-                specs += [t5scale_run | {"stage": st, "devices": machine["device_count"]} | k
-                          for st in range(4)]  # fmt: skip
-        if name in args.torch_models and not args.no_torch:
-            specs.append(t5scale_run | {"framework": "transformers"})
-        for run in time_runs(specs, args.rounds):
-            run["model_flops_per_step"] = flops
-            if run["status"] == "ok":
-                run["tokens_per_s"] = setup.tokens_per_step / run["step_s"]
-                # emulated CPU devices share one peak; a GPU run uses one device
-                run["mfu"] = mfu(flops, run["step_s"], peak, 1)
-            rows.append(run)
-
-    print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
-          f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
-          f"each run in its own process, {setup.steps} steps back to back after 1 warm-up, in "
-          f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
-    print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
-          "| speed vs 1 device |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
-        ratio = f"{r['speed_vs_1_device']:.2f}×" if "speed_vs_1_device" in r else "-"
-        if r["status"] != "ok":
-            print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | "
-                  f"{compile_s} | {r['status']} ({r['memory_per_device_gib']:.1f} GiB/device) | | | |")  # fmt: skip
-            continue
-        print(f"| {r['model']} | {r['framework']} | {r['devices']} | {r['stage']} | {compile_s} | "
-              f"{r['step_s']:.3g} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.0f}% | "
-              f"{ratio} |")  # fmt: skip
+        for row in time_runs(run_specs(args, setup, machine, name), args.rounds, work_dir):
+            row["model_flops_per_step"] = flops
+            if row["status"] == "ok":
+                row["tokens_per_s"] = setup.run_config().tokens_per_step / row["step_s"]
+                # emulated CPU devices share one peak; a GPU run uses one device per process
+                row["mfu"] = mfu(flops, row["step_s"], peak, 1 if machine["backend"] == "cpu"
+                                 else row["devices"])  # fmt: skip
+            rows.append(row)
+    print_table(rows, setup, args, machine["device_kind"])
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"matmul_peak_flops": peak, "setup": dataclasses.asdict(setup),
-                       "device": device_kind, "rounds": args.rounds, "runs": rows}, f, indent=2)  # fmt: skip
+            json.dump({"peak_flops_per_s": peak, "peak_source": machine["peak_source"],
+                       "setup": dataclasses.asdict(setup), "device": machine["device_kind"],
+                       "rounds": args.rounds, "runs": rows}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `t5scale` command: train, params, data-bench, convert, cluster-check.
+"""The `t5scale` command: one entry per subcommand in COMMANDS (its help, flags and handler).
 
     t5scale train --gin_file=gin/models/mt5_tiny.gin --gin_file=gin/zero/stage2.gin \\
         --gin.TRAIN_STEPS=20 --gin.MODEL_DIR=/tmp/run
@@ -13,13 +13,250 @@ cannot be joined, or that loses a process, with exit code 4 (t5scale/parallel/cl
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from t5scale.config import build_run_config, build_study_config, operative_config, parse_gin
+from t5scale.data.config import DataError
+from t5scale.data.loader import host_batches
+from t5scale.model.hf_import import params_from_hf
+from t5scale.model.mt5 import abstract_params
+from t5scale.model.sizes import parameter_breakdown
+from t5scale.parallel.cluster import CLUSTER_FAILED, JoinError, PeerWatch, start_cluster
+from t5scale.parallel.mesh import AXES, MeshError, describe_mesh, make_mesh
+from t5scale.study import plan, simulate
+from t5scale.study.report import write_report
+from t5scale.study.runner import run_study
+from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.loop import train
 
 USAGE_ERROR = 2
 NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
+
+
+@dataclasses.dataclass
+class Invocation:
+    """One command line: its parsed flags, its gin bindings, and the cluster once joined."""
+
+    args: argparse.Namespace
+    bindings: list[str]
+    started: float
+    cluster: PeerWatch | None = None
+
+    def run_config(self) -> RunConfig:
+        parse_gin(self.args.gin_file, self.bindings, self.args.gin_search_paths)
+        return build_run_config()
+
+    def join_cluster(self, run: RunConfig) -> None:
+        """Emulated CPU devices, then the distributed runtime (before anything uses a device)."""
+        jax.config.update("jax_num_cpu_devices", self.args.cpu_devices)
+        self.cluster = start_cluster(run.distributed)
+
+
+# ---- the commands -------------------------------------------------------------------------
+
+
+def train_command(call: Invocation) -> None:
+    run = call.run_config()
+    call.join_cluster(run)
+    history = train(run, operative_config())
+    if jax.process_index() != 0:
+        return
+    if history:
+        print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}")
+    if history and run.train.model_dir:
+        print(
+            f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json, "
+            "checkpoints/"
+        )
+
+
+def params_command(call: Invocation) -> None:
+    run = call.run_config()
+    shapes = nn.meta.unbox(abstract_params(run.model))
+    breakdown = parameter_breakdown(shapes)
+    total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+    if call.args.json:
+        print(json.dumps({"model": run.model.name, "parameters": total, "breakdown": breakdown}))
+        return
+    print(f"{run.model.name}: {total:,} parameters")
+    for part, count in breakdown.items():
+        print(f"  {part:<24} {count:>16,}  {100 * count / total:5.1f}%")
+
+
+def data_bench_command(call: Invocation) -> None:
+    run = call.run_config()
+    call.join_cluster(run)
+    data = run.data
+    started = time.perf_counter()
+    stream = host_batches(data, run.train.batch_size, run.train.seed, run.model.vocab_size)
+    first = next(stream)
+    print(f"pipeline ready in {time.perf_counter() - started:.1f} s (first batch included)")
+    examples = tokens = done = 0
+    started = time.perf_counter()
+    for batch in itertools.islice(stream, call.args.batches):
+        # packed examples: one per segment id per row; tokens: non-padding, both sides
+        examples += sum(len(np.unique(row[row > 0])) for row in batch["encoder_segment_ids"])
+        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]))
+        tokens += int(np.count_nonzero(batch["decoder_target_tokens"]))
+        done += 1
+    elapsed = time.perf_counter() - started
+    rows = len(first["encoder_input_tokens"])
+    slots = done * rows * (data.input_length + data.target_length)
+    print(
+        f"{data.source}: {done} batches of {rows} in {elapsed:.2f} s: "
+        f"{examples / elapsed:,.0f} examples/s, {tokens / elapsed:,.0f} tokens/s "
+        f"({slots / elapsed:,.0f} token slots/s incl. padding; lengths "
+        f"{data.input_length}/{data.target_length})"
+    )
+
+
+def convert_command(call: Invocation) -> None:
+    from t5scale.train.checkpoint import write_converted  # orbax: only on this path
+
+    run = call.run_config()
+    call.join_cluster(run)
+    model_dir = run.train.model_dir
+    if not model_dir:
+        raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
+    try:
+        model, params = params_from_hf(call.args.hf_dir)
+    except (ValueError, OSError) as error:
+        raise ConfigError(str(error)) from None
+    model_gin = "".join(
+        f"ModelConfig.{name} = {value!r}\n" for name, value in dataclasses.asdict(model).items()
+    )
+    Path(model_dir).mkdir(parents=True, exist_ok=True)
+    path = write_converted(model_dir, model, run.optimizer, params, model_gin)
+    Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")
+    count = sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(params))
+    print(f"{count:,} parameters from {call.args.hf_dir} → {path}")
+    print(
+        f"train from it: t5scale train --gin_file={model_dir}/model.gin --gin.MODEL_DIR={model_dir}"
+    )
+
+
+def cluster_check_command(call: Invocation) -> None:
+    """Prove the cluster: every device adds its process id + 1 in one all-reduce."""
+    run = call.run_config()
+    call.join_cluster(run)
+    mesh = make_mesh(run.parallel)
+    print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
+    ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
+    values = jax.make_array_from_callback(
+        ids.shape, NamedSharding(mesh, P(*AXES)), lambda index: ids[index].astype(np.float32)
+    )
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
+    got, expected = float(total), float(ids.sum())
+    if got != expected:
+        raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
+    print(
+        f"process {jax.process_index()}: cluster ok: {jax.process_count()} processes, "
+        f"{jax.device_count()} devices, all-reduce {got:g} as expected; "
+        f"{time.perf_counter() - call.started:.1f} s from start",
+        flush=True,
+    )
+
+
+def study_command(call: Invocation) -> None:
+    """The grid's trials each run in a process of their own: this one starts no device."""
+    parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
+    study = build_study_config()
+    summary = run_study(study, operative_config())
+    print(
+        f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
+        f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"
+    )
+    print(f"report: {write_report(study.study_dir)}")
+
+
+def report_command(call: Invocation) -> None:
+    path = write_report(call.args.study_dir)
+    print(f"wrote {path} and its plots")
+
+
+def plan_command(call: Invocation) -> None:
+    run = call.run_config()
+    config = build_study_config("plan")
+    show = _emulate_cpu_devices(config.devices, call.args.json)
+    result = plan.run_plan(run, config, show)
+    print(json.dumps(result, indent=2) if call.args.json else plan.format_plan(result))
+
+
+def simulate_command(call: Invocation) -> None:
+    run = call.run_config()
+    cluster, config = build_study_config("cluster"), build_study_config("simulate")
+    show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
+    result = simulate.simulate(run, cluster, config, show)
+    print(json.dumps(result, indent=2) if call.args.json else simulate.format_simulation(result))
+
+
+def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
+    """Emulated CPU devices even on a GPU host (plan and simulate answer for devices they do
+    not have); progress goes to stderr when stdout is JSON."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+    if as_json:
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    return print
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    help: str
+    handler: Callable[[Invocation], None]
+    flags: tuple[tuple[str, dict], ...] = ()  # argparse's add_argument(name, **options)
+
+
+JSON_FLAG = ("--json", {"action": "store_true", "help": "print JSON"})
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a model", train_command),
+    "params": Command("parameter count, nothing allocated", params_command, (JSON_FLAG,)),
+    "data-bench": Command(
+        "examples/s and tokens/s of the input pipeline alone", data_bench_command,
+        (("--batches", {"type": int, "default": 50, "help": "batches to time"}),),
+    ),
+    "convert": Command(
+        "a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
+        convert_command,
+        (("--hf_dir", {"required": True, "help": "as save_pretrained wrote it"}),),
+    ),
+    "study": Command(
+        "the scaling study: a grid of isolated trials, funneled (gin/study/quick.gin)",
+        study_command,
+    ),
+    "plan": Command(
+        "per ZeRO stage: memory per device and collective bytes on DEVICES, compile only",
+        plan_command, (JSON_FLAG,),
+    ),
+    "simulate": Command(
+        "predict seconds per step on a GPU cluster (gin/clusters/) per stage and node count",
+        simulate_command, (JSON_FLAG,),
+    ),
+    "report": Command(
+        "report.md and PNG plots from a study's results", report_command,
+        (("study_dir", {"help": "the STUDY_DIR a study wrote"}),),
+    ),
+    "cluster-check": Command(
+        "join the cluster, build the mesh, all-reduce over every device, report",
+        cluster_check_command,
+    ),
+}  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,48 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     ):
         common.add_argument(f"--{flag}", type=kind, help=f"{what}; DistributedConfig.{flag}")
     parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("train", parents=[common], help="train a model")
-    params = commands.add_parser(
-        "params", parents=[common], help="parameter count, nothing allocated"
-    )
-    params.add_argument("--json", action="store_true", help="print JSON")
-    data_bench = commands.add_parser(
-        "data-bench", parents=[common], help="examples/s and tokens/s of the input pipeline alone"
-    )
-    data_bench.add_argument("--batches", type=int, default=50, help="batches to time")
-    convert = commands.add_parser(
-        "convert",
-        parents=[common],
-        help="a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
-    )
-    convert.add_argument("--hf_dir", required=True, help="as save_pretrained wrote it")
-    commands.add_parser(
-        "study",
-        parents=[common],
-        help="the scaling study: a grid of isolated trials, funneled (gin/study/quick.gin)",
-    )
-    plan = commands.add_parser(
-        "plan",
-        parents=[common],
-        help="per ZeRO stage: memory per device and collective bytes on DEVICES, compile only",
-    )
-    plan.add_argument("--json", action="store_true", help="print JSON")
-    simulate = commands.add_parser(
-        "simulate",
-        parents=[common],
-        help="predict seconds per step on a GPU cluster (gin/clusters/) per stage and node count",
-    )
-    simulate.add_argument("--json", action="store_true", help="print JSON")
-    report = commands.add_parser(
-        "report", parents=[common], help="report.md and PNG plots from a study's results"
-    )
-    report.add_argument("study_dir", help="the STUDY_DIR a study wrote")
-    commands.add_parser(
-        "cluster-check",
-        parents=[common],
-        help="join the cluster, build the mesh, all-reduce over every device, report",
-    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        subparser = subparsers.add_parser(name, parents=[common], help=command.help)
+        for flag, options in command.flags:
+            subparser.add_argument(flag, **options)
     return parser
 
 
@@ -94,150 +294,7 @@ def _split_gin_bindings(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, bindings
 
 
-def _start_jax(run, cpu_devices: int):
-    """Emulated CPU devices, then the distributed runtime (before anything uses a device)."""
-    import jax
-
-    from t5scale.parallel.cluster import start_cluster
-
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
-    return start_cluster(run.distributed)
-
-
-def _cluster_check(run, started: float) -> None:
-    """Prove the cluster: every device adds its process id + 1 in one all-reduce."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
-
-    mesh = make_mesh(run.parallel)
-    print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
-    ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
-    values = jax.make_array_from_callback(
-        ids.shape, NamedSharding(mesh, P(*AXES)), lambda index: ids[index].astype(np.float32)
-    )
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
-    got, expected = float(total), float(ids.sum())
-    if got != expected:
-        raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
-    print(
-        f"process {jax.process_index()}: cluster ok: {jax.process_count()} processes, "
-        f"{jax.device_count()} devices, all-reduce {got:g} as expected; "
-        f"{time.perf_counter() - started:.1f} s from start",
-        flush=True,
-    )
-
-
-def _params(run, as_json: bool) -> None:
-    import math
-
-    import flax.linen as nn
-    import jax
-
-    from t5scale.model.mt5 import abstract_params
-    from t5scale.model.sizes import parameter_breakdown
-
-    shapes = nn.meta.unbox(abstract_params(run.model))
-    breakdown = parameter_breakdown(shapes)
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    if as_json:
-        print(json.dumps({"model": run.model.name, "parameters": total, "breakdown": breakdown}))
-        return
-    print(f"{run.model.name}: {total:,} parameters")
-    for part, count in breakdown.items():
-        print(f"  {part:<24} {count:>16,}  {100 * count / total:5.1f}%")
-
-
-def _train(run) -> None:
-    import jax
-
-    from t5scale.config import operative_config
-    from t5scale.train.loop import train
-
-    history = train(run, operative_config())
-    if jax.process_index() != 0:
-        return
-    if history:
-        last = history[-1]
-        print(f"done: {len(history)} steps, final loss {last['loss']:.4f}")
-    if history and run.train.model_dir:
-        print(
-            f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json, "
-            "checkpoints/"
-        )
-
-
-def _convert(run, hf_dir: str) -> None:
-    import dataclasses
-    import math
-    from pathlib import Path
-
-    import jax
-    import numpy as np
-
-    from t5scale.model.hf_import import params_from_hf
-    from t5scale.train.checkpoint import write_converted
-    from t5scale.train.config import ConfigError
-
-    model_dir = run.train.model_dir
-    if not model_dir:
-        raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
-    try:
-        model, params = params_from_hf(hf_dir)
-    except (ValueError, OSError) as error:
-        raise ConfigError(str(error)) from None
-    model_gin = "".join(
-        f"ModelConfig.{name} = {value!r}\n" for name, value in dataclasses.asdict(model).items()
-    )
-    Path(model_dir).mkdir(parents=True, exist_ok=True)
-    path = write_converted(model_dir, model, run.optimizer, params, model_gin)
-    Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")
-    count = sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))
-    print(f"{count:,} parameters from {hf_dir} → {path}")
-    print(
-        f"train from it: t5scale train --gin_file={model_dir}/model.gin --gin.MODEL_DIR={model_dir}"
-    )
-
-
-def _data_bench(run, batches: int) -> None:
-    import time
-
-    import numpy as np
-
-    from t5scale.data.loader import host_batches
-
-    cfg = run.data
-    started = time.perf_counter()
-    stream = host_batches(cfg, run.train.batch_size, run.train.seed, run.model.vocab_size)
-    first = next(stream)
-    print(f"pipeline ready in {time.perf_counter() - started:.1f} s (first batch included)")
-    examples = tokens = 0
-    started = time.perf_counter()
-    for index, batch in zip(range(batches), stream, strict=False):
-        # packed examples: one per segment id per row; tokens: non-padding, both sides
-        examples += sum(len(np.unique(row[row > 0])) for row in batch["encoder_segment_ids"])
-        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]))
-        tokens += int(np.count_nonzero(batch["decoder_target_tokens"]))
-        done = index + 1
-    elapsed = time.perf_counter() - started
-    slots = done * len(first["encoder_input_tokens"]) * (cfg.input_length + cfg.target_length)
-    print(
-        f"{cfg.source}: {done} batches of {len(first['encoder_input_tokens'])} in {elapsed:.2f} s: "
-        f"{examples / elapsed:,.0f} examples/s, {tokens / elapsed:,.0f} tokens/s "
-        f"({slots / elapsed:,.0f} token slots/s incl. padding; lengths "
-        f"{cfg.input_length}/{cfg.target_length})"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    import time
-
     started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
@@ -247,30 +304,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for flag in ("coordinator_address", "num_processes", "process_id")
         if getattr(args, flag) is not None
     ]
-    from t5scale.data.config import DataError
-    from t5scale.parallel.cluster import CLUSTER_FAILED, JoinError
-    from t5scale.parallel.mesh import MeshError
-    from t5scale.train.config import ConfigError
-
-    cluster = None  # the PeerWatch once started: a failure is announced to the peers
+    call = Invocation(args, bindings, started)
 
     def stop(message: str, code: int) -> int:
         print(f"t5scale: error: {message}", file=sys.stderr, flush=True)
-        if cluster is not None:
-            cluster.fail(message, code)  # exits at once on several processes
+        if call.cluster is not None:
+            call.cluster.fail(message, code)  # exits at once on several processes
         return code
 
     try:
-        if args.command in ("study", "report", "plan", "simulate"):
-            _study_command(args, bindings)
-            return 0
-        run = _configure(args, bindings)
-        if args.command == "params":
-            _params(run, args.json)
-            return 0
-        cluster = _start_jax(run, args.cpu_devices)
-        _run(args, run, started)
-        cluster.done()
+        COMMANDS[args.command].handler(call)
+        if call.cluster is not None:
+            call.cluster.done()
         return 0
     except (ConfigError, MeshError, DataError) as error:
         return stop(str(error), USAGE_ERROR)
@@ -279,87 +324,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JoinError as error:
         return stop(str(error), CLUSTER_FAILED)
     except Exception as error:
-        if cluster is None or not cluster.multi_process:
+        if call.cluster is None or not call.cluster.multi_process:
             raise
-        import jax
-
         if isinstance(error, jax.errors.JaxRuntimeError):
             # Most often a collective whose peer is gone: the watch names it and exits meanwhile.
-            cluster.wait_for_verdict()
-        import traceback
-
+            call.cluster.wait_for_verdict()
         traceback.print_exc()
         return stop(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", 1)
-
-
-def _study_command(args, bindings) -> None:
-    """study, report and plan run no step in this process (plan compiles, on the CPU)."""
-    if args.command in ("plan", "simulate"):
-        _plan_or_simulate(args, bindings)
-        return
-    if args.command == "report":
-        from t5scale.study.report import write_report
-
-        path = write_report(args.study_dir)
-        print(f"wrote {path} and its plots")
-        return
-    from t5scale.config import build_study_config, operative_config, parse_gin
-    from t5scale.study.report import write_report
-    from t5scale.study.runner import run_study
-
-    parse_gin(args.gin_file, bindings, args.gin_search_paths)
-    study = build_study_config()
-    summary = run_study(study, operative_config())
-    print(
-        f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
-        f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"
-    )
-    print(f"report: {write_report(study.study_dir)}")
-
-
-def _plan_or_simulate(args, bindings) -> None:
-    import jax
-
-    from t5scale.config import build_run_config, build_study_config, parse_gin
-    from t5scale.study import plan, simulate
-
-    parse_gin(args.gin_file, bindings, args.gin_search_paths)
-    run = build_run_config()
-    if args.command == "plan":
-        config = build_study_config("plan")
-        devices = config.devices
-    else:
-        cluster, config = build_study_config("cluster"), build_study_config("simulate")
-        devices = max(config.nodes) * cluster.gpus_per_node
-    # Emulated CPU devices even on a GPU host: both answer for devices they do not have.
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
-    show = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-    if args.command == "plan":
-        result = plan.run_plan(run, config, show)
-        text = plan.format_plan(result)
-    else:
-        result = simulate.simulate(run, cluster, config, show)
-        text = simulate.format_simulation(result)
-    print(json.dumps(result, indent=2) if args.json else text)
-
-
-def _configure(args, bindings):
-    from t5scale.config import build_run_config, parse_gin
-
-    parse_gin(args.gin_file, bindings, args.gin_search_paths)
-    return build_run_config()
-
-
-def _run(args, run, started: float) -> None:
-    if args.command == "cluster-check":
-        _cluster_check(run, started)
-    elif args.command == "convert":
-        _convert(run, args.hf_dir)
-    elif args.command == "data-bench":
-        _data_bench(run, args.batches)
-    else:
-        _train(run)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class _FreshChannelIds(types.ModuleType):
 
 def give_collectives_distinct_channels() -> bool:
     """Install the channel-id stand-in; False (and nothing changed) if jax's layout differs."""
-    try:
+    try:  # private modules: another JAX release may not have them
         from jax._src import core
         from jax._src.lax import parallel
     except ImportError:

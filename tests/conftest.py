@@ -1,4 +1,5 @@
-"""Tests run on the CPU with 8 emulated devices (set before JAX starts its backend).
+"""Tests run on the CPU with 8 emulated devices (set before JAX starts its backend), and the
+helpers the test modules share (`from conftest import ...`).
 
 Compiled programs go to a persistent compilation cache shared by this session's workers and the
 processes they start: many tests compile the same small programs (a killed run and its restart,
@@ -7,7 +8,11 @@ each session, so each program is still compiled once per run of the suite.
 """
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
@@ -17,7 +22,180 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import t5scale  # noqa: E402,F401  (sets the CPU collective-ordering flag first)
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_sessionstart(session):
+    """Without t5scale's channel-id stand-in (t5scale/xla_cpu.py) a newer JAX would deadlock the
+    multi-device tests: stop at once and say why instead."""
+    if not t5scale.xla_cpu.give_collectives_distinct_channels():
+        pytest.exit(
+            f"jax {jax.__version__}: t5scale/xla_cpu.py cannot install its channel-id stand-in; "
+            "use the jax pinned in pyproject.toml or port xla_cpu.py",
+            returncode=3,
+        )
+
+
+from t5scale.cli import main  # noqa: E402
+from t5scale.data.config import DataConfig  # noqa: E402
+from t5scale.data.synthetic import synthetic_batch  # noqa: E402
+from t5scale.model.sizes import ModelConfig  # noqa: E402
+from t5scale.parallel.mesh import ParallelConfig  # noqa: E402
+from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig  # noqa: E402
+from t5scale.train.optim import OptimizerConfig  # noqa: E402
+from t5scale.train.setup import Setup, build_setup  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_SH = str(REPO / "launch" / "local.sh")
+
+# The small model and run the numerics tests share: every stage and mesh must train it alike.
+TINY_MODEL = ModelConfig(vocab_size=1024)
+TINY_DATA = DataConfig(input_length=32, target_length=16)
+TINY_OPTIMIZER = OptimizerConfig(learning_rate=3e-3, warmup_steps=2)
+TINY_BATCH = 8
+# The CLI's flags for the same kind of run (mt5_tiny, synthetic batches).
+TINY_ARGS = [
+    "--gin_file=gin/models/mt5_tiny.gin",
+    "--gin.INPUT_LENGTH=32",
+    "--gin.TARGET_LENGTH=16",
+    "--gin.DATA_SOURCE=synthetic",  # the corpus pipeline has its own tests (test_data.py)
+]
+
+
+# ---- the train step, built the one way the code builds it -----------------------------------
+
+
+def tiny_run(parallel: ParallelConfig, **changes) -> RunConfig:
+    """The shared small run on `parallel`; keyword arguments replace RunConfig's fields
+    (model, optimizer, data) or TrainConfig's (batch_size, micro_batches, ...)."""
+    train_fields = {
+        k: changes.pop(k) for k in list(changes) if k in TrainConfig.__dataclass_fields__
+    }
+    run = RunConfig(
+        model=changes.pop("model", TINY_MODEL),
+        parallel=parallel,
+        optimizer=changes.pop("optimizer", TINY_OPTIMIZER),
+        train=TrainConfig(**({"batch_size": TINY_BATCH} | train_fields)),
+        data=changes.pop("data", TINY_DATA),
+        checkpoint=changes.pop("checkpoint", CheckpointConfig()),
+    )
+    assert not changes, f"unknown fields {changes}"
+    return run
+
+
+def tiny_setup(parallel: ParallelConfig, devices: int = 8, **changes) -> Setup:
+    return build_setup(tiny_run(parallel, **changes), jax.devices()[:devices])
+
+
+def synthetic_batches(setup: Setup, first: int, last: int) -> list:
+    """The global synthetic batches of steps first..last, in the setup's batch sharding."""
+    run = setup.run
+    return [
+        jax.device_put(
+            synthetic_batch(run.data, run.train.batch_size, run.model.vocab_size, 0, index),
+            setup.batch_sharding(),
+        )
+        for index in range(first, last + 1)
+    ]
+
+
+def run_steps(setup: Setup, state, first: int, last: int, step=None):
+    """(state, losses) after steps first..last on synthetic batches, one step per execution."""
+    step = step or setup.compile().compiled
+    losses = []
+    for batch in synthetic_batches(setup, first, last):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
+
+
+def train_tiny(parallel: ParallelConfig, devices: int = 8, steps: int = 5,
+               **changes):  # fmt: skip
+    """(losses, parameters on the host) after `steps` steps of the shared small run."""
+    setup = tiny_setup(parallel, devices, **changes)
+    state, losses = run_steps(setup, setup.create_state(seed=0), 0, steps - 1)
+    return losses, jax.device_get(state.params)
+
+
+def relative_difference(a, b) -> float:
+    """‖a − b‖ / ‖b‖ over one parameter (max-abs would flag Adam's sign-like updates of
+    near-zero gradients, which turn rounding noise into a full learning-rate step)."""
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def assert_same_parameters(params, reference, tolerance: float = 1e-5) -> None:
+    leaves = zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True)
+    worst = max(relative_difference(got, want) for got, want in leaves)
+    assert worst <= tolerance, worst
+
+
+# ---- the command line, as a user runs it ------------------------------------------------------
+
+
+def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600):
+    """`t5scale ARGS` in a process of its own: a CompletedProcess with text output."""
+    return subprocess.run(
+        [sys.executable, "-m", "t5scale.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy(),
+    )  # fmt: skip
+
+
+def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
+    """t5scale.cli.main(args) in this process: (exit code, stdout, stderr)."""
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ---- several processes on 127.0.0.1 -----------------------------------------------------------
+
+
+def cluster_env(**extra: str) -> dict:
+    """The environment of a process of a local cluster: no scheduler settings leak in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable} | extra
+
+
+def finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
+    """(exit code, stdout and stderr) of each process, once it has ended."""
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=timeout)
+        results.append((process.returncode, out + (err or "")))
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        return server.getsockname()[1]
+
+
+# What srun does for t5scale's purposes: start SLURM_NTASKS copies of the command, each with
+# the task variables, here all on 127.0.0.1.
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=127.0.0.1 SLURM_STEP_NUM_NODES=1 "$@" &
+  pids+=($!)
+done
+code=0
+for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
+exit $code
+"""
+
+
+def fake_slurm_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without SLURM or t5scale settings, a stand-in srun first on PATH and a
+    free coordinator port."""
+    srun = tmp_path / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
+    return env | {"PATH": f"{tmp_path}:{env['PATH']}", "T5SCALE_COORDINATOR_PORT": str(free_port())}

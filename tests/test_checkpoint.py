@@ -14,23 +14,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import REPO, TINY_ARGS, TINY_MODEL, cli_in_process, run_steps, tiny_setup
 
-from t5scale.data.synthetic import DataConfig, synthetic_batch
-from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.mesh import ParallelConfig, make_mesh
-from t5scale.train import optim
+from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import Checkpoints, model_signature
 from t5scale.train.config import CheckpointConfig
-from t5scale.train.state import (
-    abstract_state,
-    create_state,
-    plan_for,
-    sharded_abstract_state,
-    state_shardings,
-)
-from t5scale.train.step import batch_sharding, make_train_step
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _read_metrics(model_dir: Path) -> list[dict]:
@@ -114,35 +102,12 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
 
 # Restore onto another layout: each layout trains 3 steps and saves; every other layout restores
 # that checkpoint and trains steps 4 and 5, which must match the original layout's own.
-MODEL = ModelConfig(vocab_size=1024)
-DATA = DataConfig(input_length=32, target_length=16)
-TX_CONFIG = optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2)
 LAYOUTS = {  # every stage, three mesh shapes, two device counts
     "stage0 2 devices zero=2": (ParallelConfig(zero_stage=0, zero=2), 2),
     "stage1 4 devices zero=2 tensor=2": (ParallelConfig(zero_stage=1, zero=2, tensor=2), 4),
     "stage2 4 devices zero=4": (ParallelConfig(zero_stage=2, zero=4), 4),
     "stage3 4 devices replica=2 zero=2": (ParallelConfig(zero_stage=3, replica=2, zero=2), 4),
 }
-
-
-def _layout(parallel: ParallelConfig, devices: int):
-    tx = optim.make_optimizer(TX_CONFIG)
-    plan = plan_for(MODEL, parallel.zero_stage, make_mesh(parallel, jax.devices()[:devices]))
-    shardings = state_shardings(plan, tx, abstract_state(MODEL, tx))
-    step = make_train_step(MODEL, plan, tx, shardings)
-    target = sharded_abstract_state(abstract_state(MODEL, tx), shardings)
-    return tx, plan, step, target
-
-
-def _steps(plan, step, state, first: int, last: int):
-    losses = []
-    for i in range(first, last + 1):
-        batch = jax.device_put(
-            synthetic_batch(DATA, 8, MODEL.vocab_size, 0, i), batch_sharding(plan)
-        )
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, np.array(losses)
 
 
 @pytest.mark.parametrize(
@@ -159,47 +124,39 @@ def _steps(plan, step, state, first: int, last: int):
     ids=["stage0-stage3", "every-pair"],
 )
 def test_a_checkpoint_restores_onto_other_stages_and_meshes(tmp_path, names):
-    layouts = {name: _layout(*LAYOUTS[name]) for name in names}
+    setups = {name: tiny_setup(*LAYOUTS[name]) for name in names}
     continued = {}
-    meta = {"step": 3, "data_position": 3, "model": model_signature(MODEL), "optimizer": "adamw"}
-    for name, (tx, plan, step, _) in layouts.items():
-        state, _ = _steps(plan, step, create_state(MODEL, tx, plan, seed=0), 1, 3)
+    meta = {"step": 3, "data_position": 3, "optimizer": "adamw",
+            "model": model_signature(TINY_MODEL)}  # fmt: skip
+    for name, setup in setups.items():
+        state, _ = run_steps(setup, setup.create_state(seed=0), 1, 3)
         checkpoints = Checkpoints(str(tmp_path / name), CheckpointConfig())
         checkpoints.save(3, state, meta)
         checkpoints.close()
-        _, continued[name] = _steps(plan, step, state, 4, 5)
-    for source in layouts:
-        for name, (_, plan, step, target) in layouts.items():
+        _, continued[name] = run_steps(setup, state, 4, 5)
+    for source in setups:
+        for name, setup in setups.items():
             if name == source:
                 continue
             checkpoints = Checkpoints(str(tmp_path / source), CheckpointConfig())
-            restored = checkpoints.restore_latest(target, MODEL, "adamw")
+            restored = checkpoints.restore_latest(setup.state, TINY_MODEL, "adamw")
             checkpoints.close()
             assert restored.meta["step"] == 3
-            _, losses = _steps(plan, step, restored.state, 4, 5)
+            _, losses = run_steps(setup, restored.state, 4, 5)
             np.testing.assert_allclose(
                 losses, continued[source], rtol=1e-5, err_msg=f"{source} → {name}"
             )
 
 
-def _cli(args: list[str], capsys) -> tuple[int, str, str]:
-    from t5scale.cli import main
-
-    code = main(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _tiny(model_dir: Path, steps: int, *extra: str) -> list[str]:
     return [
-        "train", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
-        "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
-        f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra,
+        "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", f"--gin.TRAIN_STEPS={steps}",
+        f"--gin.MODEL_DIR='{model_dir}'", *extra,
     ]  # fmt: skip
 
 
 def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(tmp_path, capsys):
-    code, _, _ = _cli(_tiny(tmp_path, 6, "--gin.CHECKPOINT_EVERY=2"), capsys)
+    code, _, _ = cli_in_process(_tiny(tmp_path, 6, "--gin.CHECKPOINT_EVERY=2"), capsys)
     assert code == 0
     first = _read_metrics(tmp_path)
     step_dir = tmp_path / "checkpoints"
@@ -209,7 +166,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
         f.truncate(os.path.getsize(data_file) // 2)
     (step_dir / "4" / "state" / "manifest.ocdbt").unlink()
 
-    code, out, err = _cli(_tiny(tmp_path, 8, "--gin.CHECKPOINT_EVERY=2"), capsys)
+    code, out, err = cli_in_process(_tiny(tmp_path, 8, "--gin.CHECKPOINT_EVERY=2"), capsys)
     assert code == 0, err
     warnings = err.strip().splitlines()
     assert len(warnings) == 2 and all("is damaged" in line for line in warnings), err
@@ -222,8 +179,8 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
 
 
 def test_a_checkpoint_of_another_model_stops_at_start(tmp_path, capsys):
-    assert _cli(_tiny(tmp_path, 1), capsys)[0] == 0
-    code, _, err = _cli(_tiny(tmp_path, 2, "--gin.ModelConfig.d_ff=256"), capsys)
+    assert cli_in_process(_tiny(tmp_path, 1), capsys)[0] == 0
+    code, _, err = cli_in_process(_tiny(tmp_path, 2, "--gin.ModelConfig.d_ff=256"), capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "d_ff is 128 there and 256 in this run" in err
 
@@ -236,7 +193,7 @@ def test_nan_or_inf_never_replaces_a_good_checkpoint(tmp_path, capsys, action):
         "--gin.OptimizerConfig.learning_rate=1e30", "--gin.OptimizerConfig.warmup_steps=1",
         f"--gin.CheckpointConfig.on_nonfinite='{action}'",
     )  # fmt: skip
-    code, _, err = _cli(args, capsys)
+    code, _, err = cli_in_process(args, capsys)
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
     records = _read_metrics(tmp_path)
     bad = next(r["step"] for r in records if not np.isfinite(r["loss"]))

@@ -1,29 +1,15 @@
 """The `t5scale` command, run as a user runs it: real processes, real files."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-
-TINY = [
-    "--gin_file=gin/models/mt5_tiny.gin",
-    "--gin.INPUT_LENGTH=32",
-    "--gin.TARGET_LENGTH=16",
-    "--gin.DATA_SOURCE=synthetic",  # the corpus pipeline has its own tests (test_data.py)
-]
-
-
-def t5scale(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "t5scale.cli", *args], capture_output=True, text=True, timeout=300
-    )
+from conftest import TINY_ARGS, run_cli
 
 
 def test_train_writes_metrics_config_and_step_analysis(tmp_path):
     model_dir = tmp_path / "run"
-    done = t5scale(
-        "train", *TINY, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=3",
+    done = run_cli(
+        "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=3",
         f"--gin.MODEL_DIR={model_dir}",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -47,7 +33,7 @@ def test_train_writes_metrics_config_and_step_analysis(tmp_path):
 
 
 def test_params_prints_the_count_without_allocating():
-    done = t5scale("params", "--gin_file=gin/models/mt5_xxl.gin", "--json")
+    done = run_cli("params", "--gin_file=gin/models/mt5_xxl.gin", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["parameters"] == 12_921_057_280
@@ -70,7 +56,7 @@ def test_params_prints_the_count_without_allocating():
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
-    done = t5scale("train", *TINY, "--gin.TRAIN_STEPS=1", *args)
+    done = run_cli("train", *TINY_ARGS, "--gin.TRAIN_STEPS=1", *args)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("t5scale: error:"), done.stderr

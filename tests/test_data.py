@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import cli_in_process
 
 from t5scale.data.config import REPO_DATA, DataConfig
 from t5scale.data.corpus import scan_corpus
@@ -230,10 +231,10 @@ def _only_bad_files(root: Path) -> Path:
     ],
 )
 def test_unusable_corpus_stops_at_start_with_one_line(tmp_path, capsys, make, message):
-    from t5scale.cli import main
-
-    code = main(_train_args(f"--gin.DataConfig.corpus_dir='{make(tmp_path)}'"))
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, err = cli_in_process(
+        _train_args(f"--gin.DataConfig.corpus_dir='{make(tmp_path)}'"), capsys
+    )
+    err = err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and message in err[0] and err[0].startswith("t5scale: error:")
 
@@ -243,37 +244,31 @@ def test_unusable_corpus_stops_at_start_with_one_line(tmp_path, capsys, make, me
     [(None, "does not exist"), (os.urandom(2000), "is not a SentencePiece model")],
 )
 def test_missing_or_corrupt_vocabulary_stops_at_start(tmp_path, capsys, content, message):
-    from t5scale.cli import main
-
     path = tmp_path / "vocab.model"
     if content is not None:
         path.write_bytes(content)
-    code = main(_train_args(f"--gin.DataConfig.vocabulary='{path}'"))
-    err = capsys.readouterr().err.strip().splitlines()
+    code, _, err = cli_in_process(_train_args(f"--gin.DataConfig.vocabulary='{path}'"), capsys)
+    err = err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
 
 
 def test_mc4_tasks_without_prepared_data_stop_with_one_line(tmp_path, capsys):
     """The mc4 tasks register and read TFDS c4/multilingual; an unprepared data dir is one line."""
-    from t5scale.cli import main
-
-    code = main(
+    code, _, err = cli_in_process(
         ["data-bench", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/data/mc4.gin",
          f"--gin.DataConfig.tfds_data_dir='{tmp_path}'", "--gin.DataConfig.languages=('en','ru')",
-         "--gin.INPUT_LENGTH=128", "--gin.TARGET_LENGTH=29", "--batches=1"]
+         "--gin.INPUT_LENGTH=128", "--gin.TARGET_LENGTH=29", "--batches=1"], capsys,
     )  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
+    err = err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "mC4 (c4/multilingual:3.1.0) is not prepared" in err[0] and str(tmp_path) in err[0]
 
 
 @pytest.mark.slow  # about 2 minutes: out of CI's budget, run with -m slow
-def test_learning_is_real_on_the_shipped_corpus(tmp_path):
+def test_learning_is_real_on_the_shipped_corpus(tmp_path, capsys):
     """mt5_tiny on the shipped corpus: the loss falls; validation loss is logged every N steps."""
-    from t5scale.cli import main
-
     model_dir = tmp_path / "run"
-    code = main(
+    code, _, _ = cli_in_process(
         [
             "train",
             "--gin_file=gin/models/mt5_tiny.gin",
@@ -289,7 +284,8 @@ def test_learning_is_real_on_the_shipped_corpus(tmp_path):
             "--gin.OptimizerConfig.learning_rate=0.01",
             "--gin.OptimizerConfig.warmup_steps=100",
             f"--gin.MODEL_DIR='{model_dir}'",
-        ]
+        ],
+        capsys,
     )
     assert code == 0
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
@@ -303,11 +299,8 @@ def test_learning_is_real_on_the_shipped_corpus(tmp_path):
 
 @pytest.mark.slow  # out of CI's budget
 def test_data_bench_reports_tokens_per_second(capsys):
-    from t5scale.cli import main
-
-    code = main(
+    code, out, _ = cli_in_process(
         ["data-bench", "--gin_file=gin/models/mt5_tiny.gin", "--batches=5",
-         "--gin.DATA_SOURCE=corpus", "--gin.INPUT_LENGTH=128", "--gin.TARGET_LENGTH=29"]
+         "--gin.DATA_SOURCE=corpus", "--gin.INPUT_LENGTH=128", "--gin.TARGET_LENGTH=29"], capsys,
     )  # fmt: skip
-    out = capsys.readouterr().out
     assert code == 0 and "corpus: 5 batches of 8" in out and "tokens/s" in out

@@ -6,6 +6,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import cli_in_process
 
 from t5scale.model.hf_import import model_config_from_hf, params_from_hf
 from t5scale.model.mt5 import MT5
@@ -225,26 +226,24 @@ def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tm
     """`t5scale convert` → checkpoints/0 holding the imported parameters; `train` resumes it."""
     import orbax.checkpoint as ocp
 
-    from t5scale.cli import main
-
     _, directory = hf_checkpoint
     out = tmp_path / "run"
-    assert main(["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]) == 0
+    convert = ["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]
+    assert cli_in_process(convert, capsys)[0] == 0
     _, params = params_from_hf(directory)
     saved = ocp.StandardCheckpointer().restore(out / "checkpoints" / "0" / "state")
     for got, want in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
 
-    code = main(
+    code, out_text, err = cli_in_process(
         ["train", f"--gin_file={out}/model.gin", "--gin_file=gin/zero/stage3.gin",
          "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
-         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"]
+         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"], capsys,
     )  # fmt: skip
-    output = capsys.readouterr()
-    assert code == 0, output.err
-    assert "resuming from the checkpoint at step 0" in output.out
+    assert code == 0, err
+    assert "resuming from the checkpoint at step 0" in out_text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0", "2"]
 
     # Converting into a directory that already holds checkpoints would mix two runs.
-    assert main(["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]) == 2
-    assert "already holds checkpoints" in capsys.readouterr().err
+    code, _, err = cli_in_process(convert, capsys)
+    assert code == 2 and "already holds checkpoints" in err

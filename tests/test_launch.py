@@ -1,51 +1,21 @@
 """The cluster launch files: slurm.sbatch run under a stand-in for srun, the Kubernetes manifest
 read as Kubernetes would give it to each pod, and the GPU XLA flags they share."""
 
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
+from conftest import REPO, fake_slurm_env
 
 from t5scale.config import build_run_config, parse_gin
 from t5scale.parallel.cluster import DistributedConfig, resolve_cluster
 
-REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
-
-# What srun does for t5scale's purposes: start SLURM_NTASKS copies of the command, each with
-# the task variables, here all on 127.0.0.1.
-FAKE_SRUN = """#!/usr/bin/env bash
-while [[ $1 == --* ]]; do shift; done
-pids=()
-for ((i = 0; i < SLURM_NTASKS; i++)); do
-  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=127.0.0.1 SLURM_STEP_NUM_NODES=1 "$@" &
-  pids+=($!)
-done
-code=0
-for pid in "${pids[@]}"; do wait "$pid" || code=$?; done
-exit $code
-"""
 
 
 def _gpu_flags() -> str:
     script = f'source {LAUNCH / "xla_gpu_flags.sh"}; printf %s "$T5SCALE_XLA_GPU_FLAGS"'
     return subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
-
-
-def fake_slurm_env(tmp_path: Path) -> dict[str, str]:
-    """This environment without SLURM or t5scale settings, a stand-in srun first on PATH and a
-    free coordinator port."""
-    srun = tmp_path / "srun"
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
-    return env | {"PATH": f"{tmp_path}:{env['PATH']}", "T5SCALE_COORDINATOR_PORT": str(port)}
 
 
 def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):

@@ -4,13 +4,13 @@ SIGTERM reaching only one process."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import LOCAL_SH, REPO, cluster_env, finish, free_port
 
 from t5scale.parallel.cluster import (
     CLUSTER_FAILED,
@@ -21,8 +21,6 @@ from t5scale.parallel.cluster import (
 )
 from t5scale.parallel.mesh import MeshError, ParallelConfig
 
-REPO = Path(__file__).resolve().parents[1]
-LOCAL_SH = str(REPO / "launch" / "local.sh")
 SLURM = {
     "SLURM_JOB_ID": "4242",
     "SLURM_NTASKS": "16",
@@ -128,17 +126,6 @@ def test_mesh_puts_replica_across_hosts_unless_zero_is_asked():
 # --- real clusters of processes on 127.0.0.1 ---
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
-    return env | {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable} | extra
-
-
 def _processes(count: int, args: list[str], env_of) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
@@ -153,19 +140,11 @@ def _processes(count: int, args: list[str], env_of) -> list[subprocess.Popen]:
     ]
 
 
-def _finish(processes: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=timeout)
-        results.append((process.returncode, out + err))
-    return results
-
-
 def test_local_sh_runs_a_two_process_cluster():
     started = time.perf_counter()
     result = subprocess.run(
         [LOCAL_SH, "2", "t5scale", "cluster-check", "--cpu_devices=4"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     elapsed = time.perf_counter() - started
     output = result.stdout + result.stderr
@@ -181,16 +160,16 @@ def test_local_sh_runs_a_two_process_cluster():
 
 @pytest.mark.parametrize("source", ["slurm", "kubernetes"])
 def test_scheduler_environments_start_the_cluster(source):
-    port = _free_port()
+    port = free_port()
 
     def env_of(i: int) -> dict:
         if source == "slurm":
-            return _env(
+            return cluster_env(
                 SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
                 SLURM_STEP_NODELIST="127.0.0.1", SLURM_STEP_NUM_NODES="1",
                 T5SCALE_COORDINATOR_PORT=str(port),
             )  # fmt: skip
-        return _env(
+        return cluster_env(
             JOB_COMPLETION_INDEX=str(i),
             T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             T5SCALE_NUM_PROCESSES="2",
@@ -198,7 +177,7 @@ def test_scheduler_environments_start_the_cluster(source):
 
     # ZeRO over the whole cluster: each process holds half of the zero axis.
     args = ["cluster-check", "--cpu_devices=2", "--gin.ParallelConfig.zero_across_hosts=True"]
-    for i, (code, output) in enumerate(_finish(_processes(2, args, env_of))):
+    for i, (code, output) in enumerate(finish(_processes(2, args, env_of))):
         assert code == 0, output
         assert f"process {i}/2 ({source})" in output
         assert "mesh replica=1 × zero=4 × tensor=1 over 4 devices, zero across 2" in output
@@ -210,9 +189,9 @@ def test_unreachable_coordinator_fails_within_the_timeout_in_one_line():
     started = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", "t5scale.cli", "cluster-check", "--cpu_devices=1",
-         f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2",
+         f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2",
          "--process_id=1", "--gin.DistributedConfig.init_timeout_s=3"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     elapsed = time.perf_counter() - started
     assert result.returncode == CLUSTER_FAILED
@@ -235,7 +214,7 @@ LONG_RUN = [
 
 
 def _explicit(port: int):
-    return lambda i: _env(
+    return lambda i: cluster_env(
         T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         T5SCALE_NUM_PROCESSES="2",
         T5SCALE_PROCESS_ID=str(i),
@@ -249,7 +228,7 @@ def _wait_for_step(model_dir: Path, step: int, processes, timeout: float = 180) 
         if metrics.exists() and metrics.read_text().count("\n") >= step:
             return
         if any(p.poll() is not None for p in processes):
-            raise AssertionError(_finish(processes))
+            raise AssertionError(finish(processes))
         time.sleep(0.1)
     for p in processes:
         p.kill()
@@ -257,11 +236,11 @@ def _wait_for_step(model_dir: Path, step: int, processes, timeout: float = 180) 
 
 
 def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
-    processes = _processes(2, [*LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"], _explicit(_free_port()))
+    processes = _processes(2, [*LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"], _explicit(free_port()))
     _wait_for_step(tmp_path, 2, processes)
     processes[1].kill()
     killed = time.perf_counter()
-    code, output = _finish(processes[:1], timeout=60)[0]
+    code, output = finish(processes[:1], timeout=60)[0]
     took = time.perf_counter() - killed
     assert code == CLUSTER_FAILED, output
     assert (
@@ -276,7 +255,7 @@ def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
 def test_a_killed_coordinator_ends_the_others_and_local_sh_names_it(tmp_path):
     launcher = subprocess.Popen(
         [LOCAL_SH, "2", *LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=cluster_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     _wait_for_step(tmp_path, 2, [launcher])
@@ -312,10 +291,10 @@ def _process_in_session(session: int, process_id: int) -> int:
 @pytest.mark.slow  # out of CI's budget: run with -m slow
 def test_sigterm_to_one_process_saves_the_same_step_on_all(tmp_path):
     run = [*LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"]
-    processes = _processes(2, run, _explicit(_free_port()))
+    processes = _processes(2, run, _explicit(free_port()))
     _wait_for_step(tmp_path, 2, processes)
     processes[1].send_signal(signal.SIGTERM)  # as if only its node were preempted
-    results = _finish(processes)
+    results = finish(processes)
     saved = [int(step) for step in os.listdir(tmp_path / "checkpoints") if step.isdigit()]
     assert len(saved) == 1, saved
     for code, output in results:

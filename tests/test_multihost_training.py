@@ -3,32 +3,25 @@ several steps per execution, and a checkpoint written by 2 processes restores in
 goes on."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import LOCAL_SH, REPO, cluster_env, finish
 
-REPO = Path(__file__).resolve().parents[1]
-LOCAL_SH = str(REPO / "launch" / "local.sh")
 RUN = [
     "train", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
     "--gin.INPUT_LENGTH=64", "--gin.TARGET_LENGTH=16", "--gin.BATCH_SIZE=8",
     "--gin.CHECKPOINT_EVERY=10",
 ]  # fmt: skip
-ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))},
-    "JAX_PLATFORMS": "cpu",
-    "PYTHON": sys.executable,
-}
 
 
 def _start(command: list[str], model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*command, *RUN, f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=cluster_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 
@@ -44,9 +37,8 @@ def _two_processes(model_dir: Path, steps: int, *extra: str) -> subprocess.Popen
 
 def _finish(*processes: subprocess.Popen) -> list[str]:
     outputs = []
-    for process in processes:
-        output, _ = process.communicate(timeout=400)
-        assert process.returncode == 0, output[-4000:]
+    for code, output in finish(list(processes), timeout=400):
+        assert code == 0, output[-4000:]
         outputs.append(output)
     return outputs
 

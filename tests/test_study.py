@@ -11,18 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, fake_slurm_env, run_cli
 
 from t5scale.study import funnel
 from t5scale.study.config import Point
 from t5scale.study.simulate import ClusterConfig, collective_seconds, predict
 from t5scale.study.trial import run_trial
 
-REPO = Path(__file__).resolve().parents[1]
 GRID = [
     "--gin.StudyConfig.models=['mt5_tiny']",
     "--gin.StudyConfig.stages=[0, 3]",
@@ -35,13 +33,6 @@ GRID = [
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def t5scale(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600):
-    return subprocess.run(
-        [sys.executable, "-m", "t5scale.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy(),
-    )  # fmt: skip
-
-
 def records(study_dir: Path) -> list[dict]:
     lines = (study_dir / "results.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -51,7 +42,7 @@ def records(study_dir: Path) -> list[dict]:
 def finished_study(tmp_path_factory):
     """One funneled study of the shared grid."""
     study_dir = tmp_path_factory.mktemp("study") / "study"
-    done = t5scale("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
+    done = run_cli("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
     return study_dir, done
 
 
@@ -104,7 +95,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     lines = (study_dir / "results.jsonl").read_text().splitlines()
     (study_dir / "results.jsonl").write_text("\n".join(lines[:-1]) + '\n{"key": "timed:mod')
     logs_before = len(list((study_dir / "trials").glob("*.log")))
-    again = t5scale("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
+    again = run_cli("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "ends in a cut line" in again.stdout
     assert len(list((study_dir / "trials").glob("*.log"))) == logs_before + 1
@@ -149,15 +140,15 @@ def test_keep_best_by_throughput_or_by_loss():
 
 
 def test_study_config_errors_are_one_line(tmp_path):
-    bad = t5scale("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
+    bad = run_cli("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert "ZeRO stages are 0-3" in bad.stderr
-    missing = t5scale("report", str(tmp_path / "nothing"))
+    assert "StudyConfig.stages: ZeRO stage must be 0, 1, 2 or 3" in bad.stderr
+    missing = run_cli("report", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "run `t5scale study`" in missing.stderr
 
 
 def test_plan_answers_per_stage_without_running(tmp_path):
-    done = t5scale(
+    done = run_cli(
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DEVICES=2",
         "--gin.DEVICE_MEMORY_GB=0.010", "--gin.PlanConfig.stages=[0, 3]",
         "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json",
@@ -192,7 +183,7 @@ def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(tmp_path):
         "--gin.SimulateConfig.micro_batch_size=1",
     ]  # fmt: skip
     env = os.environ | {"XDG_CACHE_HOME": str(tmp_path)}
-    done = t5scale(
+    done = run_cli(
         "simulate", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/a100.gin",
         # Layers, not the vocabulary tables, dominate: stage 3 gathers them twice and
         # reduce-scatters once, against one all-reduce (twice the bytes) at stage 0.
@@ -211,7 +202,7 @@ def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(tmp_path):
 
 def test_predict_adds_compute_update_and_unhidden_communication():
     analysis = {
-        "devices": 16, "zero_stage": 3, "parameters": 1_000_000,
+        "devices": 16, "zero_stage": 3, "parameters": 1_000_000, "tokens_per_step": 1000,
         "flops_per_step": {"model": 16e12, "model_per_device": 1e12},
         "model_state_per_device": {"zero_formula_bytes": {"optimizer_state": 8e6 / 16}},
         "memory_per_device": {"peak_estimate_bytes": 1e9},
@@ -219,7 +210,7 @@ def test_predict_adds_compute_update_and_unhidden_communication():
     }  # fmt: skip
     cluster = ClusterConfig(peak_flops=1e13, compute_efficiency=0.5, memory_bandwidth=1e9,
                             inter_node_bandwidth=1e9, inter_node_latency_s=0, overlap=0.5)  # fmt: skip
-    got = predict(analysis, cluster, nodes=2, remat="none", tokens_per_step=1000)
+    got = predict(analysis, cluster, nodes=2, remat="none")
     compute, comm = 1e12 / 5e12, 15 / 16 * 4e9 / 1e9
     update = (2 * 8e6 / 16 + 3 * 4e6 / 16) / 1e9
     assert got["step_s"] == pytest.approx(compute + update + comm - 0.5 * compute)
@@ -254,11 +245,9 @@ def test_colab_notebook_runs_headless(finished_study, tmp_path):
 @pytest.mark.slow  # out of CI's budget
 def test_trials_across_hosts_run_under_the_launcher(tmp_path):
     """A 4-device trial on 2 'hosts' of 2 devices: two processes under a stand-in srun."""
-    from test_launch import fake_slurm_env
-
     env = fake_slurm_env(tmp_path) | {"SLURM_JOB_ID": "7"}
     study_dir = tmp_path / "study"
-    done = t5scale(
+    done = run_cli(
         "study", *GRID, "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[4]",
         "--gin.StudyConfig.search='grid'", "--gin.StudyConfig.devices_per_host=2",
         "--gin.StudyConfig.trial_launcher='env SLURM_NTASKS={hosts} srun --nodes={hosts}'",
@@ -276,7 +265,7 @@ def test_trials_across_hosts_run_under_the_launcher(tmp_path):
 def test_the_loss_objective_keeps_the_learning_rate_that_learns(tmp_path):
     """Two learning rates, the same token budget: the one that lowers the loss goes on."""
     study_dir = tmp_path / "study"
-    done = t5scale(
+    done = run_cli(
         "study", *GRID, "--gin.StudyConfig.stages=[0]", "--gin.StudyConfig.objective='loss'",
         "--gin.StudyConfig.learning_rates=[1e-6, 3e-3]", "--gin.StudyConfig.token_budget=800",
         "--gin.StudyConfig.extra_bindings=['OptimizerConfig.warmup_steps=1']",

@@ -1,6 +1,7 @@
 """XLA:CPU with many emulated devices: distinct collective channels, and a program that used to
 abort ("Id can't be larger than the number of participating threads") now runs."""
 
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,23 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+
+from t5scale import xla_cpu
+
+
+def test_the_channel_id_stand_in_is_installed():
+    """t5scale/xla_cpu.py reaches into JAX's private modules; pyproject.toml bounds jax to the
+    versions this was shown on. A JAX whose layout differs must fail here, by name, rather than
+    deadlock the multi-device tests."""
+    from jax._src.lax import parallel
+
+    assert xla_cpu.give_collectives_distinct_channels(), (
+        f"jax {jax.__version__}: t5scale.xla_cpu cannot give collectives distinct channel ids "
+        "(jax._src.lax.parallel.mlir has changed); without it XLA:CPU programs with several "
+        "collectives abort or hang. Pin jax to the range in pyproject.toml, or port xla_cpu.py."
+    )
+    assert isinstance(parallel.mlir, xla_cpu._FreshChannelIds)
+    assert xla_cpu.SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
 def test_identical_collectives_get_distinct_channel_ids():
@@ -31,20 +49,18 @@ def test_identical_collectives_get_distinct_channel_ids():
 STAGE3_AT_PRETRAINING_SCALE = """
 import t5scale, jax
 jax.config.update("jax_num_cpu_devices", 8)
-from t5scale.model.sizes import preset
-from t5scale.data.synthetic import DataConfig, synthetic_batch
-from t5scale.parallel.mesh import ParallelConfig, make_mesh
-from t5scale.train import optim
-from t5scale.train.state import abstract_state, create_state, plan_for, state_shardings
-from t5scale.train.step import batch_sharding, make_train_step
-model, data = preset("mt5_tiny"), DataConfig(input_length=512, target_length=114)
-tx = optim.make_optimizer(optim.OptimizerConfig())
-plan = plan_for(model, 3, make_mesh(ParallelConfig(zero_stage=3, zero=8)))
-step = make_train_step(model, plan, tx, state_shardings(plan, tx, abstract_state(model, tx)))
-state = create_state(model, tx, plan, 0)
+from t5scale.data.config import DataConfig
+from t5scale.data.synthetic import synthetic_batch
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.config import RunConfig
+from t5scale.train.setup import build_setup
+run = RunConfig(parallel=ParallelConfig(zero_stage=3, zero=8),
+                data=DataConfig(input_length=512, target_length=114))
+setup = build_setup(run)
+step, state = setup.compile().compiled, setup.create_state()
 for i in range(3):
-    batch = jax.device_put(synthetic_batch(data, 8, model.vocab_size, 0, i), batch_sharding(plan))
-    state, metrics = step(state, batch)
+    batch = synthetic_batch(run.data, 8, run.model.vocab_size, 0, i)
+    state, metrics = step(state, jax.device_put(batch, setup.batch_sharding()))
     print("loss", float(metrics["loss"]), flush=True)
 """
 

@@ -5,17 +5,17 @@ import functools
 
 import jax
 import pytest
+from conftest import tiny_setup
 from jax.sharding import PartitionSpec as P
 
 from t5scale.analysis.hlo import collective_stats
 from t5scale.analysis.memory import compiled_memory, model_state_bytes
-from t5scale.data.synthetic import DataConfig, synthetic_batch
+from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.mesh import ParallelConfig, make_mesh
+from t5scale.parallel.mesh import ParallelConfig
 from t5scale.parallel.zero import STAGES, get_stage
-from t5scale.train import optim
-from t5scale.train.state import abstract_state, plan_for, state_shardings
-from t5scale.train.step import batch_sharding, gradient_fn_jitted, make_train_step
+from t5scale.train.optim import OptimizerConfig
+from t5scale.train.step import gradient_fn_jitted
 
 # Big enough that model state, not activations, dominates memory: the stages must show.
 MODEL = ModelConfig(vocab_size=4096, d_model=128, d_ff=256, num_heads=4, d_kv=32)
@@ -24,24 +24,17 @@ BATCH, MICRO_BATCHES = 16, 2
 
 
 def _compile(stage: int):
-    mesh = make_mesh(ParallelConfig(zero_stage=stage, zero=8))
-    tx = optim.make_optimizer(optim.OptimizerConfig(grad_clip_norm=None))
-    plan = plan_for(MODEL, stage, mesh)
-    state = abstract_state(MODEL, tx)
-    shardings = state_shardings(plan, tx, state)
-    batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(plan)),
-        synthetic_batch(DATA, BATCH, MODEL.vocab_size, 0, 0),
-    )
-    step = make_train_step(MODEL, plan, tx, shardings, MICRO_BATCHES)
-    compiled = step.lower(state, batch).compile()
-    grads_compiled = (
-        gradient_fn_jitted(MODEL, plan, MICRO_BATCHES).lower(state.params, batch).compile()
-    )
+    setup = tiny_setup(
+        ParallelConfig(zero_stage=stage, zero=8), model=MODEL, data=DATA, batch_size=BATCH,
+        micro_batches=MICRO_BATCHES, optimizer=OptimizerConfig(grad_clip_norm=None),
+    )  # fmt: skip
+    compiled = setup.compile().compiled
+    batch = setup.abstract_batch()
+    gradients = gradient_fn_jitted(setup.run.model, setup.layout, setup.run.train)
+    grads_compiled = gradients.lower(setup.state.params, batch).compile()
     batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // 8
     return {
-        "plan": plan,
-        "state": state,
+        "state": setup.state,
         "compiled": compiled,
         "grads_compiled": grads_compiled,
         "collectives": collective_stats(compiled.as_text()),
@@ -52,7 +45,7 @@ def _compile(stage: int):
 
 @functools.cache  # per process: under xdist a module's tests may interleave with others'
 def _all_stages():
-    return {stage.stage: _compile(stage.stage) for stage in STAGES}
+    return {stage.number: _compile(stage.number) for stage in STAGES}
 
 
 @pytest.fixture
@@ -81,6 +74,22 @@ def test_shardings_are_those_of_the_table(stages, stage):
     # Gradients: the output layout of the compiled gradient computation.
     grads_out, _ = got["grads_compiled"].output_shardings
     assert _zero_sharded(grads_out) == {row.shard_gradients}
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_the_compiled_step_runs_the_collectives_of_the_table(stages, stage):
+    row, found = get_stage(stage), stages[stage]["collectives"]
+    assert row.gradient_collective in found
+    other = {"all-reduce": "reduce-scatter", "reduce-scatter": "all-reduce"}[
+        row.gradient_collective
+    ]
+    gradients = model_state_bytes(stages[stage]["state"].params, {}).gradients
+    # The other kind carries no gradient: at most the scalars (loss sums, the norm).
+    assert found.get(other, {"bytes": 0})["bytes"] < 0.01 * gradients
+    if row.parameter_collective:
+        assert row.parameter_collective in found
+    else:
+        assert "all-gather" not in found
 
 
 def test_stage0_and_stage1_all_reduce_gradients(stages):

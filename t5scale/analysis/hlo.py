@@ -79,24 +79,24 @@ def shape_bytes(type_text: str) -> int:
 def _closing(text: str, start: int) -> int:
     """Index just past the bracket group that opens at text[start]."""
     depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "({[":
+    for index in range(start, len(text)):
+        if text[index] in "({[":
             depth += 1
-        elif text[i] in ")}]":
+        elif text[index] in ")}]":
             depth -= 1
             if depth == 0:
-                return i + 1
+                return index + 1
     return len(text)
 
 
 def _split_top_level(text: str) -> list[str]:
     """Comma-separated items of `text`, ignoring commas nested in brackets."""
     items, depth, start = [], 0, 0
-    for i, char in enumerate(text):
+    for index, char in enumerate(text):
         depth += (char in "({[") - (char in ")}]")
         if char == "," and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
+            items.append(text[start:index].strip())
+            start = index + 1
     items.append(text[start:].strip())
     return [item for item in items if item]
 
@@ -289,13 +289,13 @@ def _calls_with_repeats(instruction: Instruction, unknown_loops: set[str]) -> li
     return [(c, trips if body and c == body.group(1) else trips + 1) for c in callees]
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(size: float) -> str:
     """Bytes in binary units: `512 B`, `1.5 KiB`, `3.0 MiB`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+        if abs(size) < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def collective_summary(stats: Mapping[str, Any]) -> str:

@@ -16,6 +16,14 @@ import jax
 
 from t5scale.parallel.zero import ZeroStage
 
+CPU_MEMORY_SHARE = 0.8  # of the host's memory, for all emulated devices together
+
+
+def cpu_memory_budget(host_memory_bytes: int, devices: int) -> int:
+    """Per-device memory budget of `devices` emulated CPU devices: they share the host's memory,
+    less a margin for the process itself."""
+    return int(CPU_MEMORY_SHARE * host_memory_bytes / devices)
+
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of a tree of arrays or ShapeDtypeStructs (global, not per device)."""
@@ -25,8 +33,8 @@ def tree_bytes(tree: Any) -> int:
 def per_device_bytes(tree: Any, shardings: Any) -> int:
     """Bytes one device holds of `tree` under `shardings` (its largest shard, leaf by leaf)."""
 
-    def shard_bytes(x, sharding) -> int:
-        return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    def shard_bytes(leaf, sharding) -> int:
+        return math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
 
     return sum(jax.tree.leaves(jax.tree.map(shard_bytes, tree, shardings)))
 

@@ -9,37 +9,33 @@ import jax
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_stats
 from t5scale.analysis.memory import compiled_memory, model_state_bytes, per_device_bytes
-from t5scale.data.synthetic import batch_shapes
-from t5scale.train.state import abstract_state, state_shardings
 
 
-def analyze_step(compiled, run, plan, tx, compile_time_s: float | None = None) -> dict[str, Any]:
-    """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of a compiled step."""
-    state = abstract_state(run.model, tx)
-    shardings = state_shardings(plan, tx, state)
-    devices = plan.mesh.size
-    zero_shards = plan.mesh.shape["zero"]
+def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[str, Any]:
+    """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of `compiled`, the
+    train step of `setup` (a t5scale.train.setup.Setup)."""
+    run, layout, state = setup.run, setup.layout, setup.state
+    shardings = setup.state_shardings
+    zero_shards = layout.zero_size
     memory = compiled_memory(compiled)
-
-    batch_global = sum(
-        4 * b * length for b, length in batch_shapes(run.data, run.train.batch_size).values()
-    )
-    batch_per_device = batch_global // (plan.mesh.shape["replica"] * zero_shards)
+    batch = setup.abstract_batch()
+    batch_per_device = per_device_bytes(batch, {name: x.sharding for name, x in batch.items()})
     params_opt = per_device_bytes(
         (state.params, state.opt_state), (shardings.params, shardings.opt_state)
     )
-    gradients = per_device_bytes(state.params, plan.grad_shardings)
-    formula = model_state_bytes(state.params, state.opt_state).per_device(plan.stage, zero_shards)
-
+    gradients = per_device_bytes(state.params, layout.grad_shardings)
+    formula = model_state_bytes(state.params, state.opt_state).per_device(layout.stage, zero_shards)
     flops = training_flops_per_step(
         run.model, run.train.batch_size, run.data.input_length, run.data.target_length
     )
     cost = compiled.cost_analysis() or {}
     return {
         "model": run.model.name,
-        "zero_stage": plan.stage.stage,
-        "mesh": dict(plan.mesh.shape),
-        "devices": devices,
+        "zero_stage": layout.stage.number,
+        "mesh": dict(layout.mesh.shape),
+        "devices": layout.mesh.size,
+        "batch_size": run.train.batch_size,
+        "tokens_per_step": run.tokens_per_step,
         "backend": jax.default_backend(),
         "compile_time_s": compile_time_s,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
@@ -53,7 +49,7 @@ def analyze_step(compiled, run, plan, tx, compile_time_s: float | None = None) -
         },
         "flops_per_step": {
             "model": flops,
-            "model_per_device": flops / devices,
+            "model_per_device": flops / layout.mesh.size,
             "xla_cost_analysis_per_device": float(cost.get("flops", 0.0)),
         },
         "collectives": collective_stats(compiled.as_text()),

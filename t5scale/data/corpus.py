@@ -14,6 +14,7 @@ rather than as a TensorFlow error in the middle of a run:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import logging
 import os
@@ -94,8 +95,6 @@ class _Utf8Checker:
     """Incremental UTF-8 validation (a character may straddle two chunks)."""
 
     def __init__(self) -> None:
-        import codecs
-
         self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
 
     def feed(self, chunk: bytes) -> bool:

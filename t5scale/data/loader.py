@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from t5scale.data.config import DataConfig, DataError
+from t5scale.data.corpus import scan_corpus
 from t5scale.data.synthetic import FEATURES, synthetic_batch
 
 
@@ -40,8 +41,7 @@ def register(config: DataConfig, vocab_size: int) -> str:
 
     Everything that can be wrong with the user's data is found here, before any tf.data work.
     """
-    from t5scale.data import tasks
-    from t5scale.data.corpus import scan_corpus
+    from t5scale.data import tasks  # TensorFlow and seqio: only runs that read text
 
     vocab = tasks.vocabulary(config)
     if vocab.vocab_size > vocab_size:
@@ -68,7 +68,7 @@ def seqio_dataset(
 
     A tf.data.Dataset of batches of global_batch / count rows.
     """
-    from t5scale.data import tasks
+    from t5scale.data import tasks  # TensorFlow and seqio: only runs that read text
 
     name = mixture or register(config, vocab_size)
     index, count = shard or (jax.process_index(), jax.process_count())
@@ -88,7 +88,7 @@ def seqio_dataset(
 
 @contextlib.contextmanager
 def _absl_quiet():
-    from absl import logging as absl_logging
+    from absl import logging as absl_logging  # comes with TensorFlow: only runs that read text
 
     level = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.FATAL)
@@ -110,7 +110,7 @@ def _get_dataset(config: DataConfig, name: str, rows: int, seed: int, split: str
     seqio caches small splits in memory; the validation loss reads only its first batches, and
     TensorFlow warns on stderr about every cache abandoned part-read.
     """
-    from t5scale.data.tf_setup import seqio
+    from t5scale.data.tf_setup import seqio  # TensorFlow: only runs that read text
 
     lengths = {"inputs": config.input_length, "targets": config.target_length}
     with _BUILD_LOCK:

@@ -17,6 +17,8 @@ import functools
 import hashlib
 from pathlib import Path
 
+import sentencepiece
+
 from t5scale.data import span_corruption
 from t5scale.data.config import DataConfig, DataError
 from t5scale.data.corpus import Corpus
@@ -34,8 +36,6 @@ MC4_LANGUAGES = tuple(
 
 def vocabulary(config: DataConfig) -> seqio.SentencePieceVocabulary:
     """The SentencePiece vocabulary with mT5's sentinels, checked before TensorFlow loads it."""
-    import sentencepiece
-
     path = Path(config.vocabulary)
     if not path.is_file():
         raise DataError(f"vocabulary file {str(path)!r} does not exist")

@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 checkpoints load)
 import numpy as np
+from safetensors import safe_open
 
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import ModelConfig
@@ -140,12 +141,12 @@ class _Weight:
         return [self.hf_name.format(i=i) for i in range(self.layers)]
 
 
-def _same(w: np.ndarray) -> np.ndarray:
-    return w
+def _same(weight: np.ndarray) -> np.ndarray:
+    return weight
 
 
-def _transpose(w: np.ndarray) -> np.ndarray:
-    return w.T
+def _transpose(weight: np.ndarray) -> np.ndarray:
+    return weight.T
 
 
 def _weight_plan(cfg: ModelConfig) -> list[_Weight]:
@@ -224,10 +225,6 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 @contextlib.contextmanager
 def _open_tensors(model_dir: Path) -> Iterator[dict[str, Any]]:
     """{tensor name: the open safetensors file that holds it}, over all shards."""
-    try:
-        from safetensors import safe_open
-    except ImportError as error:  # not a t5scale dependency; transformers installs it
-        raise ImportError("importing HF checkpoints needs `pip install safetensors`") from error
     with contextlib.ExitStack() as stack:
         where: dict[str, Any] = {}
         for path in _checkpoint_files(model_dir):

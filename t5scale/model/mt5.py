@@ -67,8 +67,8 @@ class _Module(nn.Module):
         """Declare a float32 look-up table; it stays float32 for the gather.
 
         Gathering rows first and casting them after keeps the gradient, a scatter-add, in
-        float32: a bfloat16 scatter-add has no native atomic on GPUs, and with the repeated
-        token ids of real batches it ran 3.3 s of a 4 s step on an H100 (docs/benchmarks.md).
+        float32: a bfloat16 scatter-add has no native atomic on GPUs and serialises on the
+        repeated token ids of real batches (docs/benchmarks.md, 2026-11-23).
         """
         return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
@@ -129,21 +129,21 @@ def relative_position_bucket(
     relative_position: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> np.ndarray:
     """T5's bucketing of key_position - query_position: exact for small, log-spaced for large."""
-    n = -relative_position
-    bucket = np.zeros_like(n)
+    distance = -relative_position
+    bucket = np.zeros_like(distance)
     if bidirectional:
         num_buckets //= 2
-        bucket += (n < 0).astype(n.dtype) * num_buckets
-        n = np.abs(n)
+        bucket += (distance < 0).astype(distance.dtype) * num_buckets
+        distance = np.abs(distance)
     else:
-        n = np.maximum(n, 0)
+        distance = np.maximum(distance, 0)
     max_exact = num_buckets // 2
-    log_ratio = np.log(np.maximum(n, 1).astype(np.float32) / max_exact) / np.log(
+    log_ratio = np.log(np.maximum(distance, 1).astype(np.float32) / max_exact) / np.log(
         max_distance / max_exact
     )
-    large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(n.dtype)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(distance.dtype)
     large = np.minimum(large, num_buckets - 1)
-    return bucket + np.where(n < max_exact, n, large)
+    return bucket + np.where(distance < max_exact, distance, large)
 
 
 class RelativePositionBias(_Module):
@@ -189,17 +189,17 @@ class DecoderLayer(_Module):
         return self.constrain(y, ("batch", "length", "embed")), None
 
 
-def remat_policy(name: str, gathers_parameters: bool):
+def remat_policy(name: str):
     """The checkpoint policy of a remat option: none, minimal (keep matmul outputs) or full.
 
     "none" keeps every matmul output and recomputes only the cheap elementwise work (softmax,
-    GELU, norms) in the backward pass. Keeping everything instead (everything_saveable) stacks
-    a dozen more per-layer buffers out of the scan and was ~12% slower on the CPU (mt5_small,
-    fp32). Under ZeRO-3 a layer's gathered parameters must never be kept for the backward pass
-    (it gathers them again); they are made by all-gathers, reshapes and casts, never by matmuls,
-    so this policy never keeps them.
+    GELU, norms) in the backward pass: keeping everything instead (everything_saveable) stacks
+    a dozen more per-layer buffers out of the scan, and was slower on the CPU
+    (docs/benchmarks.md). Under
+    ZeRO-3 a layer's gathered parameters must never be kept for the backward pass (it gathers
+    them again); they are made by all-gathers, reshapes and casts, never by matmuls, so no
+    policy here keeps them.
     """
-    del gathers_parameters  # the same policy either way (see above)
     policies = jax.checkpoint_policies
     if name == "none":
         return policies.dots_saveable
@@ -210,13 +210,12 @@ def remat_policy(name: str, gathers_parameters: bool):
 
 def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast_args: int):
     """Layers under one scan, so compile time does not grow with depth."""
-    gathers = module.hooks.gather_layer is not _keep_params
-    if gathers and not module.is_initializing():
+    if module.hooks.gather_layer is not _keep_params and not module.is_initializing():
         path = (*module.scope.path, "layers")
         layer_cls = nn.map_variables(
             layer_cls, "params", trans_in_fn=lambda p: module.hooks.gather_layer(p, path)
         )
-    policy = remat_policy(module.cfg.remat, gathers)
+    policy = remat_policy(module.cfg.remat)
     rematted = nn.remat(layer_cls, policy=policy, prevent_cse=False)
     return nn.scan(
         rematted,
@@ -234,10 +233,10 @@ def project_to_vocab(x: jax.Array, w: jax.Array) -> jax.Array:
     written so that both of its matmuls are in the row-major form fast CPU kernels take.
 
     Left to autodiff, w's gradient is x^T @ g contracted over the tokens, the leading dimension
-    of both: XLA:CPU then transposes the [tokens, vocab] gradient (0.5 s for mt5_small at batch
-    8, 512/114) and runs the product through its generic Eigen path at half the speed of its
-    YNNPACK matmuls (3.5 s against 2.0 s). Here x is transposed instead (tokens × d_model, 500×
-    smaller), behind an optimization barrier so that XLA cannot fold the transpose back.
+    of both: XLA:CPU then transposes the [tokens, vocab] gradient and runs the product through
+    its generic Eigen path, slower than its YNNPACK matmuls (docs/benchmarks.md). Here x is
+    transposed instead (tokens × d_model, far smaller than tokens × vocab), behind an
+    optimization barrier so that XLA cannot fold the transpose back.
     """
     return x @ w
 

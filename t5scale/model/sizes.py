@@ -1,8 +1,8 @@
-"""mT5 model sizes: the configuration dataclass, the published presets and parameter counts.
+"""mT5 model sizes: the configuration dataclass and the published sizes, in one place.
 
-The presets are the dimensions of the released mT5 checkpoints (T5 v1.1 architecture, vocabulary
-of 250,112 SentencePiece pieces). `gin/models/<name>.gin` binds the same numbers for the CLI; a
-test keeps the two in step.
+The sizes are the dimensions of the released mT5 checkpoints (T5 v1.1 architecture, vocabulary
+of 250,112 SentencePiece pieces), plus mt5_tiny for tests and quick runs. `ModelConfig(name=...)`
+takes a size's dimensions; gin/models/<name>.gin only names it, so the numbers live here alone.
 """
 
 from __future__ import annotations
@@ -11,22 +11,53 @@ import dataclasses
 import math
 from typing import Literal
 
+import jax
+
 RematPolicy = Literal["none", "minimal", "full"]
 DType = Literal["float32", "bfloat16"]
 
 
+def _mt5(d_model: int, d_ff: int, num_heads: int, layers: int) -> dict[str, int]:
+    return {
+        "vocab_size": 250112, "d_model": d_model, "d_ff": d_ff, "num_heads": num_heads,
+        "d_kv": 64, "num_encoder_layers": layers, "num_decoder_layers": layers,
+    }  # fmt: skip
+
+
+SIZES: dict[str, dict[str, int]] = {
+    "mt5_tiny": {
+        "vocab_size": 4096,
+        "d_model": 64,
+        "d_ff": 128,
+        "num_heads": 4,
+        "d_kv": 16,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+    },  # fmt: skip
+    "mt5_small": _mt5(d_model=512, d_ff=1024, num_heads=6, layers=8),
+    "mt5_base": _mt5(d_model=768, d_ff=2048, num_heads=12, layers=12),
+    "mt5_large": _mt5(d_model=1024, d_ff=2816, num_heads=16, layers=24),
+    "mt5_xl": _mt5(d_model=2048, d_ff=5120, num_heads=32, layers=24),
+    "mt5_xxl": _mt5(d_model=4096, d_ff=10240, num_heads=64, layers=24),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and numerics of one encoder-decoder model."""
+    """Dimensions and numerics of one encoder-decoder model.
+
+    `name` picks a size of SIZES; each dimension left unset (None) comes from it, or from
+    mt5_tiny for a name that is not a published size. A dimension set here overrides the size's.
+    """
 
     name: str = "mt5_tiny"
-    vocab_size: int = 4096
-    d_model: int = 64
-    d_ff: int = 128
-    num_heads: int = 4
-    d_kv: int = 16
-    num_encoder_layers: int = 2
-    num_decoder_layers: int = 2
+    vocab_size: int | None = None
+    d_model: int | None = None
+    d_ff: int | None = None
+    num_heads: int | None = None
+    d_kv: int | None = None
+    num_encoder_layers: int | None = None
+    num_decoder_layers: int | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     layer_norm_epsilon: float = 1e-6
@@ -36,36 +67,20 @@ class ModelConfig:
     remat: RematPolicy = "none"
 
     def __post_init__(self) -> None:
+        size = SIZES.get(self.name, SIZES["mt5_tiny"])
+        for field, value in size.items():
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, value)
         if self.remat not in ("none", "minimal", "full"):
             raise ValueError(f"ModelConfig.remat must be none, minimal or full, got {self.remat!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
-        for field in ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv"):
+        for field in size:
             if getattr(self, field) < 1:
                 raise ValueError(f"ModelConfig.{field} must be positive")
 
 
-def _mt5(name: str, d_model: int, d_ff: int, num_heads: int, layers: int) -> ModelConfig:
-    return ModelConfig(
-        name=name,
-        vocab_size=250112,
-        d_model=d_model,
-        d_ff=d_ff,
-        num_heads=num_heads,
-        d_kv=64,
-        num_encoder_layers=layers,
-        num_decoder_layers=layers,
-    )
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "mt5_tiny": ModelConfig(),
-    "mt5_small": _mt5("mt5_small", d_model=512, d_ff=1024, num_heads=6, layers=8),
-    "mt5_base": _mt5("mt5_base", d_model=768, d_ff=2048, num_heads=12, layers=12),
-    "mt5_large": _mt5("mt5_large", d_model=1024, d_ff=2816, num_heads=16, layers=24),
-    "mt5_xl": _mt5("mt5_xl", d_model=2048, d_ff=5120, num_heads=32, layers=24),
-    "mt5_xxl": _mt5("mt5_xxl", d_model=4096, d_ff=10240, num_heads=64, layers=24),
-}
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(name=name) for name in SIZES}
 
 
 def preset(name: str) -> ModelConfig:
@@ -80,8 +95,6 @@ def parameter_breakdown(params_shapes) -> dict[str, int]:
 
     Works on abstract shapes (jax.ShapeDtypeStruct), so nothing is allocated.
     """
-    import jax
-
     counts: dict[str, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params_shapes)[0]:
         part = "/".join(str(getattr(key, "key", key)) for key in path[:2])

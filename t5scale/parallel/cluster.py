@@ -31,6 +31,8 @@ import threading
 import time
 from collections.abc import Mapping
 
+import jax
+
 CLUSTER_FAILED = 4  # exit code: could not join the cluster, or a peer was lost
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
@@ -177,8 +179,6 @@ def resolve_cluster(config: DistributedConfig, env: Mapping[str, str] | None = N
 
 def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = None) -> PeerWatch:
     """Join the cluster (nothing to do for one process); log who this process is, once."""
-    import jax
-
     spec = resolve_cluster(config, env)
     if not spec.multi_process:
         return PeerWatch(spec, None, config.lost_after_s)
@@ -201,7 +201,8 @@ def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = Non
             f"process {spec.process_id} of {spec.num_processes} could not join the cluster at "
             f"{spec.coordinator_address} within {config.init_timeout_s} s: {reason}"
         ) from None
-    from jax._src import distributed  # the runtime's key-value store, for PeerWatch
+    # Private: the runtime's key-value store, which PeerWatch writes its signs of life to.
+    from jax._src import distributed
 
     devices = jax.local_devices()
     print(

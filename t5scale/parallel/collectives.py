@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 
-def after(x: jax.Array, dependency) -> jax.Array:
+def ordered_after(x: jax.Array, dependency) -> jax.Array:
     """`x`, made to depend on every array in `dependency`: what consumes it runs after them."""
     anchor = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(dependency))
     return x + anchor * jnp.zeros((), x.dtype)
@@ -33,7 +33,7 @@ def in_order(
     results, previous = [], start
     for index, value in enumerate(values):
         if previous is not None:
-            value = after(value, previous)
+            value = ordered_after(value, previous)
         previous = collective(index, value)
         results.append(previous)
     return results

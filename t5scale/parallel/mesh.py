@@ -18,6 +18,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from t5scale.parallel.zero import check_stages
+
 AXES = ("replica", "zero", "tensor")
 # The batch is split over both data-parallel axes; model state is only ever sharded over `zero`.
 DATA_AXES = ("replica", "zero")
@@ -42,8 +44,7 @@ class ParallelConfig:
     zero_across_hosts: bool = False
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        check_stages([self.zero_stage], "ParallelConfig.zero_stage")
         sizes = (self.replica, self.zero, self.tensor)
         if any(s is not None and (s == 0 or s < -1) for s in sizes) or sizes.count(-1) > 1:
             raise MeshError(

@@ -1,10 +1,10 @@
 """Vocabulary-parallel embedding and cross-entropy, inside the data-parallel shard_map (stage 3).
 
-mT5's embedding and output projection are 250,112 × d_model each: at mt5_small's size, 0.5 GB
-apiece, more than its twelve layers together. Gathering them whole on every device, and
-reduce-scattering their dense gradients, moved ~20 GB per step on 8 emulated devices and cost a
-third of the step (docs/benchmarks.md). Here each device keeps its slice of the vocabulary and
-the batch's activations travel instead (Megatron-LM's vocabulary parallelism, over `zero`):
+mT5's embedding and output projection are 250,112 × d_model each: at mt5_small's size more than
+its layers together. Gathering them whole on every device, and reduce-scattering their dense
+gradients, moved more than the layers and cost much of the step (docs/benchmarks.md). Here each
+device keeps its slice of the vocabulary and the batch's activations travel instead
+(Megatron-LM's vocabulary parallelism, over `zero`):
 
 - embedding: the zero group's token ids are all-gathered (a few KB), each device looks up the ids
   that fall in its slice (zero elsewhere) and a reduce-scatter sums the partial rows back to each
@@ -16,7 +16,7 @@ the batch's activations travel instead (Megatron-LM's vocabulary parallelism, ov
   of its partial sums over slices.
 
 This pays while the group's tokens are few against the vocabulary (`pays_off`); with many
-devices and long sequences the tables are gathered whole as before (t5scale/train/step.py).
+devices and long sequences the tables are gathered whole as before (t5scale/train/gradients.py).
 
 Every collective here is chained after the one before it (t5scale/parallel/collectives.py), and
 the first one after `after_this`, the previous collective of the step.
@@ -52,7 +52,7 @@ def _slice_start(rows_per_device: int) -> jax.Array:
 def _gather_ids(ids: jax.Array, after_this) -> jax.Array:
     """The zero group's ids, stacked on the batch axis. They travel as float32 (exact below
     2**24) because the ordering dependency is a floating multiply by zero."""
-    as_float = collectives.after(ids.astype(jnp.float32), after_this)
+    as_float = collectives.ordered_after(ids.astype(jnp.float32), after_this)
     return lax.all_gather(as_float, AXIS, axis=0, tiled=True).astype(jnp.int32)
 
 
@@ -65,7 +65,7 @@ def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
     # One slice holds each id, so the sum below adds zeros: exact in the compute dtype.
     partial = jnp.where(inside[..., None], rows, 0.0).astype(dtype)
     # The gradient path to `after_this` orders the backward pass's collectives the same way.
-    partial = collectives.after(partial, after_this)
+    partial = collectives.ordered_after(partial, after_this)
     return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
 
 
@@ -74,12 +74,14 @@ def log_z_and_target_logit(
 ) -> tuple[jax.Array, jax.Array]:
     """log Z and the target's logit for each of this device's target tokens [b, T], from the
     decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]: what
-    t5scale.train.step.loss_sums computes from whole logits."""
+    t5scale.train.loss.loss_sums computes from whole logits."""
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
     logits = constrain_logits(project_to_vocab(group_decoded, lm_head).astype(jnp.float32))
     slice_size = logits.shape[-1]
-    local_max = collectives.after(lax.stop_gradient(jnp.max(logits, axis=-1)), group_targets)
+    local_max = collectives.ordered_after(
+        lax.stop_gradient(jnp.max(logits, axis=-1)), group_targets
+    )
     peak = lax.pmax(local_max, AXIS)  # [group batch, T], the same on every slice
     sum_exp = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
     local_target = group_targets - _slice_start(slice_size)

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 from typing import Any
 
+from t5scale.parallel.zero import check_stages
 from t5scale.train.config import ConfigError
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
@@ -71,8 +72,7 @@ class StudyConfig:
         ):
             if not getattr(self, axis):
                 raise ConfigError(f"StudyConfig.{axis} is empty")
-        if bad := [s for s in self.stages if s not in (0, 1, 2, 3)]:
-            raise ConfigError(f"StudyConfig.stages: ZeRO stages are 0-3, got {bad}")
+        check_stages(self.stages, "StudyConfig.stages")
         if bad := [d for d in self.devices if d < 1 or d % self.tensor]:
             raise ConfigError(
                 f"StudyConfig.devices {bad}: each must be a positive multiple of tensor={self.tensor}"

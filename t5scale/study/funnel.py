@@ -120,23 +120,23 @@ def render(
         "| round | entered | trials | failed (why) | pruned | left | trial wall s | device·s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rounds:
-        why = ", ".join(f"{n} {status}" for status, n in sorted(r.reasons().items())) or "-"
+    for round_ in rounds:
+        why = ", ".join(f"{n} {status}" for status, n in sorted(round_.reasons().items())) or "-"
         lines.append(
-            f"| {r.name} | {r.entered} | {len(r.records)} | {why} | {r.pruned} | {r.left} | "
-            f"{r.wall_s():.0f} | {r.device_s():.0f} |"
+            f"| {round_.name} | {round_.entered} | {len(round_.records)} | {why} | {round_.pruned} | {round_.left} | "
+            f"{round_.wall_s():.0f} | {round_.device_s():.0f} |"
         )
-    notes = [f"- {r.name}: {r.note}" for r in rounds if r.note]
+    notes = [f"- {round_.name}: {round_.note}" for round_ in rounds if round_.note]
     if notes:
         lines += ["", *notes]
     lines += ["", "## Winner", ""]
     if not winners:
         lines.append("No configuration ran to the end.")
     for model, record in sorted(winners.items()):
-        c = record["config"]
+        config = record["config"]
         lines.append(
-            f"- **{model}**: ZeRO stage {c['stage']}, micro-batch {c['micro_batch_size']}, remat "
-            f"{c['remat']}, lr {c['learning_rate']:g} at {c['devices']} devices: "
+            f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
+            f"{config['remat']}, lr {config['learning_rate']:g} at {config['devices']} devices: "
             f"{record['tokens_per_s_per_device']:,.0f} tokens/s per device, step "
             f"{record['step_time_s']['median']:.3g} s, final loss {record['final_loss']:.4f}"
         )

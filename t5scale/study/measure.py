@@ -1,83 +1,53 @@
-"""Compile a train step without allocating the state, and time it: shared by trial and plan."""
+"""Time a compiled train step on synthetic batches: shared by the study's trials and bench/."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from t5scale.analysis.memory import model_state_bytes
-from t5scale.parallel.mesh import make_mesh
-from t5scale.parallel.zero import get_stage
-from t5scale.train import optim
+from t5scale.data.loader import host_batches
 from t5scale.train.config import RunConfig
-from t5scale.train.loop import check_batch, compile_train_step
-from t5scale.train.state import (
-    abstract_state,
-    create_state,
-    plan_for,
-    state_initializer,
-    state_shardings,
-)
-from t5scale.train.step import batch_sharding
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    compiled: Any
-    plan: Any
-    tx: Any
-    analysis: dict[str, Any]
-
-
-def compile_step(run: RunConfig, devices=None) -> CompiledStep:
-    """The run's train step, lowered from abstract shapes and compiled; nothing is allocated."""
-    mesh = make_mesh(run.parallel, devices)
-    check_batch(run, mesh)
-    tx = optim.make_optimizer(run.optimizer)
-    plan = plan_for(run.model, run.parallel.zero_stage, mesh)
-    abstract = abstract_state(run.model, tx)
-    shardings = state_shardings(plan, tx, abstract)
-    compiled, analysis = compile_train_step(run, plan, tx, abstract, shardings)
-    return CompiledStep(compiled, plan, tx, analysis)
-
-
-def compile_state_init(run: RunConfig, step: CompiledStep) -> None:
-    """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-    key = jax.random.key(run.train.seed)
-    state_initializer(run.model, step.tx, step.plan).lower(key).compile()
+from t5scale.train.setup import CompiledStep, build_setup
 
 
 def model_state_per_device(run: RunConfig, devices=None) -> float:
     """Bytes of parameters, gradients and optimizer state per device by the ZeRO formula: a
     lower bound of the step's memory, known without compiling."""
-    mesh = make_mesh(run.parallel, devices)
-    state = abstract_state(run.model, optim.make_optimizer(run.optimizer))
-    stage = get_stage(run.parallel.zero_stage)
-    return model_state_bytes(state.params, state.opt_state).per_device(stage, mesh.shape["zero"])[
-        "total"
-    ]
+    setup = build_setup(run, devices)
+    state = setup.state
+    formula = model_state_bytes(state.params, state.opt_state)
+    return formula.per_device(setup.layout.stage, setup.layout.zero_size)["total"]
 
 
-def time_steps(run: RunConfig, step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
-    """Run warm-up then timed steps on synthetic batches, each timed to block_until_ready."""
-    from t5scale.data.loader import host_batches
-
-    sharding = batch_sharding(step.plan)
+def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
+    """Run `warmup` then `timed` executions on synthetic batches, each timed to
+    block_until_ready; with k steps per execution each gives its time over k as the step time."""
+    setup, k = step.setup, step.steps_per_execution
+    run = setup.run
     stream = host_batches(run.data, run.train.batch_size, run.train.seed, run.model.vocab_size)
-    state = create_state(run.model, step.tx, step.plan, run.train.seed)
+
+    def next_batch():
+        batches = [
+            jax.make_array_from_process_local_data(setup.batch_sharding(), next(stream))
+            for _ in range(k)
+        ]
+        return batches[0] if k == 1 else setup.stack(batches)
+
+    state = setup.create_state()
     times, losses = [], []
     for index in range(warmup + timed):
-        batch = jax.make_array_from_process_local_data(sharding, next(stream))
+        batch = next_batch()
         started = time.perf_counter()
         state, metrics = step.compiled(state, batch)
         jax.block_until_ready((state, metrics))
         if index >= warmup:
-            times.append(time.perf_counter() - started)
-        losses.append(float(metrics["loss"]))
+            times.extend([(time.perf_counter() - started) / k] * k)
+        losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
     del state
     median = statistics.median(times)
     return {
@@ -88,11 +58,12 @@ def time_steps(run: RunConfig, step: CompiledStep, warmup: int, timed: int) -> d
             # spread: (max - min) / median over the timed steps
             "spread": (max(times) - min(times)) / median,
             "timed_steps": len(times),
-            "warmup_steps": warmup,
+            "warmup_steps": warmup * k,
+            "steps_per_execution": k,
         },
         "step_times_s": times,
         "losses": losses,
-        "allocator_peak_bytes": allocator_peak(step.plan.mesh),
+        "allocator_peak_bytes": allocator_peak(setup.mesh),
     }
 
 

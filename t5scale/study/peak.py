@@ -26,22 +26,22 @@ GPU_DATASHEET = {
 def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     """FLOP/s of a large matmul chain on one device in `dtype` (median of `repeats`)."""
     on_gpu = jax.default_backend() == "gpu"
-    n, inner = (8192, 20) if on_gpu else (4096, 1)  # GPU: time 20 products per sample
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+    size, inner = (8192, 20) if on_gpu else (4096, 1)  # GPU: time 20 products per sample
+    matrix = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
 
     @jax.jit
-    def matmuls(x):
+    def matmuls(product):
         for _ in range(inner):  # a chain, so none is optimised away
-            x = (x @ a).astype(x.dtype)
-        return x
+            product = (product @ matrix).astype(product.dtype)
+        return product
 
-    matmuls(a).block_until_ready()
+    matmuls(matrix).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        matmuls(a).block_until_ready()
+        matmuls(matrix).block_until_ready()
         times.append(time.perf_counter() - start)
-    return inner * 2 * n**3 / statistics.median(times)
+    return inner * 2 * size**3 / statistics.median(times)
 
 
 def device_peak(dtype: str) -> tuple[float, str]:

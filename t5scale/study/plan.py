@@ -14,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from t5scale.analysis.hlo import KINDS, format_bytes
+from t5scale.parallel.zero import check_stages
 from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.setup import build_setup
 
 GIB = 2**30
 
@@ -40,8 +44,7 @@ class PlanConfig:
             )
         if self.device_memory_gb <= 0 or self.micro_batch_size < 1:
             raise ConfigError("PlanConfig.device_memory_gb must be > 0, micro_batch_size >= 1")
-        if bad := [s for s in self.stages if s not in (0, 1, 2, 3)]:
-            raise ConfigError(f"PlanConfig.stages: ZeRO stages are 0-3, got {bad}")
+        check_stages(self.stages, "PlanConfig.stages")
 
 
 def stage_run(run: RunConfig, plan: PlanConfig, stage: int) -> RunConfig:
@@ -57,34 +60,31 @@ def stage_run(run: RunConfig, plan: PlanConfig, stage: int) -> RunConfig:
 
 
 def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> dict[str, Any]:
-    from t5scale.study.measure import compile_step
-
     staged = stage_run(run, plan, stage)
-    step = compile_step(staged, devices)
-    a = step.analysis
+    step = build_setup(staged, devices).compile()
+    analysis = step.analysis
     budget = plan.device_memory_gb * 1e9
-    peak = a["memory_per_device"]["peak_estimate_bytes"]
-    formula = a["model_state_per_device"]["zero_formula_bytes"]
+    peak = analysis["memory_per_device"]["peak_estimate_bytes"]
+    formula = analysis["model_state_per_device"]["zero_formula_bytes"]
     return {
         "stage": stage,
-        "mesh": a["mesh"],
+        "mesh": analysis["mesh"],
         "batch_size": staged.train.batch_size,
-        "parameters": a["parameters"],
-        "parameters_per_device": step.plan.parameters_per_device(),
+        "parameters": analysis["parameters"],
+        "parameters_per_device": step.setup.layout.parameters_per_device(),
         "zero_formula_bytes": formula,
-        "xla_memory_per_device": a["memory_per_device"],
+        "xla_memory_per_device": analysis["memory_per_device"],
+        "xla_model_state_per_device": analysis["model_state_per_device"],
         "device_memory_bytes": budget,
         "fits": peak <= budget,
         "fits_model_state": formula["total"] <= budget,
-        "collectives": a["collectives"],
-        "flops_per_step": a["flops_per_step"],
-        "compile_time_s": a["compile_time_s"],
+        "collectives": analysis["collectives"],
+        "flops_per_step": analysis["flops_per_step"],
+        "compile_time_s": analysis["compile_time_s"],
     }
 
 
 def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> dict[str, Any]:
-    import jax
-
     if jax.device_count() < plan.devices:
         raise ConfigError(f"{plan.devices} devices to plan for, {jax.device_count()} emulated")
     devices = jax.devices()[: plan.devices]
@@ -107,35 +107,41 @@ def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> dict[str, Any]:
 
 def format_plan(result: dict[str, Any]) -> str:
     gb = 1e9
+    first = result["stages"][0]
     lines = [
         f"{result['model']} on {result['devices']} devices (tensor {result['tensor']}), "
         f"{result['device_memory_gb']:g} GB each; {result['optimizer']}, {result['dtype']} "
         f"compute, remat {result['remat']}, lengths {result['lengths'][0]}/{result['lengths'][1]}, "
-        f"batch {result['stages'][0]['batch_size']}",
+        f"batch {first['batch_size']}",
         "",
         "| stage | params/device | ZeRO formula GB (params + grads + optimizer) | "
-        "XLA GB/device (arguments, temp, peak) | fits | collectives per step |",
-        "|---|---|---|---|---|---|",
+        "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
+        "collectives per step |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for s in result["stages"]:
-        f, x = s["zero_formula_bytes"], s["xla_memory_per_device"]
+    for stage in result["stages"]:
+        formula, xla = stage["zero_formula_bytes"], stage["xla_memory_per_device"]
+        state = stage["xla_model_state_per_device"]
+        measured = state["xla_parameters_and_optimizer_bytes"] + state["gradient_bytes"]
+        found = stage["collectives"]
         collectives = ", ".join(
-            f"{k} {s['collectives'][k]['count']}× {format_bytes(s['collectives'][k]['bytes'])}"
-            for k in KINDS
-            if k in s["collectives"]
+            f"{kind} {found[kind]['count']}× {format_bytes(found[kind]['bytes'])}"
+            for kind in KINDS
+            if kind in found
         )
         lines.append(
-            f"| {s['stage']} | {s['parameters_per_device']:,} | "
-            f"{f['parameters'] / gb:.3g} + {f['gradients'] / gb:.3g} + "
-            f"{f['optimizer_state'] / gb:.3g} = {f['total'] / gb:.3g} | "
-            f"{x['argument_bytes'] / gb:.3g}, {x['temp_bytes'] / gb:.3g}, "
-            f"{x['peak_estimate_bytes'] / gb:.3g} | {'yes' if s['fits'] else 'no'} | "
+            f"| {stage['stage']} | {stage['parameters_per_device']:,} | "
+            f"{formula['parameters'] / gb:.3g} + {formula['gradients'] / gb:.3g} + "
+            f"{formula['optimizer_state'] / gb:.3g} = {formula['total'] / gb:.3g} | "
+            f"{measured / gb:.3g} | {xla['argument_bytes'] / gb:.3g}, {xla['temp_bytes'] / gb:.3g}, "
+            f"{xla['peak_estimate_bytes'] / gb:.3g} | {'yes' if stage['fits'] else 'no'} | "
             f"{collectives or 'none'} |"
         )
     lines.append("")
     lines.append(
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
-        "memory; collective bytes are each collective's result size per device, summed over "
-        "the step."
+        "memory. Model state from XLA: the step's arguments less the batch (parameters and "
+        "optimizer state) plus the gradients' bytes under their sharding. Collective bytes are "
+        "each collective's result size per device, summed over the step."
     )
     return "\n".join(lines)

@@ -36,29 +36,34 @@ def load_results(study_dir: str | Path) -> list[dict[str, Any]]:
 def best_timed(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict[str, Any]]:
     """(model, stage, devices) → the ok timed trial with the most tokens/s per device."""
     best: dict[tuple[str, int, int], dict[str, Any]] = {}
-    for r in records:
-        if r["kind"] != "timed" or r["status"] != "ok":
+    for record in records:
+        if record["kind"] != "timed" or record["status"] != "ok":
             continue
-        key = (r["config"]["model"], r["config"]["stage"], r["config"]["devices"])
-        if key not in best or r["tokens_per_s_per_device"] > best[key]["tokens_per_s_per_device"]:
-            best[key] = r
+        key = (record["config"]["model"], record["config"]["stage"], record["config"]["devices"])
+        if (
+            key not in best
+            or record["tokens_per_s_per_device"] > best[key]["tokens_per_s_per_device"]
+        ):
+            best[key] = record
     return best
 
 
 def memory_points(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict]:
     """(model, stage, devices) → the smallest XLA estimate compiled (out-of-memory included)."""
     points: dict[tuple[str, int, int], dict] = {}
-    for r in records:
-        if "analysis" not in r:
+    for record in records:
+        if "analysis" not in record:
             continue
-        key = (r["config"]["model"], r["config"]["stage"], r["config"]["devices"])
-        peak = r["analysis"]["memory_per_device"]["peak_estimate_bytes"]
+        key = (record["config"]["model"], record["config"]["stage"], record["config"]["devices"])
+        peak = record["analysis"]["memory_per_device"]["peak_estimate_bytes"]
         if key not in points or peak < points[key]["xla_peak"]:
             points[key] = {
                 "xla_peak": peak,
-                "formula": r["analysis"]["model_state_per_device"]["zero_formula_bytes"]["total"],
-                "budget": r.get("memory_budget_bytes"),
-                "fits": r["status"] != "out-of-memory",
+                "formula": record["analysis"]["model_state_per_device"]["zero_formula_bytes"][
+                    "total"
+                ],
+                "budget": record.get("memory_budget_bytes"),
+                "fits": record["status"] != "out-of-memory",
             }
     return points
 
@@ -98,6 +103,8 @@ def _value(record: dict[str, Any], what: str) -> float:
 
 
 def _figure(models: Sequence[str]):
+    # Here, not at the top: the headless backend must be chosen before pyplot is imported, and
+    # only `t5scale report` draws.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,16 +141,16 @@ def _plot_lines(best, models, what: str, ylabel: str, title: str):
 def _plot_memory(memory, models):
     figure, axes = _figure(models)
     for ax, model in zip(axes, models, strict=True):
-        device_counts = sorted({d for (m, _, d) in memory if m == model})
+        device_counts = sorted({count for (m, _, count) in memory if m == model})
         width = 0.8 / max(len(device_counts), 1)
-        for i, d in enumerate(device_counts):
-            stages = [s for s in range(4) if (model, s, d) in memory]
-            xs = [s - 0.4 + width * (i + 0.5) for s in stages]
-            peaks = [memory[model, s, d]["xla_peak"] / GIB for s in stages]
-            formula = [memory[model, s, d]["formula"] / GIB for s in stages]
-            ax.bar(xs, peaks, width * 0.9, label=f"XLA, {d} dev", alpha=0.8)
+        for index, count in enumerate(device_counts):
+            stages = [s for s in range(4) if (model, s, count) in memory]
+            xs = [s - 0.4 + width * (index + 0.5) for s in stages]
+            peaks = [memory[model, s, count]["xla_peak"] / GIB for s in stages]
+            formula = [memory[model, s, count]["formula"] / GIB for s in stages]
+            ax.bar(xs, peaks, width * 0.9, label=f"XLA, {count} dev", alpha=0.8)
             ax.scatter(xs, formula, marker="_", s=200, color="black", zorder=3,
-                       label="ZeRO formula (model state)" if i == 0 else None)  # fmt: skip
+                       label="ZeRO formula (model state)" if index == 0 else None)  # fmt: skip
         ax.set_xticks(range(4), [f"ZeRO {s}" for s in range(4)])
         ax.set_ylabel("GiB per device")
         ax.set_title(model)
@@ -156,17 +163,19 @@ def _plot_memory(memory, models):
 
 
 def _markdown(study_dir, records, best, memory, models) -> str:
-    machine = next((r["machine"] for r in records if "machine" in r), {})
-    peak = next((r["peak_flops_per_s"] for r in records if "peak_flops_per_s" in r), 0.0)
-    timed = [r for r in records if r["kind"] == "timed"]
-    steps = next((r["step_time_s"] for r in timed if r["status"] == "ok"), None)
+    machine = next((record["machine"] for record in records if "machine" in record), {})
+    peak = next(
+        (record["peak_flops_per_s"] for record in records if "peak_flops_per_s" in record), 0.0
+    )
+    timed = [record for record in records if record["kind"] == "timed"]
+    steps = next((record["step_time_s"] for record in timed if record["status"] == "ok"), None)
     lines = [
         f"# Study report: {study_dir}",
         "",
         f"Machine: {machine.get('device_kind', '?')} ({machine.get('backend', '?')}); peak "
         f"{peak / 1e12:.3g} TFLOP/s per device ({machine.get('peak_source', '?')}).",
     ]
-    extra = next((r["gin_bindings"] for r in records if "gin_bindings" in r), [])
+    extra = next((record["gin_bindings"] for record in records if "gin_bindings" in record), [])
     shared = [b for b in extra if b.startswith("ModelConfig.") and "remat" not in b
               and "dtype" not in b]  # fmt: skip
     if shared:
@@ -197,37 +206,37 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     compile_time = {
-        r["key"].split(":", 1)[1]: r["analysis"]["compile_time_s"]
-        for r in records
-        if r["kind"] == "compile" and "analysis" in r
+        record["key"].split(":", 1)[1]: record["analysis"]["compile_time_s"]
+        for record in records
+        if record["kind"] == "compile" and "analysis" in record
     }
-    for (model, stage, devices), r in sorted(
+    for (model, stage, devices), record in sorted(
         best.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1:])
     ):
-        a = r["analysis"]
-        compiled_s = compile_time.get(r["key"].split(":", 1)[1], a["compile_time_s"])
+        analysis = record["analysis"]
+        compiled_s = compile_time.get(record["key"].split(":", 1)[1], analysis["compile_time_s"])
         lines.append(
-            f"| {model} | {stage} | {devices} | {r['config']['batch_size']} | "
-            f"{r['step_time_s']['median']:.3g}{' †' if 'same_program_as' in r else ''} | "
-            f"{100 * r['step_time_s']['spread']:.0f}% | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
-            f"{100 * r['mfu']:.1f}% | {a['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
-            f"{a['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} | "
-            f"{compiled_s:.1f} | {collective_summary(a['collectives'])} |"
+            f"| {model} | {stage} | {devices} | {record['config']['batch_size']} | "
+            f"{record['step_time_s']['median']:.3g}{' †' if 'same_program_as' in record else ''} | "
+            f"{100 * record['step_time_s']['spread']:.0f}% | "
+            f"{record['tokens_per_s']:,.0f} | {record['tokens_per_s_per_device']:,.0f} | "
+            f"{100 * record['mfu']:.1f}% | {analysis['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
+            f"{analysis['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} | "
+            f"{compiled_s:.1f} | {collective_summary(analysis['collectives'])} |"
         )
-    if any("same_program_as" in r for r in best.values()):
+    if any("same_program_as" in record for record in best.values()):
         lines += ["", "† the same compiled program as another stage's trial at this device count "
                   "(on one device every stage is): its timing is reused, not measured again."]  # fmt: skip
-    failed = [r for r in records if r["status"] != "ok"]
+    failed = [record for record in records if record["status"] != "ok"]
     lines += ["", f"## Trials that did not run ({len(failed)})", ""]
     if failed:
         lines += ["| kind | model | stage | devices | micro-batch | remat | status | why |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for r in failed:
-            c = r["config"]
+        for record in failed:
+            config = record["config"]
             lines.append(
-                f"| {r['kind']} | {c['model']} | {c['stage']} | {c['devices']} | "
-                f"{c['micro_batch_size']} | {c['remat']} | {r['status']} | {r.get('error', '')} |"
+                f"| {record['kind']} | {config['model']} | {config['stage']} | {config['devices']} | "
+                f"{config['micro_batch_size']} | {config['remat']} | {record['status']} | {record.get('error', '')} |"
             )
     funnel = Path(study_dir, "funnel.md")
     if funnel.exists():

@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from t5scale.analysis.memory import cpu_memory_budget
 from t5scale.study import funnel
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.trial import run_trial
-
-CPU_MEMORY_SHARE = 0.8  # of this machine's memory, for all emulated devices together
 
 
 class Results:
@@ -170,9 +169,9 @@ def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
     """Trials still ahead if each later round kept keep_fraction (for the ETA, not a promise)."""
     total, share = 0.0, float(alive)
     per_point = 2 if config.search == "funnel" else 1
-    for d in devices:
+    for count in devices:
         total += per_point * share
-        if d > 1 and config.search == "funnel":
+        if count > 1 and config.search == "funnel":
             share = max(1.0, share * config.keep_fraction)
     return round(total)
 
@@ -227,7 +226,7 @@ class _TrialRunner:
         if self.config.device_memory_gb is not None:
             return int(self.config.device_memory_gb * 2**30)
         if self.machine["backend"] == "cpu":
-            return int(CPU_MEMORY_SHARE * self.machine["host_memory_bytes"] / devices)
+            return cpu_memory_budget(self.machine["host_memory_bytes"], devices)
         return self.machine.get("device_memory_limit_bytes")
 
     def hosts(self, devices: int) -> int:
@@ -242,17 +241,17 @@ class _TrialRunner:
         return shlex.split(self.config.trial_launcher.format(hosts=hosts, devices=devices))
 
     def spec(self, point: Point, kind: str) -> dict[str, Any]:
-        c = self.config
+        study = self.config
         return {
             "kind": kind,
             "devices_per_process": point.devices // self.hosts(point.devices),
             "point": point.__dict__,
             "memory_budget_bytes": self.budget(point.devices),
-            "warmup_steps": c.warmup_steps,
-            "timed_steps": c.timed_steps,
-            "token_budget": c.token_budget if c.objective == "loss" else 0,
+            "warmup_steps": study.warmup_steps,
+            "timed_steps": study.timed_steps,
+            "token_budget": study.token_budget if study.objective == "loss" else 0,
             "peak_flops_per_s": self.machine["peak_flops_per_s"],
-            "extra_bindings": list(c.extra_bindings),
+            "extra_bindings": list(study.extra_bindings),
         }
 
     def run_one(self, point: Point, kind: str, round_name: str) -> tuple[dict[str, Any], bool]:

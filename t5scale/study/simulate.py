@@ -29,7 +29,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from t5scale.analysis.flops import mfu
+from t5scale.parallel.zero import check_stages
+from t5scale.study.plan import PlanConfig, stage_run
 from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.setup import build_setup
 
 RING_FACTOR = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1,
                "collective-permute": 1}  # fmt: skip
@@ -71,8 +77,7 @@ class SimulateConfig:
         object.__setattr__(self, "stages", tuple(self.stages))
         if not self.nodes or min(self.nodes) < 1 or self.micro_batch_size < 1:
             raise ConfigError("SimulateConfig: nodes >= 1 and micro_batch_size >= 1")
-        if bad := [s for s in self.stages if s not in (0, 1, 2, 3)]:
-            raise ConfigError(f"SimulateConfig.stages: ZeRO stages are 0-3, got {bad}")
+        check_stages(self.stages, "SimulateConfig.stages")
 
 
 def collective_seconds(
@@ -87,8 +92,9 @@ def collective_seconds(
     )
 
 
-def predict(analysis: dict[str, Any], cluster: ClusterConfig, nodes: int, remat: str,
-            tokens_per_step: int) -> dict[str, Any]:  # fmt: skip
+def predict(
+    analysis: dict[str, Any], cluster: ClusterConfig, nodes: int, remat: str
+) -> dict[str, Any]:
     """Seconds per step and its parts, from a compiled step's analysis (step_analysis.json)."""
     devices = analysis["devices"]
     across_nodes = nodes > 1
@@ -118,6 +124,7 @@ def predict(analysis: dict[str, Any], cluster: ClusterConfig, nodes: int, remat:
     hidden = cluster.overlap * min(communication, compute)
     step = compute + update + communication - hidden
     model_flops = analysis["flops_per_step"]["model"]
+    tokens_per_step = analysis["tokens_per_step"]
     return {
         "step_s": step,
         "compute_s": compute,
@@ -127,11 +134,15 @@ def predict(analysis: dict[str, Any], cluster: ClusterConfig, nodes: int, remat:
         "hidden_s": hidden,
         "tokens_per_s": tokens_per_step / step,
         "tokens_per_s_per_device": tokens_per_step / step / devices,
-        "mfu": model_flops / (step * cluster.peak_flops * devices),
+        "mfu": mfu(model_flops, step, cluster.peak_flops, devices),
         "fits": analysis["memory_per_device"]["peak_estimate_bytes"]
         <= cluster.device_memory_gb * 1e9,
         "xla_peak_bytes": analysis["memory_per_device"]["peak_estimate_bytes"],
     }
+
+
+# Part of the cache key: a newer step_analysis.json layout never reads an older entry.
+ANALYSIS_VERSION = 2
 
 
 def _cache_path() -> Path:
@@ -143,17 +154,13 @@ def step_analysis(run: RunConfig, stage: int, devices: int, micro_batch_size: in
     """The compiled step's analysis on `devices` emulated devices; cached across calls on disk
     (keyed by the whole run, stage, device count and the JAX version), since compiling a large
     model on 64 devices takes tens of seconds."""
-    import jax
-
-    from t5scale.study.measure import compile_step
-    from t5scale.study.plan import PlanConfig, stage_run
-
     plan = PlanConfig(devices=devices, micro_batch_size=micro_batch_size)
     staged = stage_run(run, plan, stage)
     key_text = json.dumps(
         [dataclasses.asdict(staged.model), dataclasses.asdict(staged.parallel),
          dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
-         staged.data.input_length, staged.data.target_length, devices, jax.__version__],
+         staged.data.input_length, staged.data.target_length, devices, jax.__version__,
+         ANALYSIS_VERSION],
         sort_keys=True, default=str,
     )  # fmt: skip
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
@@ -161,7 +168,7 @@ def step_analysis(run: RunConfig, stage: int, devices: int, micro_batch_size: in
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:
         return cache[key]
-    analysis = compile_step(staged, jax.devices()[:devices]).analysis
+    analysis = build_setup(staged, jax.devices()[:devices]).compile().analysis
     cache = json.loads(path.read_text()) if path.exists() else {}
     cache[key] = analysis
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,23 +179,17 @@ def step_analysis(run: RunConfig, stage: int, devices: int, micro_batch_size: in
 
 
 def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print) -> dict:
-    import jax
-
     rows = []
     needed = max(config.nodes) * cluster.gpus_per_node
     if jax.device_count() < needed:
         raise ConfigError(f"{needed} devices to emulate, {jax.device_count()} here")
-    tokens_per_sequence = run.data.input_length + run.data.target_length
     for stage in config.stages:
         for nodes in config.nodes:
             devices = nodes * cluster.gpus_per_node
             analysis = step_analysis(run, stage, devices, config.micro_batch_size)
-            tokens = (
-                config.micro_batch_size * devices * run.train.micro_batches * tokens_per_sequence
-            )
             row = {"stage": stage, "nodes": nodes, "devices": devices,
-                   "batch_size": tokens // tokens_per_sequence}  # fmt: skip
-            rows.append(row | predict(analysis, cluster, nodes, run.model.remat, tokens))
+                   "batch_size": analysis["batch_size"]}  # fmt: skip
+            rows.append(row | predict(analysis, cluster, nodes, run.model.remat))
             show(f"stage {stage}, {nodes} node{'s' if nodes > 1 else ''}: "
                  f"{rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
     return {
@@ -203,12 +204,13 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
 
 
 def format_simulation(result: dict[str, Any]) -> str:
-    c = result["cluster"]
+    cluster = result["cluster"]
     lines = [
-        f"{result['model']} on {c['name']} nodes ({c['gpus_per_node']} GPUs each; "
-        f"{c['peak_flops'] / 1e12:g} TFLOP/s at {c['compute_efficiency']:.0%}, network "
-        f"{c['inter_node_bandwidth'] / 1e9:g} GB/s per GPU, NVLink "
-        f"{c['intra_node_bandwidth'] / 1e9:g} GB/s, overlap {c['overlap']:.0%}); micro-batch "
+        f"{result['model']} on {cluster['name']} nodes ({cluster['gpus_per_node']} GPUs each; "
+        f"{cluster['peak_flops'] / 1e12:g} TFLOP/s at {cluster['compute_efficiency']:.0%}, "
+        f"network {cluster['inter_node_bandwidth'] / 1e9:g} GB/s per GPU, NVLink "
+        f"{cluster['intra_node_bandwidth'] / 1e9:g} GB/s, overlap {cluster['overlap']:.0%}); "
+        "micro-batch "
         f"{result['micro_batch_size']} per GPU, lengths {result['lengths'][0]}/"
         f"{result['lengths'][1]}, {result['dtype']}, remat {result['remat']}",
         "",
@@ -216,12 +218,12 @@ def format_simulation(result: dict[str, Any]) -> str:
         "tokens/s | tokens/s/GPU | MFU | fits (XLA GB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
+    for row in result["rows"]:
         lines.append(
-            f"| {r['stage']} | {r['nodes']} | {r['devices']} | {r['step_s']:.3f} | "
-            f"{r['compute_s']:.3f} | {r['update_s']:.3f} | {r['communication_s']:.3f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
-            f"{100 * r['mfu']:.0f}% | {'yes' if r['fits'] else 'no'} "
-            f"({r['xla_peak_bytes'] / 1e9:.0f}) |"
+            f"| {row['stage']} | {row['nodes']} | {row['devices']} | {row['step_s']:.3f} | "
+            f"{row['compute_s']:.3f} | {row['update_s']:.3f} | {row['communication_s']:.3f} | "
+            f"{row['tokens_per_s']:,.0f} | {row['tokens_per_s_per_device']:,.0f} | "
+            f"{100 * row['mfu']:.0f}% | {'yes' if row['fits'] else 'no'} "
+            f"({row['xla_peak_bytes'] / 1e9:.0f}) |"
         )
     return "\n".join(lines)

@@ -18,18 +18,41 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("ok", "out-of-memory", "compile error", "timeout", "crash")
+import jax
+
+from t5scale.analysis.flops import mfu
+from t5scale.config import build_run_config, parse_gin
+from t5scale.parallel.cluster import DistributedConfig, start_cluster
+from t5scale.parallel.mesh import MeshError
+from t5scale.study.config import Point
+from t5scale.study.measure import model_state_per_device, time_steps
+from t5scale.study.peak import device_peak
+from t5scale.train.config import ConfigError
+from t5scale.train.setup import build_setup
+
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
 
+TRIAL_PROGRAM = ("-m", "t5scale.study.trial")
+
+
 def run_trial(
-    spec: dict[str, Any], work_dir: Path, name: str, timeout_s: float, launcher: list[str] = ()
+    spec: dict[str, Any],
+    work_dir: Path,
+    name: str,
+    timeout_s: float,
+    launcher: Sequence[str] = (),
+    program: Sequence[str] = TRIAL_PROGRAM,
 ) -> dict[str, Any]:
     """Run one trial in a child process (under `launcher`, one per host, when it spans hosts);
-    always returns a result with a `status`."""
+    always returns a result with a `status`.
+
+    The child is `python <program> SPEC.json RESULT.json`; it writes RESULT.json whole or not at
+    all (bench/bench_step.py's transformers baseline is such a program too)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = work_dir / f"{name}.spec.json", work_dir / f"{name}.result.json"
     log_path = work_dir / f"{name}.log"
@@ -48,8 +71,7 @@ def run_trial(
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         child = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "t5scale.study.trial", str(spec_path),
-             str(result_path)],
+            [*launcher, sys.executable, *program, str(spec_path), str(result_path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
         try:
@@ -82,10 +104,6 @@ def _crash_reason(code: int, log_path: Path) -> str:
 
 
 def _machine(spec: dict[str, Any]) -> dict[str, Any]:
-    import jax
-
-    from t5scale.study.peak import device_peak
-
     device = jax.devices()[0]
     peak, source = device_peak(spec["dtype"])
     stats = device.memory_stats() or {}
@@ -102,9 +120,6 @@ def _machine(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _point_run(spec: dict[str, Any]):
-    from t5scale.config import build_run_config, parse_gin
-    from t5scale.study.config import Point
-
     point = Point(**spec["point"])
     parse_gin(point.gin_files(), point.gin_bindings() + list(spec.get("extra_bindings", ())))
     return point, build_run_config()
@@ -112,8 +127,6 @@ def _point_run(spec: dict[str, Any]):
 
 def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     """Compile the point; if it fits and the trial is timed, time it."""
-    import jax
-
     point, run = _point_run(spec)
     if point.devices > jax.device_count():
         return {
@@ -124,22 +137,16 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     if result["status"] != "ok":
         return result
     if spec["kind"] == "compile":
-        from t5scale.study.measure import compile_state_init
-
         # Identical programs (every stage on one device) are timed once: see runner.py.
         result["program_fingerprint"] = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
-        compile_state_init(run, step)  # cached for the timed trial of this point, if any
+        step.setup.compile_state_init()  # cached for the timed trial of this point, if any
         return result
-    return result | _time(spec, point, run, step)
+    return result | _time(spec, point, step)
 
 
 def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
     """(compiled step or None, result): out-of-memory by the ZeRO formula before compiling,
     or by XLA's estimate after."""
-    from t5scale.parallel.mesh import MeshError
-    from t5scale.study.measure import compile_step, model_state_per_device
-    from t5scale.train.config import ConfigError
-
     try:
         lower_bound = model_state_per_device(run, devices)
         if budget is not None and lower_bound > budget:  # no need to compile to know
@@ -147,7 +154,7 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
                           "error": f"the ZeRO formula's model state alone, "
                           f"{lower_bound / 2**30:.2f} GiB per device, exceeds the budget "
                           f"{budget / 2**30:.2f} GiB"}  # fmt: skip
-        step = compile_step(run, devices)
+        step = build_setup(run, devices).compile()
     except (ConfigError, MeshError) as error:
         return None, {"status": "compile error", "error": str(error)}
     except Exception as error:  # XLA's own compile failures
@@ -165,19 +172,19 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
     return step, result
 
 
-def _time(spec: dict[str, Any], point, run, step) -> dict[str, Any]:
-    """Warm-up and timed steps; with a token budget (the loss objective), as many as it takes."""
-    import jax
-
-    from t5scale.analysis.flops import mfu
-    from t5scale.study.measure import time_steps
-
-    tokens_per_step = point.batch_size * (point.input_length + point.target_length)
+def _time(spec: dict[str, Any], point, step) -> dict[str, Any]:
+    """Warm-up and timed steps; with a token budget (the loss objective), as many as it takes.
+    With TrainConfig.steps_per_execution k > 1 the k-step program is compiled and timed (the
+    one-step program's memory decided whether the point fits)."""
+    run = step.setup.run
+    tokens_per_step = run.tokens_per_step
+    steps_per_execution = run.train.steps_per_execution
     timed = spec["timed_steps"]
     if spec.get("token_budget"):
         timed = max(timed, math.ceil(spec["token_budget"] / tokens_per_step) - spec["warmup_steps"])
     try:
-        timing = time_steps(run, step, spec["warmup_steps"], timed)
+        program = step if steps_per_execution == 1 else step.setup.compile(steps_per_execution)
+        timing = time_steps(program, spec["warmup_steps"], math.ceil(timed / steps_per_execution))
     except Exception as error:
         return {"status": _failure_status(error, "crash"), "error": _one_line(error)}
     median = timing["step_time_s"]["median"]
@@ -202,22 +209,22 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """RESULT.json, complete or absent: a killed trial leaves no half result."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+
+
 def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     spec = json.loads(Path(spec_path).read_text())
-    import jax
-
-    import t5scale  # noqa: F401  (CPU collective ordering, before anything compiles)
-    from t5scale.parallel.cluster import DistributedConfig, start_cluster
-
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", 1)))
     # Under a launcher (srun, several hosts) each process joins the cluster; one writes.
     cluster = start_cluster(DistributedConfig())
     result = _machine(spec) if spec["kind"] == "machine" else _trial(spec)
     if jax.process_index() == 0:
-        tmp = Path(result_path + ".tmp")
-        tmp.write_text(json.dumps(result))
-        tmp.replace(result_path)  # complete or absent: a killed trial leaves no half result
+        write_result(Path(result_path), result)
     cluster.done()
     return 0
 

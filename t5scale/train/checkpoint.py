@@ -22,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from t5scale.model.sizes import ModelConfig
 from t5scale.train.config import CheckpointConfig, ConfigError
+from t5scale.train.optim import make_optimizer
+from t5scale.train.state import TrainState
 
 # The fields that decide parameter shapes: dtype and remat may change between runs.
 SHAPE_FIELDS = (
@@ -135,8 +139,6 @@ class Checkpoints:
         if jax.process_index() == 0:  # one process moves it; the others wait for that
             shutil.move(str(self.directory / str(step)), target)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"t5scale: set aside checkpoint {step}")
         self.manager = self._open()
         print(
@@ -162,12 +164,6 @@ def write_converted(
     `optimizer` is an OptimizerConfig. The arrays are written from host memory as they are;
     the run that resumes from this checkpoint lays them out for its own stage and mesh.
     """
-    import jax
-    import numpy as np
-
-    from t5scale.train.optim import make_optimizer
-    from t5scale.train.state import TrainState
-
     tx = make_optimizer(optimizer)
     # Every optax state the optimizers here use starts at zero (moments, factored moments,
     # counts); the abstract state gives its shapes without allocating on a device.

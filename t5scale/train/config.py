@@ -71,3 +71,9 @@ class RunConfig:
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Token slots of one global batch, inputs and targets, padding included: what every
+        tokens/s in t5scale counts."""
+        return self.train.batch_size * (self.data.input_length + self.data.target_length)

@@ -16,61 +16,31 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from t5scale.analysis.step import analyze_step
 from t5scale.data.loader import Batches
-from t5scale.data.synthetic import batch_shapes
-from t5scale.parallel.mesh import data_parallel_size, describe_mesh, make_mesh
+from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.metrics import MetricsLog
-from t5scale.train.state import (
-    abstract_state,
-    create_state,
-    plan_for,
-    sharded_abstract_state,
-    state_shardings,
-)
-from t5scale.train.step import (
-    LossConfig,
-    batch_sharding,
-    make_eval_step,
-    make_train_step,
-    stack_batches,
-)
+from t5scale.train.setup import CompiledStep, Setup, build_setup
 
 
 class NonFiniteError(FloatingPointError):
     """A NaN or Inf loss or gradient with CheckpointConfig.on_nonfinite = 'stop'."""
 
 
-def check_batch(run: RunConfig, mesh) -> None:
-    data_parallel = data_parallel_size(mesh)
-    needed = data_parallel * run.train.micro_batches
-    if run.train.batch_size % needed:
-        raise ConfigError(
-            f"global batch {run.train.batch_size} is not divisible by data-parallel size "
-            f"{data_parallel} × micro_batches {run.train.micro_batches} = {needed}"
-        )
-
-
 def train(run: RunConfig, operative_config: str | None = None, devices=None) -> list[dict]:
     """Train up to run.train.steps steps; return this call's per-step metrics."""
     cfg = run.train
-    mesh = make_mesh(run.parallel, devices)
-    print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
-    check_batch(run, mesh)
-    tx = optim.make_optimizer(run.optimizer)
-    plan = plan_for(run.model, run.parallel.zero_stage, mesh)
-    abstract = abstract_state(run.model, tx)
-    shardings = state_shardings(plan, tx, abstract)
+    setup = build_setup(run, devices)
+    print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
     checkpoints, restored = None, None
     if cfg.model_dir:
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
 
         checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
-        target = sharded_abstract_state(abstract, shardings)
-        restored = checkpoints.restore_latest(target, run.model, run.optimizer.name)
+        restored = checkpoints.restore_latest(setup.state, run.model, run.optimizer.name)
     start = restored.meta["step"] if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
@@ -86,25 +56,24 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     # The input pipelines start first: they build on their own threads while the state is
     # created and the step compiles.
     batches = Batches(
-        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, batch_sharding(plan),
+        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, setup.batch_sharding(),
         start=restored.meta["data_position"] if restored else 0,
     )  # fmt: skip
     held_out = None
     if run.data.validation_every:
         held_out = Batches(
-            run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, batch_sharding(plan),
+            run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, setup.batch_sharding(),
             split="validation",
         )  # fmt: skip
     try:
-        state = restored.state if restored else create_state(run.model, tx, plan, cfg.seed)
-        skip = run.checkpoint.on_nonfinite == "skip"
-        compiled, analysis = compile_train_step(run, plan, tx, abstract, shardings, skip)
-        programs = StepPrograms(run, plan, compiled)
+        state = restored.state if restored else setup.create_state()
+        single_step = setup.compile()
+        programs = StepPrograms(run, setup, single_step)
         if cfg.steps_per_execution > 1:
-            programs.many = compile_steps(run, plan, tx, abstract, shardings, skip)
-        evaluate = validation_loss(run, plan, held_out) if held_out else None
+            programs.multi_step = setup.compile(cfg.steps_per_execution)
+        evaluate = validation_loss(setup, held_out) if held_out else None
         if primary:
-            _write_run_files(cfg.model_dir, operative_config, analysis)
+            _write_run_files(cfg.model_dir, operative_config, single_step.analysis)
         saver = _Saver(checkpoints, run, operative_config)
         with _Preemption() as preemption:
             return _run_steps(run, state, start, programs, evaluate, batches, saver, preemption)
@@ -116,65 +85,31 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             checkpoints.close()  # waits for a save in flight
 
 
-def compile_train_step(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False):
-    """(compiled step, step_analysis.json's dict), lowered from abstract shapes in their
-    shardings (nothing allocated): for the training loop and the study's trials alike."""
-    started = time.perf_counter()
-    compiled = compile_steps(run, plan, tx, abstract, shardings, skip_nonfinite, 1)
-    return compiled, analyze_step(compiled, run, plan, tx, time.perf_counter() - started)
-
-
-def compile_steps(run: RunConfig, plan, tx, abstract, shardings, skip_nonfinite=False, steps=None):
-    """The compiled program of `steps` training steps per execution (default
-    TrainConfig.steps_per_execution), from abstract shapes. step_analysis.json and memory checks
-    use the one-step program: XLA's memory analysis of the k-step loop can under-count its
-    temporaries (bench/bench_step.py)."""
-    steps = run.train.steps_per_execution if steps is None else steps
-    program = make_train_step(
-        run.model, plan, tx, shardings, run.train.micro_batches, LossConfig(run.train.z_loss),
-        skip_nonfinite=skip_nonfinite, steps_per_execution=steps,
-    )  # fmt: skip
-    state = sharded_abstract_state(abstract, shardings)
-    return program.lower(state, abstract_batch(run, plan, steps)).compile()
-
-
-def abstract_batch(run: RunConfig, plan, steps: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch's shapes and sharding (`steps` > 1: that many stacked), to compile the
-    step before any data arrive."""
-    stack = (steps,) if steps > 1 else ()
-    return {
-        name: jax.ShapeDtypeStruct(
-            stack + shape, np.int32, sharding=batch_sharding(plan, steps > 1)
-        )
-        for name, shape in batch_shapes(run.data, run.train.batch_size).items()
-    }
-
-
 class StepPrograms:
     """The compiled one-step program and, with steps_per_execution k > 1, the k-step one.
 
-    `chunk(done)` is how many steps the next execution takes after `done` steps: k when none of
-    the next k - 1 steps is followed by a checkpoint, a validation or the end of the run (they
-    must see the state of their own step), else 1.
+    `steps_in_next_execution(done)` is how many steps the next execution takes after `done`
+    steps: k when none of the next k - 1 steps is followed by a checkpoint, a validation or the
+    end of the run (they must see the state of their own step), else 1.
     """
 
-    def __init__(self, run: RunConfig, plan, one):
-        self.run, self.plan, self.one, self.many = run, plan, one, None
+    def __init__(self, run: RunConfig, setup: Setup | None, single_step: CompiledStep | None):
+        self.run, self.setup, self.single_step = run, setup, single_step
+        self.multi_step: CompiledStep | None = None
 
-    def chunk(self, done: int) -> int:
-        k, run = self.run.train.steps_per_execution, self.run
-        if self.many is None or done + k > run.train.steps:
+    def steps_in_next_execution(self, done: int) -> int:
+        run, steps = self.run, self.run.train.steps_per_execution
+        if self.multi_step is None or done + steps > run.train.steps:
             return 1
-        stops = (
-            _checkpoint_due(run, s) or _validation_due(run, s) for s in range(done + 1, done + k)
-        )
-        return 1 if any(stops) else k
+        inside = range(done + 1, done + steps)
+        stops = (_checkpoint_due(run, s) or _validation_due(run, s) for s in inside)
+        return 1 if any(stops) else steps
 
     def execute(self, state, batches: list) -> tuple:
         """(state, metrics) after len(batches) steps; with several, a value per step each."""
         if len(batches) == 1:
-            return self.one(state, batches[0])
-        return self.many(state, stack_batches(batches, self.plan))
+            return self.single_step.compiled(state, batches[0])
+        return self.multi_step.compiled(state, self.setup.stack(batches))
 
 
 def _checkpoint_due(run: RunConfig, step: int) -> bool:
@@ -196,13 +131,13 @@ def _write_run_files(model_dir: str | None, operative_config: str | None, analys
     Path(model_dir, "step_analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
 
 
-def validation_loss(run: RunConfig, plan, held_out: Batches):
+def validation_loss(setup: Setup, held_out: Batches):
     """evaluate(params) → mean validation loss over the first batches of the held-out split."""
-    data = run.data
+    data = setup.run.data
     batches = [b for _, b in zip(range(data.validation_batches), held_out, strict=False)]
     if not batches:
         raise ConfigError(f"the validation split of {data.source!r} data yields no full batch")
-    eval_step = make_eval_step(run.model, plan, LossConfig(run.train.z_loss))
+    eval_step = setup.eval_step()
 
     def evaluate(params) -> float:
         sums = [jax.device_get(eval_step(params, batch)) for batch in batches]
@@ -225,7 +160,7 @@ class _Saver:
     def save(self, step: int, state, data_position: int) -> None:
         if self.checkpoints is None:
             return
-        from t5scale.train.checkpoint import model_signature
+        from t5scale.train.checkpoint import model_signature  # orbax: only runs that save
 
         meta = {
             "step": step,
@@ -262,8 +197,6 @@ class _Preemption:
     def reached(self, step: int) -> bool:
         """Whether to save and stop after `step`; the same answer on every process."""
         if self._agreed:
-            from jax.experimental import multihost_utils
-
             return multihost_utils.reached_preemption_sync_point(step)
         return self.requested
 
@@ -277,8 +210,6 @@ class _Preemption:
 
 def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption) -> list[dict]:
     cfg = run.train
-    schedule = optim.inverse_sqrt_schedule(run.optimizer)
-    tokens_per_step = cfg.batch_size * (run.data.input_length + run.data.target_length)
     primary = jax.process_index() == 0
     log = MetricsLog(
         cfg.model_dir if primary else None, cfg.steps, cfg.log_every, resume_at=start, show=primary
@@ -286,39 +217,26 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
     history, skipped, done = [], 0, start
     try:
         while done < cfg.steps:
-            chunk = [next(batches) for _ in range(programs.chunk(done))]  # the next prefetch
+            executed = programs.steps_in_next_execution(done)
+            chunk = [next(batches) for _ in range(executed)]  # the next prefetch
             started = time.perf_counter()
             state, metrics = programs.execute(state, chunk)
             metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
-            metrics = {name: np.atleast_1d(value) for name, value in metrics.items()}
             # Steps of one execution share its time equally: it is all there is to measure.
-            elapsed = (time.perf_counter() - started) / len(chunk)
+            elapsed = (time.perf_counter() - started) / executed
             preempted = False
-            for i in range(len(chunk)):
-                step = done + i + 1
-                record = {"step": step, **{k: float(v[i]) for k, v in metrics.items()}}
-                record |= {
-                    "learning_rate": float(schedule(step - 1)),
-                    "step_time_s": elapsed,
-                    "tokens_per_s": tokens_per_step / elapsed,
-                }
-                finite = np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])
-                if not finite and run.checkpoint.on_nonfinite == "stop":
+            for record in _step_records(run, done, metrics, elapsed):
+                if record["nonfinite"] and run.checkpoint.on_nonfinite == "stop":
                     log.write(record)
-                    kept = f"step {saver.last_saved}" if saver.last_saved else "none this run"
-                    raise NonFiniteError(
-                        f"loss {record['loss']}, gradient norm {record['grad_norm']} at step "
-                        f"{step}: stopped without saving (last checkpoint: {kept}); "
-                        "CheckpointConfig.on_nonfinite='skip' skips such steps"
-                    )
-                skipped += not finite
+                    raise _nonfinite_error(record, saver.last_saved)
+                skipped += record["nonfinite"] > 0  # the step already left the state as it was
                 record["skipped_steps"] = skipped
-                if evaluate and _validation_due(run, step):
+                if evaluate and _validation_due(run, record["step"]):
                     record["validation_loss"] = evaluate(state.params)  # a chunk's last step
                 log.write(record)
                 history.append(record)
-                preempted = preemption.reached(step) or preempted  # asked at every step
-            done += len(chunk)
+                preempted = preemption.reached(record["step"]) or preempted  # asked every step
+            done += executed
             if saver.due(done) or preempted:
                 saver.save(done, state, batches.position)
             if preempted and done < cfg.steps:
@@ -331,3 +249,29 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
     finally:
         log.close()
     return history
+
+
+def _step_records(run: RunConfig, done: int, metrics: dict, step_time_s: float) -> list[dict]:
+    """metrics.jsonl's records of the steps after `done` that one execution took."""
+    schedule = optim.inverse_sqrt_schedule(run.optimizer)
+    per_step = {name: np.atleast_1d(values) for name, values in metrics.items()}
+    records = []
+    for index in range(len(per_step["loss"])):
+        step = done + index + 1
+        record = {"step": step, **{name: float(v[index]) for name, v in per_step.items()}}
+        record |= {
+            "learning_rate": float(schedule(step - 1)),
+            "step_time_s": step_time_s,
+            "tokens_per_s": run.tokens_per_step / step_time_s,
+        }
+        records.append(record)
+    return records
+
+
+def _nonfinite_error(record: dict, last_saved: int | None) -> NonFiniteError:
+    kept = f"step {last_saved}" if last_saved else "none this run"
+    return NonFiniteError(
+        f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {record['step']}: "
+        f"stopped without saving (last checkpoint: {kept}); "
+        "CheckpointConfig.on_nonfinite='skip' skips such steps"
+    )

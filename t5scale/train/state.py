@@ -11,19 +11,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from t5scale.model.mt5 import MT5, abstract_params
+from t5scale.model.mt5 import MT5
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.zero import StatePlan, make_plan
+from t5scale.parallel.layout import StateLayout
 
 
 class TrainState(flax.struct.PyTreeNode):
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-def plan_for(model: ModelConfig, stage: int, mesh) -> StatePlan:
-    return make_plan(stage, mesh, abstract_params(model))
 
 
 def _init_fn(model: ModelConfig, tx: optax.GradientTransformation):
@@ -35,40 +31,44 @@ def _init_fn(model: ModelConfig, tx: optax.GradientTransformation):
     return init
 
 
-def state_shardings(plan: StatePlan, tx: optax.GradientTransformation, abstract_state: TrainState):
-    return TrainState(
-        step=NamedSharding(plan.mesh, PartitionSpec()),
-        params=plan.param_shardings,
-        opt_state=plan.opt_state_shardings(tx, abstract_state.opt_state),
-    )
-
-
 def abstract_state(model: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    """The state's shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing allocated."""
     return jax.eval_shape(_init_fn(model, tx), jax.random.key(0))
 
 
-def sharded_abstract_state(abstract: TrainState, shardings: TrainState) -> TrainState:
-    """Shapes, dtypes and shardings without arrays: what a checkpoint restores into."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+def state_shardings(
+    layout: StateLayout, tx: optax.GradientTransformation, shapes: TrainState
+) -> TrainState:
+    """The at-rest sharding of every leaf of a state shaped like `shapes`."""
+    return TrainState(
+        step=NamedSharding(layout.mesh, PartitionSpec()),
+        params=layout.param_shardings,
+        opt_state=layout.opt_state_shardings(tx, shapes.opt_state),
     )
 
 
-def state_initializer(model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan):
+def with_shardings(shapes: Any, shardings: Any) -> Any:
+    """Shapes, dtypes and shardings without arrays: what a step compiles for and a checkpoint
+    restores into."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def state_initializer(model: ModelConfig, tx: optax.GradientTransformation, shardings: TrainState):
     """The jitted init: random key → TrainState in its at-rest shardings."""
-    shardings = state_shardings(plan, tx, abstract_state(model, tx))
     return jax.jit(_init_fn(model, tx), out_shardings=shardings)
 
 
 def create_state(
-    model: ModelConfig, tx: optax.GradientTransformation, plan: StatePlan, seed: int
+    model: ModelConfig, tx: optax.GradientTransformation, shardings: TrainState, seed: int
 ) -> TrainState:
     """Initialise parameters and optimizer state straight into their at-rest shardings.
 
     The random values do not depend on the mesh (partitionable threefry), so every stage and
     mesh shape starts from the same parameters.
     """
-    state = state_initializer(model, tx, plan)(jax.random.key(seed))
+    state = state_initializer(model, tx, shardings)(jax.random.key(seed))
     # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the same
     # collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
     return jax.block_until_ready(state)

@@ -1,0 +1,295 @@
+"""The gradient computation of one train step: a shard_map, manual over the data-parallel axes.
+
+`gradient_fn` is manual over (`replica`, `zero`) and automatic over `tensor`. Inside it the
+stage's collectives are written out, because XLA on the CPU does not turn all-reduce + slice
+into reduce-scatter by itself. The pieces, in the order a step runs them:
+
+- **stage 3's gathers**: parameters enter as `zero` shards. Each scanned layer's are all-gathered
+  where the layer runs (`gather_layer`, in the forward pass and again in the backward pass: they
+  are never kept), the small rest (final norms, position tables) once per micro-batch before the
+  model runs (`gather_outside_layers`); the transpose of each all-gather is the gradient's
+  reduce-scatter.
+- **the loss** of a micro-batch: dense (`dense_loss_sums`), or at stage 3 with the embedding and
+  output projection used where they lie, split by vocabulary, while that moves less than
+  gathering them (`vocabulary_parallel_loss_sums`, t5scale/parallel/vocab.py).
+- **accumulation** over micro-batches (`accumulate_gradients`): stages 0 and 1 sum gradients
+  locally into a full-size accumulator, stage 2 reduce-scatters each micro-batch's gradients
+  into a 1/N one (`reduce_scatter_micro_batch`).
+- **the reduction** after the last micro-batch (`all_reduce_gradients`): over every
+  data-parallel device where the gradient is whole, over `replica` where `zero` scattered it.
+
+Every explicit collective is ordered (t5scale/parallel/collectives.py); the embedding's gather
+comes last, so the encoder cannot start, and in the backward pass the reverse chain cannot
+begin, while any other runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from t5scale.model.mt5 import MT5, ShardingHooks
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel import collectives, rules, vocab
+from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
+from t5scale.parallel.mesh import DATA_AXES
+from t5scale.train.loss import loss_sums, weighted_sums
+
+Batch = dict[str, jax.Array]
+
+
+def model_inputs(batch: Batch) -> tuple[jax.Array, ...]:
+    """The model's positional inputs from a packed batch (the train and eval steps alike)."""
+    return (
+        batch["encoder_input_tokens"],
+        batch["decoder_input_tokens"],
+        batch["encoder_segment_ids"],
+        batch["decoder_segment_ids"],
+    )
+
+
+def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
+    return lax.with_sharding_constraint(x, rules.activation_spec(axes))
+
+
+def _to_varying(x: jax.Array) -> jax.Array:
+    """Mark a value as differing across data-parallel devices, so that its gradient stays local
+    and every gradient collective is one this module writes."""
+    missing = tuple(a for a in DATA_AXES if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _replace_selected(tree: Any, leaf_layouts: Any, select, transform) -> Any:
+    """`tree` with the leaves whose layout `select` picks replaced by `transform(leaves, layouts)`."""
+    values, treedef = jax.tree.flatten(tree)
+    layouts = jax.tree.leaves(leaf_layouts, is_leaf=is_leaf_layout)
+    chosen = [index for index, layout in enumerate(layouts) if select(layout)]
+    new = transform([values[index] for index in chosen], [layouts[index] for index in chosen])
+    for index, value in zip(chosen, new, strict=True):
+        values[index] = value
+    return jax.tree.unflatten(treedef, values)
+
+
+# ---- stage 3: parameters gathered where they are used -------------------------------------
+
+
+def gather_over_zero(
+    values: list[jax.Array], layouts: list[LeafLayout], dim_offset: int = 0, start=None
+) -> list[jax.Array]:
+    """Each value all-gathered whole over `zero`, one after another (and after `start`)."""
+
+    def all_gather(index: int, x: jax.Array) -> jax.Array:
+        return lax.all_gather(x, "zero", axis=layouts[index].zero_dim - dim_offset, tiled=True)
+
+    return collectives.in_order(values, all_gather, start=start)
+
+
+def gather_layer(layout: StateLayout, layer_params: Any, stack_path: tuple[str, ...]) -> Any:
+    """One scanned layer's parameters, gathered (the model's `gather_layer` hook). Inside the
+    layer scan a parameter has lost its leading `layers` axis."""
+    stack_layouts = functools.reduce(lambda node, key: node[key], stack_path, layout.leaves)
+    return _replace_selected(
+        layer_params, stack_layouts, lambda leaf: leaf.over_zero,
+        lambda values, layouts: gather_over_zero(values, layouts, dim_offset=1),
+    )  # fmt: skip
+
+
+def gather_outside_layers(
+    params: Any, layout: StateLayout, start: jax.Array, keep_vocabulary_split: bool
+) -> tuple[Any, jax.Array]:
+    """The parameters with those outside the layer stacks gathered (but the tables split by
+    vocabulary if `keep_vocabulary_split`), and the last gather's result (or `start`)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    layouts = jax.tree.leaves(layout.leaves, is_leaf=is_leaf_layout)
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    chosen = [
+        index
+        for index, name in enumerate(names)
+        if "layers" not in name
+        and layouts[index].over_zero
+        and not (keep_vocabulary_split and layouts[index].split_by_vocabulary)
+    ]
+    chosen.sort(key=lambda index: "embedding" in names[index])  # the embedding last
+    values = [leaf for _, leaf in leaves]
+    done = gather_over_zero(
+        [values[index] for index in chosen], [layouts[index] for index in chosen], start=start
+    )
+    for index, value in zip(chosen, done, strict=True):
+        values[index] = value
+    return jax.tree.unflatten(treedef, values), (done[-1] if done else start)
+
+
+def model_hooks(layout: StateLayout) -> ShardingHooks:
+    """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs."""
+    hooks = ShardingHooks(constrain=_constrain)
+    if layout.stage.shard_parameters:
+        hooks = dataclasses.replace(hooks, gather_layer=functools.partial(gather_layer, layout))
+    return hooks
+
+
+# ---- the loss of one micro-batch ------------------------------------------------------------
+
+
+def dense_loss_sums(
+    model: ModelConfig, hooks: ShardingHooks, params: Any, batch: Batch, z_loss: float
+) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy, z-loss) sums of the model's whole logits."""
+    logits = MT5(model, hooks).apply({"params": params}, *model_inputs(batch))
+    return loss_sums(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"], z_loss)
+
+
+def vocabulary_parallel_loss_sums(
+    model: ModelConfig,
+    hooks: ShardingHooks,
+    params: Any,
+    batch: Batch,
+    z_loss: float,
+    zero_size: int,
+    after_this: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The same sums with the embedding and output projection used where they lie, each device
+    holding its slice of the vocabulary (t5scale/parallel/vocab.py); their first collective runs
+    after `after_this`."""
+
+    def embed(table, tokens, dtype):
+        return vocab.embed(table, tokens, dtype, after_this)
+
+    sliced = dataclasses.replace(model, vocab_size=model.vocab_size // zero_size)
+    module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
+    decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
+    log_z, target_logit = vocab.log_z_and_target_logit(
+        decoded,
+        params["lm_head"].astype(model.dtype),
+        batch["decoder_target_tokens"],
+        lambda x: _constrain(x, ("batch", "length", "vocab")),
+    )
+    return weighted_sums(log_z, target_logit, batch["decoder_loss_weights"], z_loss)
+
+
+def micro_batch_loss(
+    model: ModelConfig,
+    layout: StateLayout,
+    z_loss: float,
+    total_weight: jax.Array,
+    params: Any,
+    batch: Batch,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(this micro-batch's share of the step's mean loss, its (cross-entropy, z-loss) sums)."""
+    local_batch, input_length = batch["encoder_input_tokens"].shape
+    split = layout.vocabulary_parallel and vocab.pays_off(
+        local_batch * layout.zero_size,
+        input_length,
+        batch["decoder_input_tokens"].shape[1],
+        model.vocab_size,
+    )
+    hooks = model_hooks(layout)
+    last_collective = total_weight
+    if layout.stage.shard_parameters:
+        params, last_collective = gather_outside_layers(
+            params, layout, total_weight, keep_vocabulary_split=split
+        )
+    if split:
+        sums = vocabulary_parallel_loss_sums(
+            model, hooks, params, batch, z_loss, layout.zero_size, last_collective
+        )
+    else:
+        sums = dense_loss_sums(model, hooks, params, batch, z_loss)
+    return (sums[0] + sums[1]) / total_weight, sums
+
+
+# ---- accumulation and reduction -------------------------------------------------------------
+
+
+def _scattered(layout: StateLayout, leaf: LeafLayout) -> bool:
+    """Whether this leaf's gradient is kept as a `zero` shard."""
+    return layout.stage.shard_gradients and leaf.over_zero
+
+
+def zero_accumulator(layout: StateLayout, leaf: LeafLayout) -> jax.Array:
+    """A float32 zero gradient in the accumulator's local shape."""
+    shape = list(leaf.shape)  # `tensor` is automatic: only `zero` shrinks local shapes
+    if _scattered(layout, leaf):
+        shape[leaf.zero_dim] //= layout.zero_size
+    return _to_varying(jnp.zeros(shape, jnp.float32))
+
+
+def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
+    """Stage 2: this micro-batch's gradients reduce-scattered into the 1/N accumulator, once the
+    whole backward pass is done. (Stage 3's are the transposes of its all-gathers.)"""
+    stage = layout.stage
+    if stage.shard_parameters or not stage.shard_gradients:
+        return grads
+
+    def scatter(values, layouts):
+        def reduce_scatter(index: int, x: jax.Array) -> jax.Array:
+            dimension = layouts[index].zero_dim
+            return lax.psum_scatter(x, "zero", scatter_dimension=dimension, tiled=True)
+
+        return collectives.in_order(values, reduce_scatter, start=jax.tree.leaves(grads))
+
+    return _replace_selected(grads, layout.leaves, functools.partial(_scattered, layout), scatter)
+
+
+def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
+    """The accumulated gradients summed over the devices that still hold partial sums."""
+    values, treedef = jax.tree.flatten(grads)
+    layouts = jax.tree.leaves(layout.leaves, is_leaf=is_leaf_layout)
+
+    def all_reduce(index: int, g: jax.Array) -> jax.Array:
+        return lax.psum(g, ("replica",) if _scattered(layout, layouts[index]) else DATA_AXES)
+
+    return jax.tree.unflatten(treedef, collectives.in_order(values, all_reduce))
+
+
+def accumulate_gradients(
+    loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int
+) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+    """(gradients summed over the micro-batches, their per-micro-batch loss sums), in a scan."""
+
+    def accumulate(accumulator, micro_batch: Batch):
+        (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
+        grads = reduce_scatter_micro_batch(grads, layout)
+        return jax.tree.map(jnp.add, accumulator, grads), sums
+
+    micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+    start = layout.map(functools.partial(zero_accumulator, layout))
+    return lax.scan(accumulate, start, micro)
+
+
+# ---- the shard_map ----------------------------------------------------------------------------
+
+
+def _local_gradients(
+    model: ModelConfig, layout: StateLayout, micro_batches: int, z_loss: float, params, batch
+):
+    weights = batch["decoder_loss_weights"].astype(jnp.float32)
+    total_weight = jnp.maximum(lax.psum(jnp.sum(weights), DATA_AXES), 1.0)
+    params = jax.tree.map(_to_varying, params)
+    loss_fn = functools.partial(micro_batch_loss, model, layout, z_loss, total_weight)
+    grads, (cross_entropy, z_term) = accumulate_gradients(
+        loss_fn, params, batch, layout, micro_batches
+    )
+    grads = all_reduce_gradients(grads, layout)
+    # Ordered after the gradients: see t5scale/parallel/collectives.py.
+    sums = jnp.stack([jnp.sum(cross_entropy), jnp.sum(z_term)])
+    sums = lax.psum(collectives.ordered_after(sums, grads), DATA_AXES)
+    metrics = {"cross_entropy_sum": sums[0], "z_loss_sum": sums[1], "target_tokens": total_weight}
+    return grads, metrics
+
+
+def gradient_fn(model: ModelConfig, layout: StateLayout, micro_batches: int, z_loss: float):
+    """(params, batch) → (gradients in their at-rest layout, summed metrics), as a shard_map."""
+    return jax.shard_map(
+        functools.partial(_local_gradients, model, layout, micro_batches, z_loss),
+        mesh=layout.mesh,
+        in_specs=(layout.manual_param_specs, P(DATA_AXES)),
+        out_specs=(layout.manual_grad_specs, P()),
+        axis_names=set(DATA_AXES),
+    )
