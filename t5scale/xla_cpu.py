@@ -1,8 +1,8 @@
-"""Two workarounds that make XLA's CPU backend safe for programs with many collectives.
+"""Workarounds that make XLA's CPU backend safe for programs with many collectives.
 
 t5scale emulates a cluster with many CPU devices in one process, and XLA:CPU runs their
-collectives through an in-process rendezvous. Two things break it; both are set up before JAX
-lowers or compiles anything (at `import t5scale`), and both are no-ops for real accelerators:
+collectives through an in-process rendezvous. Three things break it; all are set up before JAX
+lowers or compiles anything (at `import t5scale`), and none changes what a real accelerator runs:
 
 1. XLA's concurrency-optimised CPU scheduler may order independent collectives differently on
    each device, which deadlocks. It is switched off with an XLA flag.
@@ -15,6 +15,11 @@ lowers or compiles anything (at `import t5scale`), and both are no-ops for real 
    rather than once per distinct shape (JAX caches the lowering of identical equations, which
    would copy one id to each). The ids are deterministic per program, so several processes
    lowering the same program agree on them.
+3. Inside a shard_map that is manual over some mesh axes and automatic over others, JAX puts a
+   sharding annotation on every op's result, the scalar reducer of a collective (its add)
+   included. XLA:CPU runs bf16 reduce-scatters and all-reduces in f32 and rebuilds the reducer
+   from its root's opcode, which the annotation has made a copy: the compile aborts ("Invalid
+   binary instruction opcode copy"). Here the reducer is emitted as its one HLO op.
 """
 
 from __future__ import annotations
@@ -36,12 +41,29 @@ def keep_collectives_in_program_order() -> None:
 class _FreshChannelIds(types.ModuleType):
     """Stands in for jax's `mlir` module inside jax's collective lowerings."""
 
-    def __init__(self, mlir: types.ModuleType):
+    def __init__(self, mlir: types.ModuleType, reducers: dict):
         super().__init__(mlir.__name__)
         self._mlir = mlir
+        self._reducers = reducers  # primitive name → the HLO op that reduces two scalars
 
     def __getattr__(self, name: str):
         return getattr(self._mlir, name)
+
+    def lower_fun(self, fun, multiple_results: bool = True):
+        """jax's lower_fun, but a collective's scalar reducer is emitted as its one HLO op,
+        without the sharding annotation that aborts XLA:CPU on bf16 (3. above)."""
+        lowering = self._mlir.lower_fun(fun, multiple_results)
+        primitive = getattr(fun, "__self__", None)  # reducers are lowered from `primitive.bind`
+        emit = self._reducers.get(getattr(primitive, "name", None))
+        if emit is None or multiple_results:
+            return lowering
+
+        def lower(ctx, *args, **params):
+            if params or any(aval.shape != () for aval in (*ctx.avals_in, *ctx.avals_out)):
+                return lowering(ctx, *args, **params)
+            return [emit(*args)]
+
+        return lower
 
     @property
     def COLLECTIVE_CHANNEL_ID(self) -> int:  # noqa: N802  (the name jax reads)
@@ -58,6 +80,7 @@ def give_collectives_distinct_channels() -> bool:
     try:  # private modules: another JAX release may not have them
         from jax._src import core
         from jax._src.lax import parallel
+        from jax._src.lib.mlir.dialects import hlo
     except ImportError:
         return False
     mlir = getattr(parallel, "mlir", None)
@@ -67,5 +90,6 @@ def give_collectives_distinct_channels() -> bool:
     if mlir is None or not hasattr(mlir, "COLLECTIVE_CHANNEL_ID") or uncacheable is None:
         return False
     uncacheable.update(p for p in vars(parallel).values() if isinstance(p, core.Primitive))
-    parallel.mlir = _FreshChannelIds(mlir)
+    reducers = {"add": hlo.add, "max": hlo.maximum, "min": hlo.minimum}
+    parallel.mlir = _FreshChannelIds(mlir, reducers)
     return True

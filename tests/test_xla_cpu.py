@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
@@ -74,3 +75,30 @@ def test_stage3_step_with_large_buffers_runs_without_aborting():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("loss") == 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_collectives_in_a_partly_manual_shard_map_compile_and_sum_in_any_dtype(dtype):
+    """Manual over `zero`, automatic over `tensor` (as the train step is): JAX annotates the
+    reducers' adds, and XLA:CPU aborted on a bf16 reduce-scatter or all-reduce until the
+    reducers were emitted plainly (t5scale/xla_cpu.py, 3.)."""
+    mesh = jax.make_mesh((4, 2), ("zero", "tensor"), axis_types=(AxisType.Auto,) * 2)
+
+    def reduce(x):
+        return lax.psum_scatter(x, "zero", scatter_dimension=0, tiled=True), lax.psum(x, "zero")
+
+    step = jax.jit(
+        jax.shard_map(
+            reduce,
+            mesh=mesh,
+            in_specs=P("zero"),
+            out_specs=(P("zero"), P()),
+            axis_names={"zero"},
+            check_vma=False,
+        )  # fmt: skip
+    )
+    x = jnp.arange(64 * 8, dtype=dtype).reshape(64, 8) % 7
+    scattered, summed = step(x)
+    expected = sum(jnp.split(x.astype(jnp.float32), 4))  # each zero device's rows, summed
+    np.testing.assert_array_equal(np.float32(summed), expected)
+    np.testing.assert_array_equal(np.float32(scattered), expected)
