@@ -60,6 +60,7 @@ class Setup:
     dtype: str = "float32"
     remat: str = "none"
     steps: int = 3
+    precision: str = "auto"  # PrecisionConfig.mode: with bfloat16, auto is mixed precision
 
     def run_config(self) -> RunConfig:
         return RunConfig(
@@ -73,7 +74,7 @@ def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, mac
     point = Point(
         model=model, stage=stage, micro_batch_size=setup.batch // devices, remat=setup.remat,
         learning_rate=1e-3, devices=devices, input_length=setup.input_length,
-        target_length=setup.target_length, dtype=setup.dtype,
+        target_length=setup.target_length, dtype=setup.dtype, precision=setup.precision,
     )  # fmt: skip
     if machine["backend"] == "cpu":
         budget = cpu_memory_budget(machine["host_memory_bytes"], devices)
@@ -219,7 +220,8 @@ def run_specs(args, setup: Setup, machine: dict, name: str) -> list[dict]:
 
 def print_table(rows: list[dict], setup: Setup, args, device_kind: str) -> None:
     print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
-          f"{setup.target_length}, AdamW (no clipping), {setup.dtype}, remat {setup.remat}; "
+          f"{setup.target_length}, AdamW (no clipping), {setup.dtype} compute, precision "
+          f"{setup.precision}, remat {setup.remat}; "
           f"each run in its own process, {setup.steps} steps back to back after 1 warm-up, in "
           f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
     print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
@@ -250,6 +252,9 @@ def main() -> None:
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--remat", choices=["none", "minimal", "full"], default="none")
+    parser.add_argument("--precision", choices=["auto", "float32", "mixed"], default="auto",
+                        help="t5scale's model state (PrecisionConfig.mode): auto is mixed "
+                             "precision with --dtype bfloat16, fp32 otherwise")  # fmt: skip
     parser.add_argument("--torch-models", nargs="*", default=["mt5_small"],
                         help="models that also get the transformers baseline")  # fmt: skip
     parser.add_argument("--no-torch", action="store_true")
@@ -263,7 +268,7 @@ def main() -> None:
     if args.steps < 1 or args.rounds < 1 or args.steps_per_execution < 1:
         parser.error("--steps, --rounds and --steps-per-execution must be at least 1")
     setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
-                  args.steps)  # fmt: skip
+                  args.steps, args.precision)  # fmt: skip
     work_dir = Path(tempfile.mkdtemp(prefix="t5scale_bench_"))
     # A cache of this run's own: round 1's compile times are compiles, not cache loads.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(work_dir / "compile_cache"))

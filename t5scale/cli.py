@@ -134,12 +134,15 @@ def convert_command(call: Invocation) -> None:
     model_dir = run.train.model_dir
     if not model_dir:
         raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
-    try:
-        model, params = params_from_hf(call.args.hf_dir)
+    try:  # the compute dtype and the precision are this command's (gin), the rest the HF config's
+        model, params = params_from_hf(call.args.hf_dir, run.model.dtype)
     except (ValueError, OSError) as error:
         raise ConfigError(str(error)) from None
     model_gin = "".join(
         f"ModelConfig.{name} = {value!r}\n" for name, value in dataclasses.asdict(model).items()
+    ) + "".join(
+        f"PrecisionConfig.{name} = {value!r}\n"
+        for name, value in dataclasses.asdict(run.precision).items()
     )
     Path(model_dir).mkdir(parents=True, exist_ok=True)
     path = write_converted(model_dir, model, run.optimizer, params, model_gin)

@@ -22,6 +22,7 @@ from t5scale.study.plan import PlanConfig
 from t5scale.study.simulate import ClusterConfig, SimulateConfig
 from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
+from t5scale.train.precision import PrecisionConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Always parsed first: it declares the macros (TRAIN_STEPS, MODEL_DIR, …) that runs override.
@@ -35,6 +36,7 @@ _CONFIGURABLES = {
     "data": gin.external_configurable(DataConfig, "DataConfig"),
     "checkpoint": gin.external_configurable(CheckpointConfig, "CheckpointConfig"),
     "distributed": gin.external_configurable(DistributedConfig, "DistributedConfig"),
+    "precision": gin.external_configurable(PrecisionConfig, "PrecisionConfig"),
 }
 _STUDY_CONFIGURABLES = {
     "study": gin.external_configurable(StudyConfig, "StudyConfig"),

@@ -7,6 +7,7 @@ the processes of a cluster), and compiling is most of the suite's time. The cach
 each session, so each program is still compiled once per run of the suite.
 """
 
+import functools
 import os
 import socket
 import subprocess
@@ -48,6 +49,7 @@ from t5scale.model.sizes import ModelConfig  # noqa: E402
 from t5scale.parallel.mesh import ParallelConfig  # noqa: E402
 from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig  # noqa: E402
 from t5scale.train.optim import OptimizerConfig  # noqa: E402
+from t5scale.train.precision import PrecisionConfig  # noqa: E402
 from t5scale.train.setup import Setup, build_setup  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +85,7 @@ def tiny_run(parallel: ParallelConfig, **changes) -> RunConfig:
         train=TrainConfig(**({"batch_size": TINY_BATCH} | train_fields)),
         data=changes.pop("data", TINY_DATA),
         checkpoint=changes.pop("checkpoint", CheckpointConfig()),
+        precision=changes.pop("precision", PrecisionConfig()),
     )
     assert not changes, f"unknown fields {changes}"
     return run
@@ -116,10 +119,18 @@ def run_steps(setup: Setup, state, first: int, last: int, step=None):
 
 def train_tiny(parallel: ParallelConfig, devices: int = 8, steps: int = 5,
                **changes):  # fmt: skip
-    """(losses, parameters on the host) after `steps` steps of the shared small run."""
+    """(losses, parameters on the host) after `steps` steps of the shared small run; the
+    parameters in their checkpointed form (fp32, the model's shapes: the master when mixed)."""
     setup = tiny_setup(parallel, devices, **changes)
     state, losses = run_steps(setup, setup.create_state(seed=0), 0, steps - 1)
-    return losses, jax.device_get(state.params)
+    return losses, jax.device_get(setup.to_checkpoint(state).params)
+
+
+@functools.cache  # per process: under xdist a module's tests may interleave with others'
+def one_device_reference():
+    """(losses, parameters) of the shared small run on one device: what every stage and mesh
+    must reproduce."""
+    return train_tiny(ParallelConfig(), devices=1)
 
 
 def relative_difference(a, b) -> float:

@@ -4,6 +4,7 @@ and meshes, damaged checkpoints, a checkpoint of another model, NaN and Inf."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, TINY_ARGS, TINY_MODEL, cli_in_process, run_steps, tiny_setup
+from conftest import REPO, TINY_ARGS, TINY_MODEL, cli_in_process, run_cli, run_steps, tiny_setup
 
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import Checkpoints, model_signature
@@ -207,3 +208,57 @@ def test_nan_or_inf_never_replaces_a_good_checkpoint(tmp_path, capsys, action):
         saved = zip(_saved_params(tmp_path, 4), _saved_params(tmp_path, bad - 1), strict=True)
         for a, b in saved:
             np.testing.assert_array_equal(a, b)  # the skipped steps changed nothing
+
+
+# Mixed precision and meshes the model's dimensions do not divide: what a checkpoint holds is the
+# canonical form (fp32 parameters in the model's shapes), whatever wrote it.
+def _run(model_dir: Path, devices: int, stage: int, precision: str, steps: int) -> list[str]:
+    return [
+        "train", *TINY_ARGS, f"--cpu_devices={devices}", f"--gin_file=gin/zero/stage{stage}.gin",
+        f"--gin_file=gin/precision/{precision}.gin", "--gin.BATCH_SIZE=24",
+        "--gin.CHECKPOINT_EVERY=2", f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR={model_dir}",
+    ]  # fmt: skip
+
+
+def _losses(model_dir: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in _read_metrics(model_dir)}
+
+
+def test_mixed_precision_on_a_padded_mesh_resumes_bit_for_bit(tmp_path):
+    """6 devices pad every sharded tree; the checkpoint holds the fp32 master unpadded, and the
+    run that resumes from it takes exactly the steps of the run that never stopped."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    for model_dir, steps in ((whole, 4), (stopped, 2), (stopped, 4)):
+        done = run_cli(*_run(model_dir, 6, 3, "mixed", steps))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from the checkpoint at step 2" in done.stdout
+    assert _losses(stopped) == _losses(whole)  # bit for bit
+    saved = ocp.StandardCheckpointer().restore(stopped / "checkpoints" / "2" / "state")
+    model = TINY_MODEL.__class__()  # mt5_tiny's shapes, whatever the mesh
+    assert saved["params"]["embedding"].shape == (model.vocab_size, model.d_model)
+    assert {np.asarray(leaf).dtype for leaf in jax.tree.leaves(saved["params"])} == {
+        np.dtype("float32")
+    }
+
+
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ((8, 2, "mixed"), (6, 3, "fp32")),
+        pytest.param((6, 1, "fp32"), (8, 3, "mixed"), marks=pytest.mark.slow),
+    ],
+    ids=["mixed-8-devices-to-fp32-6", "fp32-6-devices-to-mixed-8"],
+)
+def test_a_checkpoint_moves_between_precisions_stages_and_device_counts(tmp_path, source, target):
+    original, moved = tmp_path / "original", tmp_path / "moved"
+    done = run_cli(*_run(original, *source, steps=4))
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(original / "checkpoints" / "2", moved / "checkpoints" / "2")
+    done = run_cli(*_run(moved, *target, steps=4))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from the checkpoint at step 2" in done.stdout
+    continued, reference = _losses(moved), _losses(original)
+    assert sorted(continued) == [3, 4]
+    # The same parameters go on in the other precision: bf16 against fp32 arithmetic.
+    for step in (3, 4):
+        assert abs(continued[step] / reference[step] - 1) < 1e-2, (continued, reference)

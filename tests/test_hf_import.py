@@ -1,5 +1,6 @@
 """Hugging Face mT5 checkpoints imported into t5scale give transformers' logits."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -222,6 +223,14 @@ def test_aliases_of_shared_are_accepted(hf_checkpoint, tmp_path):
     np.testing.assert_array_equal(got["embedding"], expected["embedding"])
 
 
+def _train_two_steps_from(out: Path, stage: int, capsys) -> tuple[int, str, str]:
+    return cli_in_process(
+        ["train", f"--gin_file={out}/model.gin", f"--gin_file=gin/zero/stage{stage}.gin",
+         "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
+         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"], capsys,
+    )  # fmt: skip
+
+
 def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tmp_path, capsys):
     """`t5scale convert` → checkpoints/0 holding the imported parameters; `train` resumes it."""
     import orbax.checkpoint as ocp
@@ -235,11 +244,7 @@ def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tm
     for got, want in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
 
-    code, out_text, err = cli_in_process(
-        ["train", f"--gin_file={out}/model.gin", "--gin_file=gin/zero/stage3.gin",
-         "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
-         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"], capsys,
-    )  # fmt: skip
+    code, out_text, err = _train_two_steps_from(out, 3, capsys)
     assert code == 0, err
     assert "resuming from the checkpoint at step 0" in out_text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0", "2"]
@@ -247,3 +252,22 @@ def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tm
     # Converting into a directory that already holds checkpoints would mix two runs.
     code, _, err = cli_in_process(convert, capsys)
     assert code == 2 and "already holds checkpoints" in err
+
+
+def test_convert_writes_a_mixed_precision_run(hf_checkpoint, tmp_path, capsys):
+    """Converted with gin/precision/mixed.gin, the run trains in mixed precision from the
+    imported (fp32) parameters: the bf16 working copy cast from them, the fp32 master kept."""
+    _, directory = hf_checkpoint
+    out = tmp_path / "run"
+    convert = ["convert", f"--hf_dir={directory}", "--gin_file=gin/precision/mixed.gin",
+               f"--gin.MODEL_DIR='{out}'"]  # fmt: skip
+    assert cli_in_process(convert, capsys)[0] == 0
+    model_gin = (out / "model.gin").read_text()
+    assert "ModelConfig.dtype = 'bfloat16'" in model_gin
+    assert "PrecisionConfig.mode = 'mixed'" in model_gin
+    code, out_text, err = _train_two_steps_from(out, 2, capsys)
+    assert code == 0, err
+    assert "resuming from the checkpoint at step 0" in out_text
+    analysis = json.loads((out / "step_analysis.json").read_text())
+    assert analysis["precision"]["mode"] == "mixed"
+    assert analysis["model_state_per_device"]["zero_formula"] == "2Ψ + 14Ψ/N"

@@ -1,25 +1,24 @@
 """Same initialisation and batches → the same 5 steps on every stage and mesh (fp32, ≤ 1e-5)."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
-from conftest import assert_same_parameters, run_steps, tiny_setup, train_tiny
+from conftest import (
+    assert_same_parameters,
+    one_device_reference,
+    run_steps,
+    tiny_setup,
+    train_tiny,
+)
 
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.optim import OptimizerConfig
 
 
-@functools.cache  # per process: under xdist a module's tests may interleave with others'
-def _single_device():
-    return train_tiny(ParallelConfig(), devices=1)
-
-
 @pytest.fixture
 def single_device():
-    return _single_device()
+    return one_device_reference()
 
 
 SLOW = pytest.mark.slow  # the same ground again in other combinations: out of CI's budget

@@ -30,7 +30,7 @@ def _compile(stage: int):
     )  # fmt: skip
     compiled = setup.compile().compiled
     batch = setup.abstract_batch()
-    gradients = gradient_fn_jitted(setup.run.model, setup.layout, setup.run.train)
+    gradients = gradient_fn_jitted(setup.run.model, setup.layout, setup.run.train, setup.precision)
     grads_compiled = gradients.lower(setup.state.params, batch).compile()
     batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // 8
     return {

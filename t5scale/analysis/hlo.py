@@ -9,6 +9,11 @@ but runs trip-count times. Two things are left out on purpose:
 - the `-done` half of an async pair, which is the same collective as its `-start`.
 
 Branches of a `conditional` are all counted, as if each ran: an upper bound.
+
+XLA:CPU has no 16-bit collectives: it widens a bf16 all-reduce, reduce-scatter or all-gather to
+f32 between two converts. Such a collective — every operand made by a convert from bf16 or f16
+— is counted at the width the program asked for, which is what a GPU moves; how many were
+widened is given under "widened_by_backend".
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 FIELDS = ("count", "bytes", "operand_bytes")
 UNKNOWN_LOOPS = "unknown_trip_count_loops"
+WIDENED = "widened_by_backend"
+_NARROW_FLOATS = ("bf16", "f16")
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "s2": 1, "u2": 1,
@@ -214,6 +221,84 @@ def _result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> in
     return shape_bytes(elements[1])  # (operands, results, context…)
 
 
+def _dtype(type_text: str) -> str | None:
+    found = _ARRAY.search(type_text)
+    return found.group(1) if found else None
+
+
+_DATA_MOVES = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
+
+
+def _name(operand: str) -> str:
+    return operand.split()[-1].lstrip("%")
+
+
+def _called(instruction: Instruction, module: Module) -> list[Instruction]:
+    found = re.search(r"\bcalls=" + _NAME, instruction.attributes)
+    return module.computations.get(found.group(1), []) if found else []
+
+
+class _Widening:
+    """Recognises the converts XLA:CPU puts around a 16-bit collective that it runs in f32: a
+    16-bit value widened to f32 on the way in, the f32 result narrowed back on the way out."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        self.by_name = {i.name: i for body in module.computations.values() for i in body}
+        self.users: dict[str, list[tuple[Instruction, int]]] = {}
+        for instruction in self.by_name.values():
+            for position, operand in enumerate(instruction.operands):
+                self.users.setdefault(_name(operand), []).append((instruction, position))
+
+    def widened(self, instruction: Instruction) -> bool:
+        operands = [self.by_name.get(_name(operand)) for operand in instruction.operands]
+        return (
+            bool(operands)
+            and all(self._widens_16_bits(source) for source in operands)
+            and self._narrowed(instruction.name, depth=0)
+        )
+
+    def _widens_16_bits(self, value: Instruction | None) -> bool:
+        """Whether `value` is a 16-bit value converted to f32 (moved at most, maybe inside a
+        fusion, whose root is printed last)."""
+        if value is not None and value.opcode == "fusion":
+            body = _called(value, self.module)
+            value = body[-1] if body else None
+            local = {inner.name: inner for inner in body}
+        else:
+            local = self.by_name
+        while value is not None and value.opcode in _DATA_MOVES and value.operands:
+            value = local.get(_name(value.operands[0]))
+        if value is None or value.opcode != "convert" or not value.operands:
+            return False
+        return _dtype(self.module.types.get(_name(value.operands[0]), "")) in _NARROW_FLOATS
+
+    def _narrowed(self, name: str, depth: int) -> bool:
+        """Whether every use of `name` converts it back to 16 bits (moved at most, maybe as a
+        fusion's parameter)."""
+        users = self.users.get(name, [])
+        if not users or depth > 8:
+            return False
+        for user, position in users:
+            if user.opcode == "convert":
+                if _dtype(user.result_type) not in _NARROW_FLOATS:
+                    return False
+            elif user.opcode in _DATA_MOVES or user.opcode.endswith("-done"):
+                if not self._narrowed(user.name, depth + 1):
+                    return False
+            elif user.opcode == "fusion":
+                parameter = next(
+                    (inner for inner in _called(user, self.module)
+                     if inner.opcode == "parameter" and inner.operands == (str(position),)),
+                    None,
+                )  # fmt: skip
+                if parameter is None or not self._narrowed(parameter.name, depth + 1):
+                    return False
+            else:
+                return False
+        return True
+
+
 def _done_types(module: Module) -> dict[str, str]:
     """Result type of each async `-done`, keyed by the name of the `-start` it completes."""
     done = {}
@@ -244,8 +329,10 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
     """
     module = parse_module(hlo_text)
     done_types = _done_types(module)
+    widening = _Widening(module)
     tallies: dict[str, Tally] = {}
     unknown_loops: set[str] = set()
+    widened: set[str] = set()
 
     def tally(computation: str) -> Tally:
         if computation in tallies:
@@ -260,6 +347,9 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
                     "bytes": _result_bytes(instruction, done_types),
                     "operand_bytes": _operand_bytes(instruction.operands, module.types),
                 }
+                if widening.widened(instruction):
+                    widened.add(instruction.name)
+                    row |= {"bytes": row["bytes"] // 2, "operand_bytes": row["operand_bytes"] // 2}
                 _add(total, {kind: row}, 1)
             for callee, times in _calls_with_repeats(instruction, unknown_loops):
                 _add(total, tally(callee), times)
@@ -272,6 +362,8 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
         stats = {kind: found[kind] for kind in KINDS if kind in found}
     if unknown_loops:
         stats[UNKNOWN_LOOPS] = len(unknown_loops)
+    if widened:
+        stats[WIDENED] = len(widened)
     return stats
 
 

@@ -1,9 +1,11 @@
 """Per-device memory: XLA's compiled analysis beside the ZeRO formula.
 
 The ZeRO paper gives per-device model-state bytes for Ψ parameters on N_d shards with
-mixed-precision Adam (2Ψ fp16 parameters, 2Ψ fp16 gradients, 12Ψ fp32 master copy and moments).
-Here the byte counts per parameter come from the real trees instead — float32 parameters and
-gradients and whatever the optimizer keeps — and the stage table says which are divided by N_d.
+mixed-precision Adam (2Ψ fp16 parameters, 2Ψ fp16 gradients, 12Ψ fp32 master copy and moments):
+16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d and 16Ψ/N_d for stages 0-3. Here the bytes per parameter come
+from the real trees instead — the parameters' and gradients' dtypes (t5scale/train/precision.py)
+and whatever the optimizer keeps, with the fp32 master in mixed precision — and the stage table
+says which are divided by N_d; in mixed precision with AdamW that is the paper's formula.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from t5scale.parallel.zero import ZeroStage
 
@@ -41,11 +44,25 @@ def per_device_bytes(tree: Any, shardings: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelStateBytes:
-    """Global bytes of the three trees a ZeRO stage decides about."""
+    """Global bytes of the three trees a ZeRO stage decides about, for `count` parameters."""
 
     parameters: int
     gradients: int
     optimizer_state: int
+    count: int
+
+    def formula(self, stage: ZeroStage) -> str:
+        """The stage's per-device bytes in Ψ (parameters) and N (the zero size), e.g.
+        '2Ψ + 14Ψ/N'."""
+        trees = (
+            (self.parameters, stage.shard_parameters),
+            (self.gradients, stage.shard_gradients),
+            (self.optimizer_state, stage.shard_optimizer_state),
+        )
+        whole = sum(size for size, sharded in trees if not sharded) / self.count
+        split = sum(size for size, sharded in trees if sharded) / self.count
+        parts = [f"{whole:.3g}Ψ" if whole else "", f"{split:.3g}Ψ/N" if split else ""]
+        return " + ".join(part for part in parts if part)
 
     def per_device(self, stage: ZeroStage, shards: int) -> dict[str, float]:
         """The ZeRO formula: each tree divided by N_d where the stage shards it."""
@@ -58,10 +75,19 @@ class ModelStateBytes:
         return parts | {"total": sum(parts.values())}
 
 
-def model_state_bytes(abstract_params: Any, abstract_opt_state: Any) -> ModelStateBytes:
-    """Gradients have the parameters' dtype and shape (the accumulator too)."""
-    params = tree_bytes(abstract_params)
-    return ModelStateBytes(params, params, tree_bytes(abstract_opt_state))
+def model_state_bytes(
+    abstract_params: Any, abstract_opt_state: Any, param_dtype=None, grad_dtype=None,
+    master: bool = False,
+) -> ModelStateBytes:  # fmt: skip
+    """From the parameters in the model's shapes and the optimizer's own state: parameters and
+    gradients (the accumulator too) in their dtypes (default: the parameters' own), the
+    optimizer state with an fp32 master copy of the parameters when `master`."""
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params))
+    own = tree_bytes(abstract_params)
+    params = own if param_dtype is None else count * jnp.dtype(param_dtype).itemsize
+    grads = params if grad_dtype is None else count * jnp.dtype(grad_dtype).itemsize
+    optimizer = tree_bytes(abstract_opt_state) + (4 * count if master else 0)
+    return ModelStateBytes(params, grads, optimizer, count)
 
 
 def compiled_memory(compiled) -> dict[str, int]:

@@ -8,13 +8,13 @@ import jax
 
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_stats
-from t5scale.analysis.memory import compiled_memory, model_state_bytes, per_device_bytes
+from t5scale.analysis.memory import compiled_memory, per_device_bytes
 
 
 def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[str, Any]:
     """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of `compiled`, the
     train step of `setup` (a t5scale.train.setup.Setup)."""
-    run, layout, state = setup.run, setup.layout, setup.state
+    run, layout, state, precision = setup.run, setup.layout, setup.state, setup.precision
     shardings = setup.state_shardings
     zero_shards = layout.zero_size
     memory = compiled_memory(compiled)
@@ -23,8 +23,13 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
     params_opt = per_device_bytes(
         (state.params, state.opt_state), (shardings.params, shardings.opt_state)
     )
-    gradients = per_device_bytes(state.params, layout.grad_shardings)
-    formula = model_state_bytes(state.params, state.opt_state).per_device(layout.stage, zero_shards)
+    scattered = layout.stage.shard_gradients
+    grads = layout.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.at_rest(scattered), precision.grad_dtype)
+    )
+    gradients = per_device_bytes(grads, layout.grad_shardings)
+    state_bytes = setup.model_state_bytes()
+    formula = state_bytes.per_device(layout.stage, zero_shards)
     flops = training_flops_per_step(
         run.model, run.train.batch_size, run.data.input_length, run.data.target_length
     )
@@ -38,7 +43,14 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
         "tokens_per_step": run.tokens_per_step,
         "backend": jax.default_backend(),
         "compile_time_s": compile_time_s,
-        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        "parameters": state_bytes.count,
+        "precision": {
+            "mode": precision.name,
+            "parameters": precision.param_dtype.name,
+            "gradients": precision.grad_dtype.name,
+            "fp32_master": precision.mixed,
+        },
+        "padded": layout.padded,
         "memory_per_device": memory,
         "model_state_per_device": {
             # From XLA: the step's arguments less the batch are parameters + optimizer state.
@@ -46,6 +58,7 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
             "sharded_parameters_and_optimizer_bytes": params_opt,
             "gradient_bytes": gradients,
             "zero_formula_bytes": formula,
+            "zero_formula": state_bytes.formula(layout.stage),
         },
         "flops_per_step": {
             "model": flops,

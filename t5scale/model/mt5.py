@@ -41,8 +41,35 @@ def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
     return x
 
 
+def look_up_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids], whose gradient, a scatter-add, sums in float32 whatever the table's dtype: a
+    bfloat16 scatter-add has no native atomic on GPUs and serialises on the repeated token ids
+    of real batches (docs/benchmarks.md, 2026-11-23)."""
+    if table.dtype == jnp.float32:
+        return jnp.take(table, ids, axis=0)
+    return _rows_summing_in_float32(table, ids)
+
+
+@jax.custom_vjp
+def _rows_summing_in_float32(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+def _look_up_forward(table: jax.Array, ids: jax.Array):
+    return jnp.take(table, ids, axis=0), (table, ids)
+
+
+def _look_up_backward(residuals, cotangent: jax.Array):
+    table, ids = residuals
+    rows = jnp.zeros(table.shape, jnp.float32).at[ids].add(cotangent.astype(jnp.float32))
+    return rows.astype(table.dtype), None
+
+
+_rows_summing_in_float32.defvjp(_look_up_forward, _look_up_backward)
+
+
 def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
-    return jnp.take(table, tokens, axis=0).astype(dtype)
+    return look_up_rows(table, tokens).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +91,8 @@ class _Module(nn.Module):
         return self.table(name, init, shape, axes).astype(self.cfg.dtype)
 
     def table(self, name: str, init, shape: tuple[int, ...], axes: Axes) -> jax.Array:
-        """Declare a float32 look-up table; it stays float32 for the gather.
-
-        Gathering rows first and casting them after keeps the gradient, a scatter-add, in
-        float32: a bfloat16 scatter-add has no native atomic on GPUs and serialises on the
-        repeated token ids of real batches (docs/benchmarks.md, 2026-11-23).
-        """
+        """Declare a float32 look-up table, returned in the dtype it is kept in (the rows are
+        cast after the look-up, whose gradient sums in float32: `look_up_rows`)."""
         return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:

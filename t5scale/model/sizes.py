@@ -61,8 +61,9 @@ class ModelConfig:
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     layer_norm_epsilon: float = 1e-6
-    # Activations and matmuls run in `dtype`; parameters (and so gradients and optimizer state)
-    # are kept in float32.
+    # Activations and matmuls run in `dtype`. How parameters, gradients and optimizer state are
+    # kept is PrecisionConfig's (t5scale/train/precision.py): fp32, or with bf16 compute by
+    # default DeepSpeed's mixed precision (a bf16 working copy, an fp32 master).
     dtype: DType = "float32"
     remat: RematPolicy = "none"
 

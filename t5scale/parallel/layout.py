@@ -16,7 +16,9 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,11 +29,42 @@ from t5scale.parallel.zero import ZeroStage, get_stage
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
-    """Where one parameter lives: its logical axes, shape and the dimension ZeRO may shard."""
+    """Where one parameter lives: its logical axes, shape, the dimension ZeRO shards and that
+    dimension's padded size.
+
+    A tree that the stage shards over `zero` is kept in the padded shape (the sharded dimension
+    rounded up to a multiple of the zero size), so every stage shards every leaf on any device
+    count, as DeepSpeed's flat buffers are padded to the shard count. The padding is zeros; it
+    never reaches the model's arithmetic, the loss or a checkpoint (`pad`, `unpad`).
+    """
 
     axes: tuple[str | None, ...]
     shape: tuple[int, ...]
     zero_dim: int | None
+    padded: tuple[int, ...]  # the shape with zero_dim padded; `shape` where nothing is padded
+
+    @property
+    def is_padded(self) -> bool:
+        return self.padded != self.shape
+
+    def at_rest(self, sharded: bool) -> tuple[int, ...]:
+        """The shape of this leaf in a tree that is (or is not) sharded over `zero`."""
+        return self.padded if sharded else self.shape
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """x in the padded shape, if x has the model's (else x as it is: padded already, or an
+        optimizer statistic of another shape)."""
+        if not self.is_padded or tuple(x.shape) != self.shape:
+            return x
+        return jnp.pad(x, [(0, p - s) for p, s in zip(self.padded, self.shape, strict=True)])
+
+    def unpad(self, x: jax.Array, leading: int = 0) -> jax.Array:
+        """x in the model's shape; `leading`: dimensions x lacks in front (a scanned layer's
+        parameter inside the scan has lost its `layers` axis)."""
+        if not self.is_padded or tuple(x.shape) != self.padded[leading:]:
+            return x
+        dim = self.zero_dim - leading
+        return lax.slice_in_dim(x, 0, self.shape[self.zero_dim], axis=dim)
 
     @property
     def over_zero(self) -> bool:
@@ -78,6 +111,40 @@ class StateLayout:
         """fn(LeafLayout) for every parameter, as a tree shaped like the parameters."""
         return jax.tree.map(fn, self.leaves, is_leaf=is_leaf_layout)
 
+    @property
+    def padded(self) -> bool:
+        """Whether any leaf is padded on this mesh."""
+        return any(leaf.is_padded for leaf in jax.tree.leaves(self.leaves, is_leaf=is_leaf_layout))
+
+    def unpadded(self) -> StateLayout:
+        """This layout for trees kept in the model's shapes (a checkpoint): a padded leaf is
+        split over `zero` on another dimension that divides (the scanned `layers` axis too:
+        nothing computes on this layout), or kept whole."""
+        zero_size = self.zero_size
+
+        def in_model_shape(leaf: LeafLayout) -> LeafLayout:
+            if not leaf.is_padded:
+                return leaf
+            dims = [
+                dim
+                for dim, name in enumerate(leaf.axes)
+                if name not in rules.TENSOR_RULES and leaf.shape[dim] % zero_size == 0
+            ]
+            dim = max(dims, key=lambda d: leaf.shape[d]) if dims else None
+            return LeafLayout(leaf.axes, leaf.shape, dim, leaf.shape)
+
+        return dataclasses.replace(self, leaves=self.map(in_model_shape))
+
+    def pad(self, tree: Any) -> Any:
+        """A parameter-shaped tree in the padded shapes (of a tree the stage shards)."""
+        return jax.tree.map(lambda leaf, x: leaf.pad(x), self.leaves, tree, is_leaf=is_leaf_layout)
+
+    def unpad(self, tree: Any) -> Any:
+        """A parameter-shaped tree in the model's shapes."""
+        return jax.tree.map(
+            lambda leaf, x: leaf.unpad(x), self.leaves, tree, is_leaf=is_leaf_layout
+        )
+
     def _named(self, sharded: bool) -> Any:
         return self.map(lambda leaf: NamedSharding(self.mesh, leaf.spec(sharded)))
 
@@ -95,11 +162,12 @@ class StateLayout:
         return self._named(self.stage.shard_optimizer_state)
 
     def parameters_per_device(self) -> int:
-        """Parameter values one device holds at rest (its largest shard of each leaf)."""
-        shardings = self.param_shardings
+        """Parameter values one device holds at rest (its shard of each leaf, padding
+        included)."""
+        sharded = self.stage.shard_parameters
         counts = jax.tree.map(
-            lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)),
-            self.leaves, shardings, is_leaf=is_leaf_layout,
+            lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.at_rest(sharded))),
+            self.leaves, self.param_shardings, is_leaf=is_leaf_layout,
         )  # fmt: skip
         return sum(jax.tree.leaves(counts))
 
@@ -128,7 +196,7 @@ class StateLayout:
         sharded = self.stage.shard_optimizer_state
 
         def for_leaf(leaf, layout):
-            if tuple(leaf.shape) == layout.shape:
+            if tuple(leaf.shape) == layout.at_rest(sharded):
                 return NamedSharding(self.mesh, layout.spec(sharded))
             return replicated
 
@@ -150,16 +218,26 @@ def make_layout(parallel: ParallelConfig, mesh: Mesh, boxed_abstract_params: Any
     zero_size = mesh.shape["zero"]
     tensor_size = mesh.shape["tensor"]
 
-    def leaf_layout(spec: P, shape: jax.ShapeDtypeStruct) -> LeafLayout:
-        axes = tuple(spec)
-        for name, size in zip(axes, shape.shape, strict=True):
+    def leaf_layout(path, spec: P, leaf: jax.ShapeDtypeStruct) -> LeafLayout:
+        axes, shape = tuple(spec), tuple(leaf.shape)
+        for name, size in zip(axes, shape, strict=True):
             if name in rules.TENSOR_RULES and size % tensor_size:
                 raise MeshError(
                     f"tensor={tensor_size} does not divide the {name!r} dimension ({size}) of the model"
                 )
-        return LeafLayout(
-            axes, tuple(shape.shape), rules.zero_dim(axes, shape.shape, zero_size, tensor_size)
-        )
+        dim = rules.zero_dim(axes, shape, zero_size, tensor_size)
+        if dim is None and zero_size > 1:
+            raise MeshError(
+                f"parameter {jax.tree_util.keystr(path)} {shape} (axes {axes}) has no dimension "
+                f"that zero={zero_size} may split: it would stay whole on every device"
+            )
+        padded = list(shape)
+        if dim is not None:
+            multiple = rules.zero_multiple(axes, dim, zero_size, tensor_size)
+            padded[dim] = -(-shape[dim] // multiple) * multiple
+        return LeafLayout(axes, shape, dim, tuple(padded))
 
-    leaves = jax.tree.map(leaf_layout, logical, shapes, is_leaf=lambda x: isinstance(x, P))
+    leaves = jax.tree_util.tree_map_with_path(
+        leaf_layout, logical, shapes, is_leaf=lambda x: isinstance(x, P)
+    )
     return StateLayout(get_stage(parallel.zero_stage), mesh, leaves)

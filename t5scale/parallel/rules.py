@@ -19,34 +19,59 @@ def tensor_axes(logical_axes: tuple[str | None, ...]) -> list[str | None]:
     return [TENSOR_RULES.get(name) if name else None for name in logical_axes]
 
 
+def zero_multiple(logical_axes: tuple[str | None, ...], dim: int, zero_size: int,
+                  tensor_size: int) -> int:  # fmt: skip
+    """What the size of dimension `dim` must be a multiple of to split over `zero`: the zero
+    size, times the tensor size on the vocabulary (which both axes split)."""
+    return zero_size * (tensor_size if logical_axes[dim] == "vocab" else 1)
+
+
 def zero_dim(
     logical_axes: tuple[str | None, ...],
     shape: tuple[int, ...],
     zero_size: int,
     tensor_size: int = 1,
 ) -> int | None:
-    """The dimension a ZeRO stage shards over `zero`, or None when none divides evenly.
+    """The dimension a ZeRO stage shards over `zero` (None: zero size 1, or no dimension that
+    may be split). Where no candidate divides, the one returned is padded
+    (t5scale/parallel/layout.py), as DeepSpeed pads its flat buffers to the shard count.
 
     `vocab` comes first: split by vocabulary, stage 3 never gathers the 250k-row tables (it
     moves the batch's activations instead, t5scale/parallel/vocab.py). Then `embed` (as in FSDP
     setups: it is never split by tensor parallelism); otherwise the largest remaining dimension
-    that is not tensor-parallel and divides by the zero size.
+    that is not tensor-parallel and divides by the zero size. Where nothing divides: the
+    vocabulary, else the dimension that padding grows least.
     """
     if zero_size == 1:
         return None
-    if "vocab" in logical_axes:
-        vocab = logical_axes.index("vocab")
-        if shape[vocab] % (zero_size * tensor_size) == 0:
-            return vocab
     candidates = [
-        d
-        for d, name in enumerate(logical_axes)
-        if name not in TENSOR_RULES and name not in NEVER_ZERO_SHARDED and shape[d] % zero_size == 0
+        dim
+        for dim, name in enumerate(logical_axes)
+        if name == "vocab" or (name not in TENSOR_RULES and name not in NEVER_ZERO_SHARDED)
     ]
     if not candidates:
         return None
-    embed = [d for d in candidates if logical_axes[d] == "embed"]
-    return embed[0] if embed else max(candidates, key=lambda d: shape[d])
+
+    def multiple(dim: int) -> int:
+        return zero_multiple(logical_axes, dim, zero_size, tensor_size)
+
+    dividing = [dim for dim in candidates if shape[dim] % multiple(dim) == 0]
+    vocab = [dim for dim in candidates if logical_axes[dim] == "vocab"]
+    if vocab and vocab[0] in dividing:
+        return vocab[0]
+    embed = [dim for dim in dividing if logical_axes[dim] == "embed"]
+    if embed:
+        return embed[0]
+    dividing = [dim for dim in dividing if logical_axes[dim] != "vocab"]
+    if dividing:
+        return max(dividing, key=lambda dim: shape[dim])
+    if vocab:
+        return vocab[0]
+
+    def growth(dim: int) -> tuple[float, int]:
+        return (-(-shape[dim] // multiple(dim)) * multiple(dim) / shape[dim], -shape[dim])
+
+    return min(candidates, key=growth)
 
 
 def activation_spec(logical_axes: tuple[str | None, ...]) -> P:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from t5scale.model.mt5 import project_to_vocab
+from t5scale.model.mt5 import NEG_INF, look_up_rows, project_to_vocab
 from t5scale.parallel import collectives
 
 AXIS = "zero"
@@ -61,7 +61,7 @@ def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
     all_tokens = _gather_ids(tokens, after_this)
     local = all_tokens - _slice_start(table.shape[0])
     inside = (local >= 0) & (local < table.shape[0])
-    rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+    rows = look_up_rows(table, jnp.clip(local, 0, table.shape[0] - 1))
     # One slice holds each id, so the sum below adds zeros: exact in the compute dtype.
     partial = jnp.where(inside[..., None], rows, 0.0).astype(dtype)
     # The gradient path to `after_this` orders the backward pass's collectives the same way.
@@ -70,15 +70,23 @@ def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
 
 
 def log_z_and_target_logit(
-    decoded: jax.Array, lm_head: jax.Array, targets: jax.Array, constrain_logits=lambda x: x
+    decoded: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    vocab_size: int,
+    constrain_logits=lambda x: x,
 ) -> tuple[jax.Array, jax.Array]:
     """log Z and the target's logit for each of this device's target tokens [b, T], from the
     decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]: what
-    t5scale.train.loss.loss_sums computes from whole logits."""
+    t5scale.train.loss.loss_sums computes from whole logits. Columns at or past `vocab_size`
+    (the padding of a vocabulary that the zero size does not divide) take no part."""
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
     logits = constrain_logits(project_to_vocab(group_decoded, lm_head).astype(jnp.float32))
     slice_size = logits.shape[-1]
+    if slice_size * lax.axis_size(AXIS) > vocab_size:
+        column = _slice_start(slice_size) + jnp.arange(slice_size)
+        logits = jnp.where(column < vocab_size, logits, NEG_INF)
     local_max = collectives.ordered_after(
         lax.stop_gradient(jnp.max(logits, axis=-1)), group_targets
     )

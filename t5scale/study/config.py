@@ -40,6 +40,7 @@ class StudyConfig:
     input_length: int = 128
     target_length: int = 32
     dtype: str = "float32"
+    precision: str = "auto"  # PrecisionConfig.mode: auto (mixed when dtype is bfloat16), ...
     optimizer: str = "adamw"
     data_source: str = "synthetic"
     warmup_steps: int = 1
@@ -143,6 +144,7 @@ class Point:
     input_length: int = 128
     target_length: int = 32
     dtype: str = "float32"
+    precision: str = "auto"
     optimizer: str = "adamw"
     data_source: str = "synthetic"
 
@@ -167,6 +169,7 @@ class Point:
             f"ParallelConfig.tensor={self.tensor}",
             f"ModelConfig.remat='{self.remat}'",
             f"ModelConfig.dtype='{self.dtype}'",
+            f"PrecisionConfig.mode='{self.precision}'",
             f"OptimizerConfig.name='{self.optimizer}'",
             f"OptimizerConfig.learning_rate={self.learning_rate!r}",
             f"BATCH_SIZE={self.batch_size}",

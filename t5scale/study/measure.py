@@ -9,7 +9,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from t5scale.analysis.memory import model_state_bytes
 from t5scale.data.loader import host_batches
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import CompiledStep, build_setup
@@ -19,9 +18,7 @@ def model_state_per_device(run: RunConfig, devices=None) -> float:
     """Bytes of parameters, gradients and optimizer state per device by the ZeRO formula: a
     lower bound of the step's memory, known without compiling."""
     setup = build_setup(run, devices)
-    state = setup.state
-    formula = model_state_bytes(state.params, state.opt_state)
-    return formula.per_device(setup.layout.stage, setup.layout.zero_size)["total"]
+    return setup.model_state_bytes().per_device(setup.layout.stage, setup.layout.zero_size)["total"]
 
 
 def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:

@@ -71,8 +71,11 @@ def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> dict[st
         "mesh": analysis["mesh"],
         "batch_size": staged.train.batch_size,
         "parameters": analysis["parameters"],
+        "precision": analysis["precision"],
         "parameters_per_device": step.setup.layout.parameters_per_device(),
         "zero_formula_bytes": formula,
+        "zero_formula": analysis["model_state_per_device"]["zero_formula"],
+        "padded": analysis["padded"],
         "xla_memory_per_device": analysis["memory_per_device"],
         "xla_model_state_per_device": analysis["model_state_per_device"],
         "device_memory_bytes": budget,
@@ -98,11 +101,21 @@ def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> dict[str, Any]:
         "tensor": plan.tensor,
         "device_memory_gb": plan.device_memory_gb,
         "dtype": run.model.dtype,
+        "precision": stages[0]["precision"] if stages else None,
         "remat": run.model.remat,
         "optimizer": run.optimizer.name,
         "lengths": [run.data.input_length, run.data.target_length],
         "stages": stages,
     }
+
+
+def _precision_words(precision: dict[str, Any]) -> str:
+    if precision["mode"] == "mixed":
+        return (
+            f"mixed precision ({precision['parameters']} working copy, {precision['gradients']} "
+            "gradients, fp32 master in the optimizer state)"
+        )
+    return "fp32 parameters, gradients and optimizer state"
 
 
 def format_plan(result: dict[str, Any]) -> str:
@@ -111,13 +124,13 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} on {result['devices']} devices (tensor {result['tensor']}), "
         f"{result['device_memory_gb']:g} GB each; {result['optimizer']}, {result['dtype']} "
-        f"compute, remat {result['remat']}, lengths {result['lengths'][0]}/{result['lengths'][1]}, "
-        f"batch {first['batch_size']}",
+        f"compute, {_precision_words(result['precision'])}, remat {result['remat']}, lengths "
+        f"{result['lengths'][0]}/{result['lengths'][1]}, batch {first['batch_size']}",
         "",
-        "| stage | params/device | ZeRO formula GB (params + grads + optimizer) | "
+        "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
         "collectives per step |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for stage in result["stages"]:
         formula, xla = stage["zero_formula_bytes"], stage["xla_memory_per_device"]
@@ -130,7 +143,7 @@ def format_plan(result: dict[str, Any]) -> str:
             if kind in found
         )
         lines.append(
-            f"| {stage['stage']} | {stage['parameters_per_device']:,} | "
+            f"| {stage['stage']} | {stage['parameters_per_device']:,} | {stage['zero_formula']} | "
             f"{formula['parameters'] / gb:.3g} + {formula['gradients'] / gb:.3g} + "
             f"{formula['optimizer_state'] / gb:.3g} = {formula['total'] / gb:.3g} | "
             f"{measured / gb:.3g} | {xla['argument_bytes'] / gb:.3g}, {xla['temp_bytes'] / gb:.3g}, "

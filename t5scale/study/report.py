@@ -180,6 +180,13 @@ def _markdown(study_dir, records, best, memory, models) -> str:
               and "dtype" not in b]  # fmt: skip
     if shared:
         lines.append(f"Every trial's model also had: `{'`, `'.join(shared)}`.")
+    precisions = sorted({
+        (record["config"].get("dtype", "?"), record["analysis"]["precision"]["mode"])
+        for record in records if "precision" in record.get("analysis", {})
+    })  # fmt: skip
+    if precisions:
+        said = ", ".join(f"{dtype} compute with {mode} model state" for dtype, mode in precisions)
+        lines.append(f"Precision: {said} (t5scale/train/precision.py).")
     if steps:
         lines.append(
             f"Step time: median of {steps['timed_steps']} timed steps after "
@@ -221,7 +228,8 @@ def _markdown(study_dir, records, best, memory, models) -> str:
             f"{100 * record['step_time_s']['spread']:.0f}% | "
             f"{record['tokens_per_s']:,.0f} | {record['tokens_per_s_per_device']:,.0f} | "
             f"{100 * record['mfu']:.1f}% | {analysis['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
-            f"{analysis['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} | "
+            f"{analysis['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} "
+            f"({analysis['model_state_per_device'].get('zero_formula', '?')}) | "
             f"{compiled_s:.1f} | {collective_summary(analysis['collectives'])} |"
         )
     if any("same_program_as" in record for record in best.values()):

@@ -142,7 +142,7 @@ def predict(
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3
 
 
 def _cache_path() -> Path:
@@ -158,6 +158,7 @@ def step_analysis(run: RunConfig, stage: int, devices: int, micro_batch_size: in
     staged = stage_run(run, plan, stage)
     key_text = json.dumps(
         [dataclasses.asdict(staged.model), dataclasses.asdict(staged.parallel),
+         dataclasses.asdict(staged.precision),
          dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
          staged.data.input_length, staged.data.target_length, devices, jax.__version__,
          ANALYSIS_VERSION],
@@ -188,7 +189,8 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
             devices = nodes * cluster.gpus_per_node
             analysis = step_analysis(run, stage, devices, config.micro_batch_size)
             row = {"stage": stage, "nodes": nodes, "devices": devices,
-                   "batch_size": analysis["batch_size"]}  # fmt: skip
+                   "batch_size": analysis["batch_size"], "precision": analysis["precision"]["mode"],
+                   "zero_formula": analysis["model_state_per_device"]["zero_formula"]}  # fmt: skip
             rows.append(row | predict(analysis, cluster, nodes, run.model.remat))
             show(f"stage {stage}, {nodes} node{'s' if nodes > 1 else ''}: "
                  f"{rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
@@ -198,6 +200,7 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
         "micro_batch_size": config.micro_batch_size,
         "lengths": [run.data.input_length, run.data.target_length],
         "dtype": run.model.dtype,
+        "precision": rows[0]["precision"] if rows else None,
         "remat": run.model.remat,
         "rows": rows,
     }
@@ -212,15 +215,17 @@ def format_simulation(result: dict[str, Any]) -> str:
         f"{cluster['intra_node_bandwidth'] / 1e9:g} GB/s, overlap {cluster['overlap']:.0%}); "
         "micro-batch "
         f"{result['micro_batch_size']} per GPU, lengths {result['lengths'][0]}/"
-        f"{result['lengths'][1]}, {result['dtype']}, remat {result['remat']}",
+        f"{result['lengths'][1]}, {result['dtype']} compute, {result['precision']} precision, "
+        f"remat {result['remat']}",
         "",
-        "| stage | nodes | GPUs | step s | compute s | update s | communication s | "
-        "tokens/s | tokens/s/GPU | MFU | fits (XLA GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
+        "communication s | tokens/s | tokens/s/GPU | MFU | fits (XLA GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['stage']} | {row['nodes']} | {row['devices']} | {row['step_s']:.3f} | "
+            f"| {row['stage']} | {row['zero_formula']} | {row['nodes']} | {row['devices']} | "
+            f"{row['step_s']:.3f} | "
             f"{row['compute_s']:.3f} | {row['update_s']:.3f} | {row['communication_s']:.3f} | "
             f"{row['tokens_per_s']:,.0f} | {row['tokens_per_s_per_device']:,.0f} | "
             f"{100 * row['mfu']:.0f}% | {'yes' if row['fits'] else 'no'} "

@@ -9,6 +9,7 @@ from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
+from t5scale.train.precision import PrecisionConfig, resolve
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,10 @@ class RunConfig:
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+
+    def __post_init__(self) -> None:
+        resolve(self.precision, self.model.dtype)  # a ValueError where the two disagree
 
     @property
     def tokens_per_step(self) -> int:

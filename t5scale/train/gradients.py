@@ -15,6 +15,11 @@ into reduce-scatter by itself. The pieces, in the order a step runs them:
 - **accumulation** over micro-batches (`accumulate_gradients`): stages 0 and 1 sum gradients
   locally into a full-size accumulator, stage 2 reduce-scatters each micro-batch's gradients
   into a 1/N one (`reduce_scatter_micro_batch`).
+
+Gradients are reduced and accumulated in the precision's gradient dtype (t5scale/train/
+precision.py): bf16 in mixed precision (fp32 with its fp32 option), fp32 otherwise. A tree the
+stage scatters over `zero` is padded (t5scale/parallel/layout.py): gathers cut the padding off
+before the model sees a parameter, and gradients are padded before they are reduce-scattered.
 - **the reduction** after the last micro-batch (`all_reduce_gradients`): over every
   data-parallel device where the gradient is whole, over `replica` where `zero` scattered it.
 
@@ -41,6 +46,7 @@ from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train.loss import loss_sums, weighted_sums
+from t5scale.train.precision import Precision
 
 Batch = dict[str, jax.Array]
 
@@ -80,29 +86,56 @@ def _replace_selected(tree: Any, leaf_layouts: Any, select, transform) -> Any:
 # ---- stage 3: parameters gathered where they are used -------------------------------------
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _all_gather_as(x: jax.Array, axis: int, dtype) -> jax.Array:
+    """x cast to `dtype` and all-gathered over `zero`; its transpose reduce-scatters in x's own
+    dtype (mixed precision that reduces in fp32: the gather moves bf16, the reduction fp32)."""
+    return lax.all_gather(x.astype(dtype), "zero", axis=axis, tiled=True)
+
+
+def _all_gather_as_forward(x: jax.Array, axis: int, dtype):
+    return _all_gather_as(x, axis, dtype), jnp.zeros((), x.dtype)
+
+
+def _all_gather_as_backward(axis: int, dtype, like: jax.Array, cotangent: jax.Array):
+    del dtype
+    scattered = lax.psum_scatter(cotangent.astype(like.dtype), "zero", scatter_dimension=axis,
+                                 tiled=True)  # fmt: skip
+    return (scattered,)
+
+
+_all_gather_as.defvjp(_all_gather_as_forward, _all_gather_as_backward)
+
+
 def gather_over_zero(
-    values: list[jax.Array], layouts: list[LeafLayout], dim_offset: int = 0, start=None
+    values: list[jax.Array], layouts: list[LeafLayout], dtype, leading: int = 0, start=None
 ) -> list[jax.Array]:
-    """Each value all-gathered whole over `zero`, one after another (and after `start`)."""
+    """Each value all-gathered whole over `zero` in `dtype`, its padding cut off, one after
+    another (and after `start`); `leading`: dimensions the values lack in front of their
+    layouts' (a scanned layer's parameter inside the scan)."""
 
     def all_gather(index: int, x: jax.Array) -> jax.Array:
-        return lax.all_gather(x, "zero", axis=layouts[index].zero_dim - dim_offset, tiled=True)
+        axis = layouts[index].zero_dim - leading
+        if x.dtype == dtype:
+            whole = lax.all_gather(x, "zero", axis=axis, tiled=True)
+        else:
+            whole = _all_gather_as(x, axis, dtype)
+        return layouts[index].unpad(whole, leading)
 
     return collectives.in_order(values, all_gather, start=start)
 
 
-def gather_layer(layout: StateLayout, layer_params: Any, stack_path: tuple[str, ...]) -> Any:
-    """One scanned layer's parameters, gathered (the model's `gather_layer` hook). Inside the
-    layer scan a parameter has lost its leading `layers` axis."""
+def gather_layer(layout: StateLayout, dtype, layer_params: Any, stack_path: tuple[str, ...]) -> Any:
+    """One scanned layer's parameters, gathered (the model's `gather_layer` hook)."""
     stack_layouts = functools.reduce(lambda node, key: node[key], stack_path, layout.leaves)
     return _replace_selected(
         layer_params, stack_layouts, lambda leaf: leaf.over_zero,
-        lambda values, layouts: gather_over_zero(values, layouts, dim_offset=1),
+        lambda values, layouts: gather_over_zero(values, layouts, dtype, leading=1),
     )  # fmt: skip
 
 
 def gather_outside_layers(
-    params: Any, layout: StateLayout, start: jax.Array, keep_vocabulary_split: bool
+    params: Any, layout: StateLayout, dtype, start: jax.Array, keep_vocabulary_split: bool
 ) -> tuple[Any, jax.Array]:
     """The parameters with those outside the layer stacks gathered (but the tables split by
     vocabulary if `keep_vocabulary_split`), and the last gather's result (or `start`)."""
@@ -119,18 +152,21 @@ def gather_outside_layers(
     chosen.sort(key=lambda index: "embedding" in names[index])  # the embedding last
     values = [leaf for _, leaf in leaves]
     done = gather_over_zero(
-        [values[index] for index in chosen], [layouts[index] for index in chosen], start=start
-    )
+        [values[index] for index in chosen], [layouts[index] for index in chosen], dtype,
+        start=start,
+    )  # fmt: skip
     for index, value in zip(chosen, done, strict=True):
         values[index] = value
     return jax.tree.unflatten(treedef, values), (done[-1] if done else start)
 
 
-def model_hooks(layout: StateLayout) -> ShardingHooks:
-    """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs."""
+def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
+    """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs,
+    in the parameters' dtype."""
     hooks = ShardingHooks(constrain=_constrain)
     if layout.stage.shard_parameters:
-        hooks = dataclasses.replace(hooks, gather_layer=functools.partial(gather_layer, layout))
+        gather = functools.partial(gather_layer, layout, precision.param_dtype)
+        hooks = dataclasses.replace(hooks, gather_layer=gather)
     return hooks
 
 
@@ -151,23 +187,24 @@ def vocabulary_parallel_loss_sums(
     params: Any,
     batch: Batch,
     z_loss: float,
-    zero_size: int,
+    slice_size: int,
     after_this: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """The same sums with the embedding and output projection used where they lie, each device
-    holding its slice of the vocabulary (t5scale/parallel/vocab.py); their first collective runs
-    after `after_this`."""
+    holding its `slice_size` rows of the (padded) vocabulary (t5scale/parallel/vocab.py); their
+    first collective runs after `after_this`."""
 
     def embed(table, tokens, dtype):
         return vocab.embed(table, tokens, dtype, after_this)
 
-    sliced = dataclasses.replace(model, vocab_size=model.vocab_size // zero_size)
+    sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
     log_z, target_logit = vocab.log_z_and_target_logit(
         decoded,
         params["lm_head"].astype(model.dtype),
         batch["decoder_target_tokens"],
+        model.vocab_size,
         lambda x: _constrain(x, ("batch", "length", "vocab")),
     )
     return weighted_sums(log_z, target_logit, batch["decoder_loss_weights"], z_loss)
@@ -176,6 +213,7 @@ def vocabulary_parallel_loss_sums(
 def micro_batch_loss(
     model: ModelConfig,
     layout: StateLayout,
+    precision: Precision,
     z_loss: float,
     total_weight: jax.Array,
     params: Any,
@@ -189,15 +227,16 @@ def micro_batch_loss(
         batch["decoder_input_tokens"].shape[1],
         model.vocab_size,
     )
-    hooks = model_hooks(layout)
+    hooks = model_hooks(layout, precision)
     last_collective = total_weight
     if layout.stage.shard_parameters:
         params, last_collective = gather_outside_layers(
-            params, layout, total_weight, keep_vocabulary_split=split
+            params, layout, precision.param_dtype, total_weight, keep_vocabulary_split=split
         )
     if split:
+        slice_size = layout.leaves["lm_head"].padded[1] // layout.zero_size
         sums = vocabulary_parallel_loss_sums(
-            model, hooks, params, batch, z_loss, layout.zero_size, last_collective
+            model, hooks, params, batch, z_loss, slice_size, last_collective
         )
     else:
         sums = dense_loss_sums(model, hooks, params, batch, z_loss)
@@ -212,12 +251,13 @@ def _scattered(layout: StateLayout, leaf: LeafLayout) -> bool:
     return layout.stage.shard_gradients and leaf.over_zero
 
 
-def zero_accumulator(layout: StateLayout, leaf: LeafLayout) -> jax.Array:
-    """A float32 zero gradient in the accumulator's local shape."""
-    shape = list(leaf.shape)  # `tensor` is automatic: only `zero` shrinks local shapes
-    if _scattered(layout, leaf):
+def zero_accumulator(layout: StateLayout, dtype, leaf: LeafLayout) -> jax.Array:
+    """A zero gradient in the accumulator's local shape (padded where it is scattered)."""
+    scattered = _scattered(layout, leaf)
+    shape = list(leaf.at_rest(scattered))  # `tensor` is automatic: only `zero` shrinks shapes
+    if scattered:
         shape[leaf.zero_dim] //= layout.zero_size
-    return _to_varying(jnp.zeros(shape, jnp.float32))
+    return _to_varying(jnp.zeros(shape, dtype))
 
 
 def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
@@ -229,8 +269,9 @@ def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
 
     def scatter(values, layouts):
         def reduce_scatter(index: int, x: jax.Array) -> jax.Array:
+            padded = layouts[index].pad(x)
             dimension = layouts[index].zero_dim
-            return lax.psum_scatter(x, "zero", scatter_dimension=dimension, tiled=True)
+            return lax.psum_scatter(padded, "zero", scatter_dimension=dimension, tiled=True)
 
         return collectives.in_order(values, reduce_scatter, start=jax.tree.leaves(grads))
 
@@ -249,9 +290,10 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
 
 
 def accumulate_gradients(
-    loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int
+    loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int, dtype
 ) -> tuple[Any, tuple[jax.Array, jax.Array]]:
-    """(gradients summed over the micro-batches, their per-micro-batch loss sums), in a scan."""
+    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums),
+    in a scan."""
 
     def accumulate(accumulator, micro_batch: Batch):
         (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
@@ -259,7 +301,7 @@ def accumulate_gradients(
         return jax.tree.map(jnp.add, accumulator, grads), sums
 
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
-    start = layout.map(functools.partial(zero_accumulator, layout))
+    start = layout.map(functools.partial(zero_accumulator, layout, dtype))
     return lax.scan(accumulate, start, micro)
 
 
@@ -267,14 +309,23 @@ def accumulate_gradients(
 
 
 def _local_gradients(
-    model: ModelConfig, layout: StateLayout, micro_batches: int, z_loss: float, params, batch
+    model: ModelConfig,
+    layout: StateLayout,
+    precision: Precision,
+    micro_batches: int,
+    z_loss: float,
+    params,
+    batch,
 ):
     weights = batch["decoder_loss_weights"].astype(jnp.float32)
     total_weight = jnp.maximum(lax.psum(jnp.sum(weights), DATA_AXES), 1.0)
-    params = jax.tree.map(_to_varying, params)
-    loss_fn = functools.partial(micro_batch_loss, model, layout, z_loss, total_weight)
+    # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
+    # an fp32 view of the bf16 working copy when mixed precision reduces in fp32 (the model
+    # casts each weight to its compute dtype where it is used; stage 3 gathers it in bf16).
+    params = jax.tree.map(lambda leaf: _to_varying(leaf.astype(precision.grad_dtype)), params)
+    loss_fn = functools.partial(micro_batch_loss, model, layout, precision, z_loss, total_weight)
     grads, (cross_entropy, z_term) = accumulate_gradients(
-        loss_fn, params, batch, layout, micro_batches
+        loss_fn, params, batch, layout, micro_batches, precision.grad_dtype
     )
     grads = all_reduce_gradients(grads, layout)
     # Ordered after the gradients: see t5scale/parallel/collectives.py.
@@ -284,10 +335,13 @@ def _local_gradients(
     return grads, metrics
 
 
-def gradient_fn(model: ModelConfig, layout: StateLayout, micro_batches: int, z_loss: float):
-    """(params, batch) → (gradients in their at-rest layout, summed metrics), as a shard_map."""
+def gradient_fn(
+    model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
+):
+    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, summed
+    metrics), as a shard_map."""
     return jax.shard_map(
-        functools.partial(_local_gradients, model, layout, micro_batches, z_loss),
+        functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss),
         mesh=layout.mesh,
         in_specs=(layout.manual_param_specs, P(DATA_AXES)),
         out_specs=(layout.manual_grad_specs, P()),

@@ -40,7 +40,9 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
 
         checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
-        restored = checkpoints.restore_latest(setup.state, run.model, run.optimizer.name)
+        restored = checkpoints.restore_latest(
+            setup.checkpoint_target, run.model, run.optimizer.name
+        )
     start = restored.meta["step"] if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
@@ -66,7 +68,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             split="validation",
         )  # fmt: skip
     try:
-        state = restored.state if restored else setup.create_state()
+        state = setup.from_checkpoint(restored.state) if restored else setup.create_state()
         single_step = setup.compile()
         programs = StepPrograms(run, setup, single_step)
         if cfg.steps_per_execution > 1:
@@ -74,7 +76,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         evaluate = validation_loss(setup, held_out) if held_out else None
         if primary:
             _write_run_files(cfg.model_dir, operative_config, single_step.analysis)
-        saver = _Saver(checkpoints, run, operative_config)
+        saver = _Saver(checkpoints, setup, operative_config)
         with _Preemption() as preemption:
             return _run_steps(run, state, start, programs, evaluate, batches, saver, preemption)
     finally:
@@ -148,29 +150,32 @@ def validation_loss(setup: Setup, held_out: Batches):
 
 
 class _Saver:
-    """Saves checkpoints on the schedule; remembers the last step saved."""
+    """Saves checkpoints (the state's canonical form) on the schedule; remembers the last step
+    saved."""
 
-    def __init__(self, checkpoints, run: RunConfig, operative_config: str | None):
-        self.checkpoints, self.run, self.gin = checkpoints, run, operative_config or ""
+    def __init__(self, checkpoints, setup: Setup, operative_config: str | None):
+        self.checkpoints, self.setup, self.gin = checkpoints, setup, operative_config or ""
         self.last_saved: int | None = None
 
     def due(self, step: int) -> bool:
-        return _checkpoint_due(self.run, step)
+        return _checkpoint_due(self.setup.run, step)
 
     def save(self, step: int, state, data_position: int) -> None:
         if self.checkpoints is None:
             return
         from t5scale.train.checkpoint import model_signature  # orbax: only runs that save
 
+        run = self.setup.run
         meta = {
             "step": step,
             "data_position": data_position,
-            "seed": self.run.train.seed,
-            "model": model_signature(self.run.model),
-            "optimizer": self.run.optimizer.name,
+            "seed": run.train.seed,
+            "model": model_signature(run.model),
+            "optimizer": run.optimizer.name,
+            "precision": self.setup.precision.name,  # of the run that saved; not needed to restore
             "gin": self.gin,
         }
-        self.checkpoints.save(step, state, meta)
+        self.checkpoints.save(step, self.setup.to_checkpoint(state), meta)
         self.last_saved = step
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.model.mt5 import abstract_params
@@ -28,12 +29,16 @@ from t5scale.parallel.layout import StateLayout, make_layout
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.precision import Precision, resolve
 from t5scale.train.state import (
     TrainState,
     abstract_state,
-    create_state,
-    state_initializer,
+    canonical_init,
+    canonical_shardings,
+    from_canonical,
+    initializer,
     state_shardings,
+    to_canonical,
     with_shardings,
 )
 from t5scale.train.step import batch_sharding, make_eval_step, make_train_step, stack_batches
@@ -74,7 +79,18 @@ class Setup:
     mesh: Mesh
     tx: optax.GradientTransformation
     layout: StateLayout
+    precision: Precision
     state: TrainState  # jax.ShapeDtypeStruct leaves, each with its at-rest sharding
+    canonical: TrainState  # the same for the state's checkpointed form (t5scale/train/state.py)
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Global bytes of parameters, gradients and optimizer state (with the fp32 master when
+        mixed), in the model's shapes: what the ZeRO formula divides."""
+        canonical, precision = self.canonical, self.precision
+        return model_state_bytes(
+            canonical.params, canonical.opt_state, precision.param_dtype, precision.grad_dtype,
+            master=precision.mixed,
+        )  # fmt: skip
 
     @property
     def state_shardings(self) -> TrainState:
@@ -101,7 +117,7 @@ class Setup:
     def train_step(self, steps_per_execution: int = 1):
         """The jitted (not yet compiled) step; NaN or Inf as CheckpointConfig.on_nonfinite says."""
         return make_train_step(
-            self.run.model, self.layout, self.tx, self.run.train,
+            self.run.model, self.layout, self.tx, self.run.train, self.precision,
             skip_nonfinite=self.run.checkpoint.on_nonfinite == "skip",
             steps_per_execution=steps_per_execution,
         )  # fmt: skip
@@ -121,24 +137,70 @@ class Setup:
     def eval_step(self):
         return make_eval_step(self.run.model, self.layout, self.run.train.z_loss)
 
+    def _initializer(self):
+        init = initializer(self.run.model, self.tx, self.layout, self.precision)
+        return jax.jit(init, out_shardings=self.state_shardings)
+
     def create_state(self, seed: int | None = None) -> TrainState:
-        """Fresh parameters and optimizer state (seed: TrainConfig.seed unless given)."""
+        """Fresh parameters and optimizer state straight in their at-rest shardings (seed:
+        TrainConfig.seed unless given); the same values on every stage and mesh."""
         seed = self.run.train.seed if seed is None else seed
-        return create_state(self.run.model, self.tx, self.state_shardings, seed)
+        state = self._initializer()(jax.random.key(seed))
+        # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the
+        # same collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
+        return jax.block_until_ready(state)
 
     def compile_state_init(self) -> None:
         """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-        init = state_initializer(self.run.model, self.tx, self.state_shardings)
-        init.lower(jax.random.key(self.run.train.seed)).compile()
+        self._initializer().lower(jax.random.key(self.run.train.seed)).compile()
+
+    @property
+    def checkpointed_as_is(self) -> bool:
+        """Whether the state is its own canonical form (fp32, nothing padded)."""
+        return not self.precision.mixed and not self.layout.padded
+
+    @property
+    def checkpoint_target(self) -> TrainState:
+        """What a checkpoint restores into (shapes, dtypes, shardings)."""
+        return self.state if self.checkpointed_as_is else self.canonical
+
+    def to_checkpoint(self, state: TrainState) -> TrainState:
+        """The state's canonical form: fp32 parameters (the master, when mixed) and the
+        optimizer's own state in the model's shapes."""
+        if self.checkpointed_as_is:
+            return state
+        if not self.layout.padded:  # mixed: the master and the moments as they are
+            return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
+        convert = functools.partial(to_canonical, tx=self.tx, layout=self.layout,
+                                    precision=self.precision)  # fmt: skip
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, self.canonical)
+        return jax.jit(convert, out_shardings=shardings)(state)
+
+    def from_checkpoint(self, canonical: TrainState) -> TrainState:
+        """The state from a restored checkpoint_target."""
+        if self.checkpointed_as_is:
+            return canonical
+        convert = functools.partial(from_canonical, tx=self.tx, layout=self.layout,
+                                    precision=self.precision)  # fmt: skip
+        return jax.jit(convert, out_shardings=self.state_shardings)(canonical)
 
 
 def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
-    """The mesh over `devices` (default: all), the optimizer, the stage's state layout and the
-    abstract state in its shardings; a ConfigError or MeshError in one line where the run cannot
-    be laid out on them."""
+    """The mesh over `devices` (default: all), the optimizer, the stage's state layout, the
+    precision and the abstract state in its shardings; a ConfigError or MeshError in one line
+    where the run cannot be laid out on them."""
     mesh = make_mesh(run.parallel, devices)
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
     layout = make_layout(run.parallel, mesh, abstract_params(run.model))
-    shapes = abstract_state(run.model, tx)
-    return Setup(run, mesh, tx, layout, with_shardings(shapes, state_shardings(layout, tx, shapes)))
+    if layout.padded and run.optimizer.name == "adafactor" and layout.stage.shard_optimizer_state:
+        raise ConfigError(
+            f"Adafactor's factored statistics would average the padding that zero={layout.zero_size} "
+            "needs on this model: choose a zero size that divides its dimensions, or AdamW"
+        )
+    precision = resolve(run.precision, run.model.dtype)
+    shapes = abstract_state(run.model, tx, layout, precision)
+    state = with_shardings(shapes, state_shardings(layout, tx, shapes, precision))
+    canonical_shapes = jax.eval_shape(canonical_init(run.model, tx), jax.random.key(0))
+    canonical = with_shardings(canonical_shapes, canonical_shardings(layout, tx, canonical_shapes))
+    return Setup(run, mesh, tx, layout, precision, state, canonical)

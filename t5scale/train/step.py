@@ -1,13 +1,16 @@
 """The jitted train and eval steps: gradients (t5scale/train/gradients.py), then the sharded
-optimizer update.
+optimizer update (`apply_update`).
 
-The update runs in the optimizer state's layout; parameters go back to their own layout, which
-for stages 1 and 2 is the all-gather after the update.
+The update runs in the optimizer state's layout: in fp32 on the parameters themselves, in mixed
+precision on the fp32 master, from which the new bf16 working copy is cast. Parameters then go
+back to their own layout, which for stages 1 and 2 is the all-gather after the update (of the
+bf16 copy, when mixed).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +26,40 @@ from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
 from t5scale.train.loss import loss_sums
+from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
 from t5scale.train.state import TrainState, abstract_state, state_shardings
+
+
+def apply_update(
+    tx: optax.GradientTransformation,
+    layout: StateLayout,
+    precision: Precision,
+    state: TrainState,
+    grads: Any,
+) -> tuple[Any, Any]:
+    """(new parameters, new optimizer state) from gradients in their at-rest layout."""
+    stage, update_layout = layout.stage, layout.update_shardings
+    if stage.shard_optimizer_state:
+        grads = layout.pad(grads)  # stage 1's whole gradients, for the sharded update
+    grads = lax.with_sharding_constraint(grads, update_layout)
+    if precision.mixed:
+        master, inner = state.opt_state.master, state.opt_state.inner
+        updates, inner = tx.update(cast(grads, jnp.float32), inner, master)
+        master = optax.apply_updates(master, updates)
+        # The bf16 copy is cast on each shard and then gathered (in bf16, not the fp32 master).
+        params = lax.with_sharding_constraint(cast(master, precision.param_dtype), update_layout)
+        opt_state = MasterState(master, inner)
+    else:
+        params = state.params
+        if stage.shard_optimizer_state:
+            params = layout.pad(params)
+        params = lax.with_sharding_constraint(params, update_layout)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+    params = lax.with_sharding_constraint(params, layout.param_shardings)
+    if not stage.shard_parameters:
+        params = layout.unpad(params)
+    return params, opt_state
 
 
 def make_train_step(
@@ -31,6 +67,7 @@ def make_train_step(
     layout: StateLayout,
     tx: optax.GradientTransformation,
     train: TrainConfig,
+    precision: Precision = FLOAT32,
     skip_nonfinite: bool = False,
     steps_per_execution: int = 1,
 ):
@@ -49,17 +86,12 @@ def make_train_step(
     """
     if steps_per_execution < 1:
         raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
-    gradients = gradient_fn(model, layout, train.micro_batches, train.z_loss)
-    update_layout = layout.update_shardings
+    gradients = gradient_fn(model, layout, precision, train.micro_batches, train.z_loss)
 
     def step(state: TrainState, batch: Batch):
         grads, sums = gradients(state.params, batch)
-        grads = lax.with_sharding_constraint(grads, update_layout)
-        params = lax.with_sharding_constraint(state.params, update_layout)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
-        params = lax.with_sharding_constraint(params, layout.param_shardings)
-        metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(grads)}
+        params, opt_state = apply_update(tx, layout, precision, state, grads)
+        metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(cast(grads, jnp.float32))}
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
         new = TrainState(state.step + 1, params, opt_state)
@@ -82,7 +114,8 @@ def make_train_step(
         return lax.scan(step, state, batches, length=steps_per_execution)
 
     stacked = steps_per_execution > 1
-    shardings = state_shardings(layout, tx, abstract_state(model, tx))
+    shapes = abstract_state(model, tx, layout, precision)
+    shardings = state_shardings(layout, tx, shapes, precision)
     return jax.jit(
         steps if stacked else step,
         in_shardings=(shardings, batch_sharding(layout, stacked)),
@@ -119,11 +152,11 @@ def _stack(batches: tuple[Batch, ...], sharding: NamedSharding) -> Batch:
 
 
 def gradient_fn_jitted(
-    model: ModelConfig, layout: StateLayout, train: TrainConfig
+    model: ModelConfig, layout: StateLayout, train: TrainConfig, precision: Precision = FLOAT32
 ) -> jax.stages.Wrapped:
     """The gradient computation alone, jitted with at-rest shardings (for memory accounting)."""
     return jax.jit(
-        gradient_fn(model, layout, train.micro_batches, train.z_loss),
+        gradient_fn(model, layout, precision, train.micro_batches, train.z_loss),
         in_shardings=(layout.param_shardings, batch_sharding(layout)),
         out_shardings=(layout.grad_shardings, NamedSharding(layout.mesh, P())),
     )
@@ -133,15 +166,16 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
     """The jitted eval(params, batch) → summed losses and target tokens (no update).
 
     A forward pass only, so it is left to XLA's automatic partitioning: the parameters keep
-    their at-rest shardings and XLA gathers what stage 3 shards.
+    their at-rest shardings and XLA gathers what stage 3 shards (and cuts off its padding).
     """
     module = MT5(model)
 
     def evaluate(params, batch: Batch):
-        logits = module.apply({"params": params}, *model_inputs(batch))
+        logits = module.apply({"params": layout.unpad(params)}, *model_inputs(batch))
         weights = batch["decoder_loss_weights"].astype(jnp.float32)
-        ce, z = loss_sums(logits, batch["decoder_target_tokens"], weights, z_loss)
-        return {"cross_entropy_sum": ce, "z_loss_sum": z, "target_tokens": jnp.sum(weights)}
+        cross_entropy, z_term = loss_sums(logits, batch["decoder_target_tokens"], weights, z_loss)
+        return {"cross_entropy_sum": cross_entropy, "z_loss_sum": z_term,
+                "target_tokens": jnp.sum(weights)}  # fmt: skip
 
     return jax.jit(
         evaluate,
