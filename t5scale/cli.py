@@ -18,6 +18,9 @@ import itertools
 import json
 import math
 import os
+import re
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -47,6 +50,9 @@ from t5scale.train.loop import train
 
 USAGE_ERROR = 2
 NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
+COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
+# Set in that child: it runs the command itself.
+IN_CHILD = "T5SCALE_COMMAND_CHILD"
 
 
 @dataclasses.dataclass
@@ -224,6 +230,8 @@ class Command:
     help: str
     handler: Callable[[Invocation], None]
     flags: tuple[tuple[str, dict], ...] = ()  # argparse's add_argument(name, **options)
+    # Compile any configuration in a child process, so that XLA aborting is one line here.
+    isolated: bool = False
 
 
 JSON_FLAG = ("--json", {"action": "store_true", "help": "print JSON"})
@@ -245,11 +253,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "plan": Command(
         "per ZeRO stage: memory per device and collective bytes on DEVICES, compile only",
-        plan_command, (JSON_FLAG,),
+        plan_command, (JSON_FLAG,), isolated=True,
     ),
     "simulate": Command(
         "predict seconds per step on a GPU cluster (gin/clusters/) per stage and node count",
-        simulate_command, (JSON_FLAG,),
+        simulate_command, (JSON_FLAG,), isolated=True,
     ),
     "report": Command(
         "report.md and PNG plots from a study's results", report_command,
@@ -297,11 +305,42 @@ def _split_gin_bindings(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, bindings
 
 
+def run_in_child(argv: Sequence[str]) -> int:
+    """The command line again, in a child process whose stderr passes through until XLA fails
+    a check; then that check's message is the one line said here (not its stack dump)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "t5scale.cli", *argv],
+        env=os.environ | {IN_CHILD: "1"}, stderr=subprocess.PIPE, text=True, errors="replace",
+    )  # fmt: skip
+    fatal = None
+    for line in child.stderr:
+        if fatal is None and _GLOG_FATAL.match(line):
+            fatal = line.split("] ", 1)[-1].strip()
+        if fatal is None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    code = child.wait()
+    if code >= 0:
+        return code
+    reason = fatal or "no message"
+    print(
+        f"t5scale: error: the XLA compiler aborted ({signal.Signals(-code).name}): {reason}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return COMPILER_ABORTED
+
+
+_GLOG_FATAL = re.compile(r"^F\d{4} ")  # absl/glog's fatal lines: F<month><day> <time> ...
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
     args = _parser().parse_args(rest)
+    if COMMANDS[args.command].isolated and not os.environ.get(IN_CHILD):
+        return run_in_child(argv)
     bindings += [
         f"DistributedConfig.{flag}={getattr(args, flag)}"
         for flag in ("coordinator_address", "num_processes", "process_id")

@@ -1,9 +1,15 @@
 """The `t5scale` command, run as a user runs it: real processes, real files."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
-from conftest import TINY_ARGS, run_cli
+from conftest import REPO, TINY_ARGS, run_cli
 
 
 def test_train_writes_metrics_config_and_step_analysis(tmp_path):
@@ -62,3 +68,28 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     assert len(lines) == 1 and lines[0].startswith("t5scale: error:"), done.stderr
     assert message in lines[0]
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_an_xla_abort_in_plan_is_one_line_and_exit_code_5():
+    """plan and simulate compile in a child process: when XLA aborts there (a failed C++ check
+    kills the process with SIGABRT), the user gets one line, not a stack dump. Here the abort is
+    the real signal, sent to the child while it compiles."""
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "t5scale.cli", "plan", "--gin_file=gin/models/mt5_small.gin",
+         "--gin.DEVICES=8", "--gin.INPUT_LENGTH=64", "--gin.TARGET_LENGTH=16"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    children = []
+    while not children and time.monotonic() < deadline:
+        time.sleep(0.5)
+        found = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+        children = [int(pid) for pid in found.read_text().split()] if found.exists() else []
+    assert children, "plan started no child"
+    time.sleep(3)  # into its imports or its compile
+    os.kill(children[0], signal.SIGABRT)
+    out, err = parent.communicate(timeout=60)
+    assert parent.returncode == 5, (out, err)
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("t5scale: error: the XLA compiler aborted (SIGABRT)"), err
+    assert "Traceback" not in err
