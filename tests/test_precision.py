@@ -95,6 +95,7 @@ def test_mixed_collectives_move_half_of_fp32s_bytes(stage):
         ratio = mixed[kind]["bytes"] / fp32[kind]["bytes"]
         assert 0.48 <= ratio <= 0.53, (kind, ratio)
         compared += 1
-    assert compared >= 2  # the gradients' collective and the parameters' all-gather
+    # The gradients' collective, and from stage 1 on the parameters' all-gather.
+    assert compared >= (1 if stage == 0 else 2)
     # XLA:CPU runs them in f32 (it has no 16-bit collectives); the analysis counts them at bf16.
     assert mixed["widened_by_backend"] > 0 and "widened_by_backend" not in fp32
