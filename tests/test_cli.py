@@ -59,6 +59,8 @@ def test_params_prints_the_count_without_allocating():
         (["--gin.BATCH_SIZE=12"], "not divisible by data-parallel size 8"),
         (["--gin.MICRO_BATCHES=3"], "micro_batches 3"),
         (["--gin.STEPS_PER_EXECUTION=0"], "steps_per_execution must be >= 1"),
+        (["--gin.PrecisionConfig.mode='half'"], "PrecisionConfig.mode must be one of"),
+        (["--gin.PrecisionConfig.mode='mixed'"], "set ModelConfig.dtype='bfloat16'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
