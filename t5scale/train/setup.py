@@ -137,22 +137,38 @@ class Setup:
     def eval_step(self):
         return make_eval_step(self.run.model, self.layout, self.run.train.z_loss)
 
+    # The jitted conversions are made once per setup: a fresh jit per call would trace and
+    # compile again at every checkpoint.
+    @functools.cached_property
     def _initializer(self):
         init = initializer(self.run.model, self.tx, self.layout, self.precision)
         return jax.jit(init, out_shardings=self.state_shardings)
+
+    @functools.cached_property
+    def _to_canonical(self):
+        convert = functools.partial(to_canonical, tx=self.tx, layout=self.layout,
+                                    precision=self.precision)  # fmt: skip
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, self.canonical)
+        return jax.jit(convert, out_shardings=shardings)
+
+    @functools.cached_property
+    def _from_canonical(self):
+        convert = functools.partial(from_canonical, tx=self.tx, layout=self.layout,
+                                    precision=self.precision)  # fmt: skip
+        return jax.jit(convert, out_shardings=self.state_shardings)
 
     def create_state(self, seed: int | None = None) -> TrainState:
         """Fresh parameters and optimizer state straight in their at-rest shardings (seed:
         TrainConfig.seed unless given); the same values on every stage and mesh."""
         seed = self.run.train.seed if seed is None else seed
-        state = self._initializer()(jax.random.key(seed))
+        state = self._initializer(jax.random.key(seed))
         # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the
         # same collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
         return jax.block_until_ready(state)
 
     def compile_state_init(self) -> None:
         """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-        self._initializer().lower(jax.random.key(self.run.train.seed)).compile()
+        self._initializer.lower(jax.random.key(self.run.train.seed)).compile()
 
     @property
     def checkpointed_as_is(self) -> bool:
@@ -171,18 +187,13 @@ class Setup:
             return state
         if not self.layout.padded:  # mixed: the master and the moments as they are
             return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
-        convert = functools.partial(to_canonical, tx=self.tx, layout=self.layout,
-                                    precision=self.precision)  # fmt: skip
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, self.canonical)
-        return jax.jit(convert, out_shardings=shardings)(state)
+        return self._to_canonical(state)
 
     def from_checkpoint(self, canonical: TrainState) -> TrainState:
         """The state from a restored checkpoint_target."""
         if self.checkpointed_as_is:
             return canonical
-        convert = functools.partial(from_canonical, tx=self.tx, layout=self.layout,
-                                    precision=self.precision)  # fmt: skip
-        return jax.jit(convert, out_shardings=self.state_shardings)(canonical)
+        return self._from_canonical(canonical)
 
 
 def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
