@@ -24,6 +24,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 FIELDS = ("count", "bytes", "operand_bytes")
 UNKNOWN_LOOPS = "unknown_trip_count_loops"
@@ -310,14 +312,88 @@ def _done_types(module: Module) -> dict[str, str]:
     return done
 
 
-Tally = dict[str, dict[str, int]]
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective of the program, as the cluster model times it: its kind, its bytes per
+    run on one device, the first of its replica groups (devices as positions in the mesh's
+    device list), where it is, and the trip counts of the `while` loops around it, outermost
+    first."""
+
+    kind: str
+    bytes: int  # result bytes
+    operand_bytes: int
+    group: tuple[int, ...] | None  # None: every device
+    computation: str  # the computation it is in: XLA's combiners merge only within one
+    loops: tuple[int, ...]
+
+    def as_dict(self, count: int) -> dict[str, Any]:
+        return {"kind": self.kind, "count": count, "bytes": self.bytes,
+                "operand_bytes": self.operand_bytes,
+                "group": None if self.group is None else list(self.group),
+                "computation": self.computation, "loops": list(self.loops)}  # fmt: skip
 
 
-def _add(into: Tally, other: Mapping[str, Mapping[str, int]], times: int) -> None:
-    for kind, fields in other.items():
-        row = into.setdefault(kind, dict.fromkeys(FIELDS, 0))
-        for field, value in fields.items():
-            row[field] += times * value
+def first_group(attributes: str) -> tuple[int, ...] | None:
+    """The first replica group (device positions), from either of HLO's spellings; the first
+    source-target pair for a collective-permute; None when all devices take part."""
+    if found := _GROUPS_IOTA.search(attributes):
+        # [groups, size]<=[dims] with an optional T(perm): iota over dims, transposed, reshaped.
+        shape = [int(d) for d in found.group(1).split(",")]
+        tail = attributes[found.end() :]
+        dims = [int(d) for d in re.match(r"\[([\d,\s]+)\]", tail).group(1).split(",")]
+        perm = re.match(r"\[[\d,\s]+\]T\(([\d,\s]+)\)", tail)
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if perm:
+            ids = ids.transpose([int(d) for d in perm.group(1).split(",")])
+        return tuple(int(i) for i in ids.reshape(shape)[0])
+    for pattern in (_GROUPS_LIST, _PAIRS):
+        if (found := pattern.search(attributes)) and (groups := _groups(found.group(1))):
+            return tuple(groups[0])
+    return None
+
+
+def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Every collective that moves data, with how often it runs per executed step
+    (`CollectiveOp.as_dict`), and notes: loops of unknown trip count (their bodies counted
+    once) and collectives XLA:CPU widened (counted at their 16-bit size)."""
+    module = parse_module(hlo_text)
+    done_types = _done_types(module)
+    widening = _Widening(module)
+    found: dict[str, dict[CollectiveOp, int]] = {}
+    unknown_loops: set[str] = set()
+    widened: set[str] = set()
+
+    def walk(computation: str) -> dict[CollectiveOp, int]:
+        """The collectives one run of `computation` runs, with counts; loops relative to it."""
+        if computation in found:
+            return found[computation]
+        found[computation] = {}  # HLO has no recursion; this only guards against bad input
+        ops: dict[CollectiveOp, int] = {}
+        for instruction in module.computations.get(computation, []):
+            kind = collective_kind(instruction.opcode)
+            if kind and moves_data(instruction):
+                size = _result_bytes(instruction, done_types)
+                operand = _operand_bytes(instruction.operands, module.types)
+                if widening.widened(instruction):
+                    widened.add(instruction.name)
+                    size, operand = size // 2, operand // 2
+                group = first_group(instruction.attributes)
+                op = CollectiveOp(kind, size, operand, group, computation, ())
+                ops[op] = ops.get(op, 0) + 1
+            for callee, times, loop in _calls_with_repeats(instruction, unknown_loops):
+                for op, count in walk(callee).items():
+                    inner = dataclasses.replace(op, loops=(loop, *op.loops)) if loop else op
+                    ops[inner] = ops.get(inner, 0) + times * count
+        found[computation] = ops
+        return ops
+
+    ops = walk(module.entry) if module.entry is not None else {}
+    notes = {}
+    if unknown_loops:
+        notes[UNKNOWN_LOOPS] = len(unknown_loops)
+    if widened:
+        notes[WIDENED] = len(widened)
+    return [op.as_dict(count) for op, count in ops.items()], notes
 
 
 def collective_stats(hlo_text: str) -> dict[str, Any]:
@@ -327,58 +403,38 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
     Kinds that do not occur are absent. If a `while` loop has no known trip count, its body is
     counted once and the number of such loops is given under "unknown_trip_count_loops".
     """
-    module = parse_module(hlo_text)
-    done_types = _done_types(module)
-    widening = _Widening(module)
-    tallies: dict[str, Tally] = {}
-    unknown_loops: set[str] = set()
-    widened: set[str] = set()
-
-    def tally(computation: str) -> Tally:
-        if computation in tallies:
-            return tallies[computation]
-        tallies[computation] = {}  # HLO has no recursion; this only guards against bad input
-        total: Tally = {}
-        for instruction in module.computations.get(computation, []):
-            kind = collective_kind(instruction.opcode)
-            if kind and moves_data(instruction):
-                row = {
-                    "count": 1,
-                    "bytes": _result_bytes(instruction, done_types),
-                    "operand_bytes": _operand_bytes(instruction.operands, module.types),
-                }
-                if widening.widened(instruction):
-                    widened.add(instruction.name)
-                    row |= {"bytes": row["bytes"] // 2, "operand_bytes": row["operand_bytes"] // 2}
-                _add(total, {kind: row}, 1)
-            for callee, times in _calls_with_repeats(instruction, unknown_loops):
-                _add(total, tally(callee), times)
-        tallies[computation] = total
-        return total
-
-    stats: dict[str, Any] = {}
-    if module.entry is not None:
-        found = tally(module.entry)
-        stats = {kind: found[kind] for kind in KINDS if kind in found}
-    if unknown_loops:
-        stats[UNKNOWN_LOOPS] = len(unknown_loops)
-    if widened:
-        stats[WIDENED] = len(widened)
-    return stats
+    ops, notes = collective_ops(hlo_text)
+    return summarise(ops) | notes
 
 
-def _calls_with_repeats(instruction: Instruction, unknown_loops: set[str]) -> list[tuple[str, int]]:
-    """(callee, runs per run of the caller) for each computation the instruction calls."""
+def summarise(ops: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per-kind totals (count, bytes, operand_bytes) of `collective_ops`' records."""
+    totals: dict[str, dict[str, int]] = {}
+    for op in ops:
+        row = totals.setdefault(op["kind"], dict.fromkeys(FIELDS, 0))
+        row["count"] += op["count"]
+        row["bytes"] += op["count"] * op["bytes"]
+        row["operand_bytes"] += op["count"] * op["operand_bytes"]
+    return {kind: totals[kind] for kind in KINDS if kind in totals}
+
+
+def _calls_with_repeats(
+    instruction: Instruction, unknown_loops: set[str]
+) -> list[tuple[str, int, int | None]]:
+    """(callee, runs per run of the caller, the loop's trip count if the callee is the body of
+    a `while` with a known one) for each computation the instruction calls."""
     callees = _callees(instruction)
     if instruction.opcode != "while":
-        return [(callee, 1) for callee in callees]
+        return [(callee, 1, None) for callee in callees]
     trips = trip_count(instruction)
     if trips is None:
         unknown_loops.add(instruction.name)
-        return [(callee, 1) for callee in callees]
+        return [(callee, 1, None) for callee in callees]
     body = re.search(r"\bbody=" + _NAME, instruction.attributes)
     # The condition is evaluated once more than the body runs (the final, failing test).
-    return [(c, trips if body and c == body.group(1) else trips + 1) for c in callees]
+    return [
+        (c, trips, trips) if body and c == body.group(1) else (c, trips + 1, None) for c in callees
+    ]
 
 
 def format_bytes(size: float) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from t5scale.analysis.flops import training_flops_per_step
-from t5scale.analysis.hlo import collective_stats
+from t5scale.analysis.hlo import collective_ops, summarise
 from t5scale.analysis.memory import compiled_memory, per_device_bytes
 
 
@@ -34,6 +34,7 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
         run.model, run.train.batch_size, run.data.input_length, run.data.target_length
     )
     cost = compiled.cost_analysis() or {}
+    ops, notes = collective_ops(compiled.as_text())
     return {
         "model": run.model.name,
         "zero_stage": layout.stage.number,
@@ -41,6 +42,7 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
         "devices": layout.mesh.size,
         "batch_size": run.train.batch_size,
         "tokens_per_step": run.tokens_per_step,
+        "lengths": [run.data.input_length, run.data.target_length],
         "backend": jax.default_backend(),
         "compile_time_s": compile_time_s,
         "parameters": state_bytes.count,
@@ -65,5 +67,12 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
             "model_per_device": flops / layout.mesh.size,
             "xla_cost_analysis_per_device": float(cost.get("flops", 0.0)),
         },
-        "collectives": collective_stats(compiled.as_text()),
+        "collectives": summarise(ops) | notes,
+        # Each collective with its replica group (positions in the mesh's device list, which
+        # puts processes slowest) and enclosing loop trip counts: what the cluster model times.
+        "collective_ops": ops,
+        "layers": {
+            "encoder": run.model.num_encoder_layers,
+            "decoder": run.model.num_decoder_layers,
+        },
     }
