@@ -209,7 +209,12 @@ def plan_command(call: Invocation) -> None:
 
 def simulate_command(call: Invocation) -> None:
     run = call.run_config()
-    cluster, config = build_study_config("cluster"), build_study_config("simulate")
+    try:
+        cluster = build_study_config("cluster")
+    except ConfigError as error:
+        raise ConfigError(f"{error} (a cluster file names every figure, e.g. "
+                          "--gin_file=gin/clusters/a100.gin)") from None  # fmt: skip
+    config = build_study_config("simulate")
     show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
     result = simulate.simulate(run, cluster, config, show)
     print(json.dumps(result, indent=2) if call.args.json else simulate.format_simulation(result))

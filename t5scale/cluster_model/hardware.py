@@ -1,0 +1,55 @@
+"""A GPU cluster as the cluster model sees it. Each figure in gin/clusters/*.gin names its source.
+
+There are no defaults: a cluster file that leaves a figure out is an error, not an A100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from t5scale.train.config import ConfigError
+
+EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Bandwidths in bytes/s, latencies in seconds, FLOP/s per GPU.
+
+    Bus bandwidths are nccl-tests' `busbw` for a large all-reduce (what the link achieves, with
+    the algorithm's (n-1)/n factors taken out): `nvlink_bus_bandwidth` among one node's GPUs,
+    `network_bus_bandwidth` across nodes with all of a node's NICs in use (rail-aligned rings).
+    """
+
+    name: str
+    gpus_per_node: int
+    peak_flops: float  # dense 16-bit tensor cores, datasheet
+    peak_flops_float32: float  # dense TF32 tensor cores (fp32 compute), datasheet
+    gemm_efficiency: float  # fraction of the peak that large GEMMs reach
+    memory_bandwidth: float  # HBM, datasheet
+    memory_efficiency: float  # fraction of it that streaming kernels reach
+    # Fraction of that roofline a compiled t5scale step reaches (launch gaps, layout copies,
+    # fusions XLA does not make): the one calibrated figure, fitted on t5scale's own one-GPU
+    # steps (bench/cluster_model_vs_published.py --calibrate), never on the validation rows.
+    roofline_fraction: float
+    device_memory_gb: float
+    nvlink_bus_bandwidth: float
+    network_bus_bandwidth: float
+    nvlink_latency_s: float  # one ring step inside a node
+    network_latency_s: float  # one ring (or tree) step between nodes
+    collective_launch_s: float  # fixed cost of one collective
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "name":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"ClusterConfig.{field.name} must be a number, got {value!r}")
+            if field.name == "gpus_per_node" and (int(value) != value or value < 1):
+                raise ConfigError(f"ClusterConfig.gpus_per_node must be a whole number >= 1, "
+                                  f"got {value!r}")  # fmt: skip
+            if field.name in EFFICIENCIES and not 0 < value <= 1:
+                raise ConfigError(f"ClusterConfig.{field.name} must be in (0, 1], got {value!r}")
+            if value < 0 or (value == 0 and not field.name.endswith("_s")):
+                raise ConfigError(f"ClusterConfig.{field.name} must be > 0, got {value!r}")

@@ -1,0 +1,167 @@
+"""Seconds per step on a GPU cluster, from a compiled step's analysis (step_analysis.json).
+
+step = compute (compute.py) + optimizer update + the communication left exposed.
+
+What overlaps what is read from the compiled program's structure, assuming XLA's
+latency-hiding scheduler with collective pipelining (as MaxText and JAX-Toolbox run on GPUs):
+
+- `layer`: a ZeRO collective (its group varies only along `replica`/`zero`) inside a layer
+  loop (a `while` whose trip count is the encoder's or decoder's depth) — stage 3's gather of
+  the next layer's parameters, a layer's gradient reduce-scatter — hides behind the layers'
+  compute, but for one layer's worth (the first gather, the last reduction: fill and drain);
+- `gradient`: a ZeRO reduce-scatter or all-reduce outside the layer loops (the gradients'
+  reduction at stages 0–2) hides behind the backward pass only, again but for one layer's worth:
+  the pipeliner moves a stacked gradient's reduction into the backward loop;
+- `exposed`: everything else — collectives over `tensor` (activations the next operation
+  waits for), the update's all-gather of new parameters (stages 1–2; nothing left to hide it
+  behind), non-layer gathers.
+
+`overlap=False` exposes everything, the other bound.
+
+XLA's GPU combiners merge independent collectives of one kind over one group in one
+computation into messages of up to `combine_threshold_bytes` (launch/xla_gpu_flags.sh sets
+128 MiB), so stage 3's dozen per-layer gathers pay one launch and one ring's latency, not
+twelve. The CPU compiler that made the analysed program does not combine them; the model does,
+for ZeRO collectives only (tensor parallelism's all-reduces each wait for the compute before).
+
+Not modelled: compute slowed by communication kernels sharing the GPU, contention between
+concurrent collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from t5scale.analysis.flops import mfu
+from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
+from t5scale.cluster_model.compute import step_compute
+from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.model.sizes import ModelConfig
+
+DATA_AXES = {"replica", "zero"}
+# launch/xla_gpu_flags.sh: --xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes
+XLA_COMBINE_THRESHOLD_BYTES = 134_217_728
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
+    """The mesh axes along which a replica group's devices differ (all of them for None)."""
+    if group is None:
+        return {axis for axis, size in mesh.items() if size > 1}
+    coordinates = np.array(np.unravel_index(group, tuple(mesh.values())))
+    return {axis for axis, row in zip(mesh, coordinates, strict=True) if len(set(row)) > 1}
+
+
+def over_data_axes(op: dict[str, Any], mesh: dict[str, int]) -> bool:
+    """Whether a collective is ZeRO's or data parallelism's (its group spans no `tensor`)."""
+    return mesh_axes(op["group"], mesh) <= DATA_AXES
+
+
+def combined(
+    ops: list[dict[str, Any]], mesh: dict[str, int], threshold: int
+) -> list[dict[str, Any]]:
+    """The collectives as XLA's GPU combiners would launch them: the ZeRO collectives of one
+    kind, group, computation and loop nest merged, per run of that computation, into as few
+    messages of at most `threshold` bytes as their total allows (never more than there were)."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    result = []
+    for op in ops:
+        if not over_data_axes(op, mesh):
+            result.append(op)
+            continue
+        group = None if op["group"] is None else tuple(op["group"])
+        key = (op["kind"], group, op["computation"], tuple(op["loops"]))
+        into = merged.setdefault(key, {**op, "count": 0, "bytes": 0, "operand_bytes": 0})
+        into["count"] += op["count"]
+        into["bytes"] += op["count"] * op["bytes"]
+        into["operand_bytes"] += op["count"] * op["operand_bytes"]
+    for op in merged.values():
+        runs = math.prod(op["loops"]) if op["loops"] else 1
+        per_run = max(1, op["count"] // runs)  # collectives per run of their computation
+        size = full_bytes(op) / runs
+        launches = min(per_run, max(1, math.ceil(size / threshold)))
+        share = 1 / (runs * launches)  # bytes per launched message
+        result.append(op | {"count": runs * launches, "bytes": op["bytes"] * share,
+                            "operand_bytes": op["operand_bytes"] * share})  # fmt: skip
+    return result
+
+
+def overlap_class(op: dict[str, Any], mesh: dict[str, int], layers: set[int]) -> str:
+    """`layer`, `gradient` or `exposed` (module docstring)."""
+    if not over_data_axes(op, mesh):
+        return "exposed"
+    if op["loops"] and op["loops"][-1] in layers:
+        return "layer"
+    if op["kind"] in ("reduce-scatter", "all-reduce"):
+        return "gradient"
+    return "exposed"
+
+
+def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
+    """The optimizer update, memory-bound: it reads and writes the optimizer state this device
+    owns, reads the owned gradients and reads and writes the owned parameters."""
+    mesh, precision = analysis["mesh"], analysis["precision"]
+    owned = analysis["parameters"] / mesh.get("tensor", 1)
+    if analysis["zero_stage"] >= 1:
+        owned /= mesh["zero"]
+    optimizer = analysis["model_state_per_device"]["zero_formula_bytes"]["optimizer_state"]
+    optimizer /= mesh.get("tensor", 1)
+    per_parameter = DTYPE_BYTES[precision["gradients"]] + 2 * DTYPE_BYTES[precision["parameters"]]
+    moved = 2 * optimizer + owned * per_parameter
+    return moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
+
+
+def predict(
+    analysis: dict[str, Any],
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    overlap: bool = True,
+    combine_threshold_bytes: int = XLA_COMBINE_THRESHOLD_BYTES,
+) -> dict[str, Any]:
+    """Seconds per step and its parts on `cluster`, for the step `analysis` describes (its mesh
+    laid over nodes of `cluster.gpus_per_node` GPUs, processes slowest)."""
+    mesh, devices = analysis["mesh"], analysis["devices"]
+    sequences = analysis["batch_size"] / (mesh.get("replica", 1) * mesh.get("zero", 1))
+    lengths = analysis["lengths"]
+    compute = step_compute(model, sequences, *lengths, cluster, tensor=mesh.get("tensor", 1))
+    layers = set(analysis["layers"].values())
+    by_class = {"layer": 0.0, "gradient": 0.0, "exposed": 0.0}
+    by_kind: dict[str, float] = {}
+    for op in combined(analysis["collective_ops"], mesh, combine_threshold_bytes):
+        where = placement(op["group"], devices, cluster.gpus_per_node)
+        seconds = op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
+        by_class[overlap_class(op, mesh, layers)] += seconds
+        by_kind[op["kind"]] = by_kind.get(op["kind"], 0.0) + seconds
+    communication = sum(by_class.values())
+    hidden = 0.0
+    if overlap:
+        depth = min(layers)
+        hideable_layer = by_class["layer"] * (1 - 1 / depth)
+        hideable_gradient = by_class["gradient"] * (1 - 1 / depth)
+        behind_layers = compute.forward_layers + compute.backward_layers
+        hidden_gradient = min(hideable_gradient, compute.backward_layers)
+        hidden = min(hideable_layer + hidden_gradient, behind_layers)
+    update = update_seconds(analysis, cluster)
+    step = compute.total + update + communication - hidden
+    tokens = analysis["tokens_per_step"]
+    peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
+    return {
+        "step_s": step,
+        "compute_s": compute.total,
+        "update_s": update,
+        "communication_s": communication,
+        "exposed_communication_s": communication - hidden,
+        "communication_by_kind_s": by_kind,
+        "communication_by_overlap_s": by_class,
+        "hidden_s": hidden,
+        "sequences_per_s": analysis["batch_size"] / step,
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_device": tokens / step / devices,
+        "mfu": mfu(analysis["flops_per_step"]["model"], step, peak, devices),
+        "fits": analysis["memory_per_device"]["peak_estimate_bytes"]
+        <= cluster.device_memory_gb * 1e9,
+        "xla_peak_bytes": analysis["memory_per_device"]["peak_estimate_bytes"],
+    }

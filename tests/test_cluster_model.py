@@ -1,0 +1,194 @@
+"""The cluster model (t5scale/cluster_model/): collective times against hand-computed cases, the
+collectives' placement and overlap read from a real compiled step, the compute roofline, and
+bad cluster files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import REPO, run_cli, tiny_setup
+
+from t5scale.analysis.hlo import first_group
+from t5scale.cluster_model.collectives import Placement, collective_seconds, placement
+from t5scale.cluster_model.compute import step_compute
+from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.cluster_model.step_time import (
+    XLA_COMBINE_THRESHOLD_BYTES,
+    combined,
+    overlap_class,
+    predict,
+)
+from t5scale.config import build_study_config, parse_gin
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.config import ConfigError
+
+# Round figures, so that every expected time below can be checked by hand.
+CLUSTER = ClusterConfig(
+    name="round", gpus_per_node=8, peak_flops=100e12, peak_flops_float32=50e12,
+    gemm_efficiency=1.0, memory_efficiency=1.0, roofline_fraction=1.0, memory_bandwidth=1e12,
+    device_memory_gb=80, nvlink_bus_bandwidth=200e9, network_bus_bandwidth=100e9,
+    nvlink_latency_s=1e-6, network_latency_s=10e-6, collective_launch_s=5e-6,
+)  # fmt: skip
+GB = 1e9
+
+
+def test_ring_inside_one_node():
+    # all-gather of 8 GB over 8 GPUs of one node: 7/8 of it through each NVLink, 7 steps
+    seconds = collective_seconds("all-gather", 8 * GB, Placement(8, 1), CLUSTER)
+    assert seconds == pytest.approx(5e-6 + 7 / 8 * 8 * GB / 200e9 + 7 * 1e-6)
+    scatter = collective_seconds("reduce-scatter", 8 * GB, Placement(8, 1), CLUSTER)
+    assert scatter == pytest.approx(seconds)
+    # all-reduce: twice the bytes and twice the steps
+    reduce = collective_seconds("all-reduce", 8 * GB, Placement(8, 1), CLUSTER)
+    assert reduce == pytest.approx(5e-6 + 2 * 7 / 8 * 8 * GB / 200e9 + 14 * 1e-6)
+    assert collective_seconds("all-reduce", 8 * GB, Placement(1, 1), CLUSTER) == 0
+
+
+def test_across_nodes_the_network_and_the_group_share_of_nics_set_the_pace():
+    # 4 nodes × 8 GPUs: the network's 100 GB/s (all 8 NICs) is slower than NVLink's 200
+    # of the ring's 31 steps, 3 cross between nodes (NCCL's latency model)
+    seconds = collective_seconds("all-gather", 32 * GB, Placement(32, 4), CLUSTER)
+    assert seconds == pytest.approx(5e-6 + 31 / 32 * 32 * GB / 100e9 + 28 * 1e-6 + 3 * 10e-6)
+    # 4 GPUs per node in the group: two such groups share each node's NICs, 50 GB/s each
+    half = collective_seconds("all-gather", 16 * GB, Placement(16, 4), CLUSTER)
+    assert half == pytest.approx(5e-6 + 15 / 16 * 16 * GB / 50e9 + 12 * 1e-6 + 3 * 10e-6)
+
+
+def test_large_all_reduce_runs_as_a_ring_small_as_a_tree():
+    where = Placement(64, 8)
+    big = collective_seconds("all-reduce", 8 * GB, where, CLUSTER)
+    assert big == pytest.approx(5e-6 + 2 * 63 / 64 * 8 * GB / 100e9 + 112 * 1e-6 + 14 * 10e-6)
+    # 1 KB: the ring's 126 steps (14 between nodes) lose to the tree's 2 × (7 NVLink + 3
+    # network) steps
+    small = collective_seconds("all-reduce", 1024, where, CLUSTER)
+    assert small == pytest.approx(5e-6 + 2 * 1024 / 100e9 + 2 * (7 * 1e-6 + 3 * 10e-6))
+    # small messages fall short of the bus bandwidth: latency dominates them
+    achieved = 2 * 63 / 64 * 1024 / small
+    assert achieved < 0.01 * 100e9
+
+
+def test_xla_combines_zero_collectives_up_to_the_threshold_of_the_launch_flags():
+    flags = (REPO / "launch" / "xla_gpu_flags.sh").read_text()
+    assert f"all_gather_combine_threshold_bytes={XLA_COMBINE_THRESHOLD_BYTES}" in flags
+    mesh = {"replica": 1, "zero": 4, "tensor": 2}
+    # 10 gathers of 1 MB over `zero` per layer, 24 layers; 2 all-reduces over `tensor`
+    gather = {"kind": "all-gather", "count": 240, "bytes": 2**20, "operand_bytes": 2**18,
+              "group": [0, 2, 4, 6], "computation": "body", "loops": [24]}  # fmt: skip
+    tensor = gather | {"kind": "all-reduce", "count": 48, "group": [0, 1]}
+    ops = combined([gather, tensor], mesh, threshold=4 * 2**20)
+    assert tensor in ops  # each waits for the compute before it: never combined
+    (merged,) = [op for op in ops if op["kind"] == "all-gather"]
+    assert merged["count"] == 24 * 3  # 10 MB per layer in messages of at most 4 MB
+    assert merged["count"] * merged["bytes"] == pytest.approx(240 * 2**20)  # nothing lost
+    (whole,) = [op for op in combined([gather], mesh, 2**30) if op["kind"] == "all-gather"]
+    assert whole["count"] == 24
+
+
+def test_placement_of_replica_groups_on_nodes():
+    assert placement(None, 32, 8) == Placement(32, 4)
+    assert placement([0, 2, 4, 6, 8, 10, 12, 14], 16, 8) == Placement(8, 2)
+    assert placement([0, 1], 16, 8) == Placement(2, 1)
+    assert Placement(8, 2).local == 4
+
+
+def test_replica_groups_in_both_hlo_spellings():
+    assert first_group("replica_groups={{0,2},{1,3}}, dimensions={0}") == (0, 2)
+    assert first_group("replica_groups=[2,4]<=[8], to_apply=%add") == (0, 1, 2, 3)
+    # iota over [4,2], transposed: groups are the columns
+    assert first_group("replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add") == (0, 2, 4, 6)
+    assert first_group("channel_id=1, to_apply=%add") is None
+
+
+@pytest.fixture(scope="module")
+def stage3_tensor2():
+    """The compiled step's analysis at stage 3, zero 4 × tensor 2, on 8 devices."""
+    return tiny_setup(ParallelConfig(zero_stage=3, zero=4, tensor=2)).compile().analysis
+
+
+def test_compiled_collectives_know_their_loop_and_mesh_axes(stage3_tensor2):
+    analysis = stage3_tensor2
+    mesh, layers = analysis["mesh"], set(analysis["layers"].values())
+    ops = analysis["collective_ops"]
+    classes = {(op["kind"], overlap_class(op, mesh, layers)) for op in ops}
+    # stage 3 gathers each layer's parameters inside the layer loop: hidden behind compute
+    assert ("all-gather", "layer") in classes
+    # tensor parallelism's activation all-reduces: the next operation waits for them
+    assert ("all-reduce", "exposed") in classes
+    for op in ops:
+        if op["loops"] and op["loops"][-1] in layers:
+            assert op["count"] % op["loops"][-1] == 0  # runs once per layer (per pass)
+    # the totals are the records summed
+    gathers = [op for op in ops if op["kind"] == "all-gather"]
+    assert analysis["collectives"]["all-gather"]["count"] == sum(op["count"] for op in gathers)
+
+
+def test_stage_2_reductions_hide_behind_the_backward_and_its_gather_behind_nothing():
+    analysis = tiny_setup(ParallelConfig(zero_stage=2, zero=8)).compile().analysis
+    mesh, layers = analysis["mesh"], set(analysis["layers"].values())
+    classes: dict[str, set[str]] = {}
+    for op in analysis["collective_ops"]:
+        classes.setdefault(op["kind"], set()).add(overlap_class(op, mesh, layers))
+    assert classes["reduce-scatter"] == {"gradient"}
+    assert classes["all-gather"] == {"exposed"}  # the new parameters, after the update
+
+
+def test_overlap_hides_communication_but_never_more_than_the_compute(stage3_tensor2):
+    model = ModelConfig(vocab_size=1024)
+    slow = dataclasses.replace(CLUSTER, gpus_per_node=2, network_bus_bandwidth=1e6)
+    on = predict(stage3_tensor2, model, slow, overlap=True)
+    off = predict(stage3_tensor2, model, slow, overlap=False)
+    assert off["hidden_s"] == 0 and on["hidden_s"] > 0
+    assert on["step_s"] == pytest.approx(off["step_s"] - on["hidden_s"])
+    assert on["hidden_s"] <= on["compute_s"]
+    by_class = on["communication_by_overlap_s"]
+    assert on["hidden_s"] <= by_class["layer"] + by_class["gradient"]
+    assert on["communication_s"] == pytest.approx(sum(by_class.values()))
+
+
+def test_compute_roofline_differs_per_model_size():
+    parse_gin(["gin/clusters/a100.gin"], [])
+    a100 = build_study_config("cluster")
+
+    def efficiency(name: str) -> float:
+        model = ModelConfig(name=name, dtype="bfloat16")
+        time = step_compute(model, 8, 1024, 229, a100)
+        return time.matmul_flops / time.total / (a100.peak_flops * a100.gemm_efficiency)
+
+    small, xl = efficiency("mt5_small"), efficiency("mt5_xl")
+    assert small < 0.8 * xl  # narrow layers and the vocabulary's logits are memory-bound work
+    # the 250k-entry head is a larger share of mt5_small's step than of mt5_xl's
+    share = {
+        name: (t := step_compute(ModelConfig(name=name, dtype="bfloat16"), 8, 1024, 229, a100)).head
+        / t.total
+        for name in ("mt5_small", "mt5_xl")
+    }
+    assert share["mt5_small"] > 2 * share["mt5_xl"]
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ("drop:ClusterConfig.network_bus_bandwidth", "network_bus_bandwidth"),
+        ("ClusterConfig.nvlink_bus_bandwidth = -230e9", "nvlink_bus_bandwidth"),
+        ("ClusterConfig.gpus_per_node = 0", "gpus_per_node"),
+    ],
+)
+def test_a_bad_cluster_file_is_one_line_and_exit_2(tmp_path, edit, named):
+    lines = (REPO / "gin/clusters/a100.gin").read_text().splitlines()
+    if edit.startswith("drop:"):
+        lines = [line for line in lines if not line.startswith(edit.removeprefix("drop:"))]
+    else:
+        lines.append(edit)
+    bad = tmp_path / "bad.gin"
+    bad.write_text("\n".join(lines) + "\n")
+    done = run_cli("simulate", "--gin_file=gin/models/mt5_tiny.gin", f"--gin_file={bad}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    message = done.stderr.strip().splitlines()
+    assert len(message) == 1 and named in message[0], done.stderr
+
+
+def test_cluster_config_refuses_an_efficiency_above_one():
+    with pytest.raises(ConfigError, match="gemm_efficiency"):
+        dataclasses.replace(CLUSTER, gemm_efficiency=1.5)
