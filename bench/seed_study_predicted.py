@@ -1,0 +1,109 @@
+"""The seed study's grid, predicted by the cluster model: mT5 base, large, xl and xxl on 1, 2, 4
+and 8 DGX A100 and DGX H100 nodes, ZeRO stages 1-3, mixed precision, full remat.
+
+    python bench/seed_study_predicted.py [--plot docs/cluster_model_seed_study.png]
+
+Runs `t5scale simulate` in-process for each model and cluster (lengths 1024/229, 4 sequences
+per GPU) and prints one markdown table per model and a plot of seconds per step against nodes
+per stage, as the seed paper plotted. The A100 and H100 runs share the compiled analyses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+
+import t5scale  # noqa: F401
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 64)
+
+from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
+from t5scale.study.simulate import format_simulation, simulate  # noqa: E402
+
+MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
+CLUSTERS = ("a100", "h100")
+
+
+def predict_grid() -> dict[tuple[str, str], dict]:
+    results = {}
+    for model in MODELS:
+        for cluster in CLUSTERS:
+            parse_gin([f"gin/models/{model}.gin", f"gin/clusters/{cluster}.gin"],
+                      ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'"])  # fmt: skip
+            run = build_run_config()
+            config, hardware = build_study_config("simulate"), build_study_config("cluster")
+            results[model, cluster] = simulate(run, hardware, config, show=lambda _: None)
+            print(f"{model} on {cluster}: done", flush=True)
+    return results
+
+
+def plot(results: dict[tuple[str, str], dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(CLUSTERS), len(MODELS), figsize=(15, 7), sharex=True)
+    for row, cluster in enumerate(CLUSTERS):
+        for column, model in enumerate(MODELS):
+            ax = axes[row][column]
+            rows = results[model, cluster]["rows"]
+            for stage in sorted({r["stage"] for r in rows}):
+                mine = [r for r in rows if r["stage"] == stage]
+                fits = [r["fits"] for r in mine]
+                ax.plot([r["nodes"] for r in mine], [r["step_s"] for r in mine], marker="o",
+                        label=f"ZeRO {stage}" + ("" if all(fits) else " (○: does not fit)"))  # fmt: skip
+                for r in mine:
+                    if not r["fits"]:
+                        ax.plot(r["nodes"], r["step_s"], "o", color="white", markersize=4)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            ax.set_title(f"{model}, DGX {cluster.upper()}", fontsize=10)
+            ax.set_ylim(bottom=0)
+            if column == 0:
+                ax.set_ylabel("seconds per step (predicted)")
+            if row == len(CLUSTERS) - 1:
+                ax.set_xlabel("nodes (8 GPUs each)")
+            ax.legend(fontsize=7)
+    figure.suptitle("t5scale simulate: mixed precision, full remat, 4 × 1024/229 sequences per "
+                    "GPU (weak scaling)")  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def pivot(results: dict[tuple[str, str], dict]) -> str:
+    """Seconds per step by model and stage (rows) and cluster and nodes (columns); * marks a
+    configuration whose XLA peak does not fit the GPU's memory."""
+    nodes = results[MODELS[0], CLUSTERS[0]]["rows"]
+    counts = sorted({r["nodes"] for r in nodes})
+    header = " | ".join(f"{c.upper()} ×{n}" for c in CLUSTERS for n in counts)
+    lines = [f"| model | stage | {header} |", "|---|---|" + "---|" * len(CLUSTERS) * len(counts)]
+    for model in MODELS:
+        for stage in sorted({r["stage"] for r in nodes}):
+            cells = []
+            for cluster in CLUSTERS:
+                for row in results[model, cluster]["rows"]:
+                    if row["stage"] == stage:
+                        cells.append(f"{row['step_s']:.3f}{'' if row['fits'] else '*'}")
+            lines.append(f"| {model} | {stage} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results = predict_grid()
+    print("\n" + pivot(results))
+    for key in ((model, cluster) for cluster in CLUSTERS for model in MODELS):
+        print("\n" + format_simulation(results[key]))
+    plot(results, args.plot)
+    print(f"\nplot: {args.plot}; {time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
