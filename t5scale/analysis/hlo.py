@@ -54,6 +54,7 @@ _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 
 
@@ -325,12 +326,14 @@ class CollectiveOp:
     group: tuple[int, ...] | None  # None: every device
     computation: str  # the computation it is in: XLA's combiners merge only within one
     loops: tuple[int, ...]
+    loop_names: tuple[str, ...]  # each loop's op_name (JAX's trace path, e.g. `…/encoder/while`)
 
     def as_dict(self, count: int) -> dict[str, Any]:
         return {"kind": self.kind, "count": count, "bytes": self.bytes,
                 "operand_bytes": self.operand_bytes,
                 "group": None if self.group is None else list(self.group),
-                "computation": self.computation, "loops": list(self.loops)}  # fmt: skip
+                "computation": self.computation, "loops": list(self.loops),
+                "loop_names": list(self.loop_names)}  # fmt: skip
 
 
 def first_group(attributes: str) -> tuple[int, ...] | None:
@@ -378,12 +381,16 @@ def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]
                     widened.add(instruction.name)
                     size, operand = size // 2, operand // 2
                 group = first_group(instruction.attributes)
-                op = CollectiveOp(kind, size, operand, group, computation, ())
+                op = CollectiveOp(kind, size, operand, group, computation, (), ())
                 ops[op] = ops.get(op, 0) + 1
             for callee, times, loop in _calls_with_repeats(instruction, unknown_loops):
                 for op, count in walk(callee).items():
-                    inner = dataclasses.replace(op, loops=(loop, *op.loops)) if loop else op
-                    ops[inner] = ops.get(inner, 0) + times * count
+                    if loop is not None:
+                        trips, name = loop
+                        op = dataclasses.replace(
+                            op, loops=(trips, *op.loops), loop_names=(name, *op.loop_names)
+                        )
+                    ops[op] = ops.get(op, 0) + times * count
         found[computation] = ops
         return ops
 
@@ -393,7 +400,7 @@ def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]
         notes[UNKNOWN_LOOPS] = len(unknown_loops)
     if widened:
         notes[WIDENED] = len(widened)
-    return [op.as_dict(count) for op, count in ops.items()], notes
+    return [op.as_dict(count) for op, count in ops.items() if count], notes
 
 
 def collective_stats(hlo_text: str) -> dict[str, Any]:
@@ -420,9 +427,9 @@ def summarise(ops: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
 
 def _calls_with_repeats(
     instruction: Instruction, unknown_loops: set[str]
-) -> list[tuple[str, int, int | None]]:
-    """(callee, runs per run of the caller, the loop's trip count if the callee is the body of
-    a `while` with a known one) for each computation the instruction calls."""
+) -> list[tuple[str, int, tuple[int, str] | None]]:
+    """(callee, runs per run of the caller, (trip count, op_name) if the callee is the body of
+    a `while` with a known trip count) for each computation the instruction calls."""
     callees = _callees(instruction)
     if instruction.opcode != "while":
         return [(callee, 1, None) for callee in callees]
@@ -432,8 +439,10 @@ def _calls_with_repeats(
         return [(callee, 1, None) for callee in callees]
     body = re.search(r"\bbody=" + _NAME, instruction.attributes)
     # The condition is evaluated once more than the body runs (the final, failing test).
+    found = _OP_NAME.search(instruction.attributes)
+    loop = (trips, found.group(1) if found else "")
     return [
-        (c, trips, trips) if body and c == body.group(1) else (c, trips + 1, None) for c in callees
+        (c, trips, loop) if body and c == body.group(1) else (c, trips + 1, None) for c in callees
     ]
 
 

@@ -41,6 +41,7 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
         "mesh": dict(layout.mesh.shape),
         "devices": layout.mesh.size,
         "batch_size": run.train.batch_size,
+        "micro_batches": run.train.micro_batches,
         "tokens_per_step": run.tokens_per_step,
         "lengths": [run.data.input_length, run.data.target_length],
         "backend": jax.default_backend(),

@@ -13,7 +13,7 @@ A collective over `ranks` GPUs spread evenly over `nodes` nodes (`local` GPUs ea
   one hop latency per ring step (n-1 steps; 2(n-1) for all-reduce), of which nodes-1 (twice
   that for all-reduce) cross the network and the rest stay on NVLink. Across nodes an
   all-reduce may instead run as NCCL's tree (a chain inside each node, a binary tree between
-  nodes): 2(local-1) NVLink and 2·log2(nodes) network steps, but twice the data per link;
+  nodes): 2(local-1) NVLink and 2·⌊log2(nodes)⌋ network steps, but twice the data per link;
   NCCL picks the faster, and so does this model;
 - small messages: the launch and step latencies dominate them, so their achieved bandwidth
   falls below the peak as nccl-tests' size sweeps show (half the peak where the size equals
@@ -79,7 +79,7 @@ def collective_seconds(
         if where.nodes > 1:
             tree = 2 * full_bytes / bandwidth + 2 * (
                 (where.local - 1) * cluster.nvlink_latency_s
-                + math.ceil(math.log2(where.nodes)) * cluster.network_latency_s
+                + int(math.log2(where.nodes)) * cluster.network_latency_s  # NCCL's log2i
             )
             seconds = min(seconds, tree)
     elif kind == "all-to-all":  # every pair at once: one step's latency

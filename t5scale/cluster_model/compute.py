@@ -17,8 +17,10 @@ vocabulary split over `tensor`):
   a write of the attention probabilities; the loss reads the logits three times in fp32
   (log-sum-exp, target logit, and the backward's softmax) and writes them once;
 - backward: twice the forward's matmul work (input and weight gradients) and twice its
-  elementwise bytes (the gradient in and out); remat `full` runs the layers' forward again,
-  `minimal` (matmul outputs kept) its elementwise part, both inside the backward pass.
+  elementwise bytes (the gradient in and out), plus what the remat policy recomputes there
+  (t5scale/model/mt5.py's `remat_policy`): `none` keeps every matmul output and recomputes the
+  elementwise work; `minimal` keeps only the unbatched matmuls' outputs, so attention's scores
+  and weighted values are recomputed too; `full` recomputes the layers' whole forward.
 
 The whole is scaled by `ClusterConfig.roofline_fraction`, the share of its roofline a compiled
 step reaches, calibrated once on t5scale's own one-GPU measurements (docs/cluster_model.md).
@@ -54,8 +56,10 @@ class _Pass:
     """Seconds of matmul and of memory-bound work in one forward pass."""
 
     matmul: float = 0.0
+    attention_matmul: float = 0.0  # the batched ones (scores, weighted values), within matmul
     elementwise: float = 0.0
     flops: float = 0.0
+    attention_flops: float = 0.0
 
 
 def step_compute(
@@ -77,7 +81,11 @@ def step_compute(
     def matmul(into: _Pass, m: float, k: float, n: float, batch: float = 1.0) -> None:
         flops = 2 * batch * m * k * n
         moved = width * batch * (m * k + k * n + m * n)
-        into.matmul += max(flops / peak, moved / bandwidth)
+        seconds = max(flops / peak, moved / bandwidth)
+        into.matmul += seconds
+        if batch > 1:
+            into.attention_matmul += seconds
+            into.attention_flops += flops
         into.flops += flops
 
     def elementwise(into: _Pass, values: float) -> None:
@@ -122,15 +130,15 @@ def step_compute(
     head.elementwise += 4 * 4 * dec_tokens * vocab / bandwidth  # fp32 logits: 3 reads, 1 write
 
     recompute = {
-        "none": 0.0,
-        "minimal": layers.elementwise,
+        "none": layers.elementwise,
+        "minimal": layers.elementwise + layers.attention_matmul,
         "full": layers.matmul + layers.elementwise,
     }
     forward = layers.matmul + layers.elementwise
+    recomputed_flops = {"none": 0.0, "minimal": layers.attention_flops, "full": layers.flops}
     return ComputeTime(
         forward_layers=forward,
         backward_layers=2 * forward + recompute[model.remat],
         head=3 * head.matmul + head.elementwise,
-        matmul_flops=3 * (layers.flops + head.flops)
-        + (layers.flops if model.remat == "full" else 0.0),
+        matmul_flops=3 * (layers.flops + head.flops) + recomputed_flops[model.remat],
     )

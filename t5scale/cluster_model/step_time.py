@@ -2,19 +2,24 @@
 
 step = compute (compute.py) + optimizer update + the communication left exposed.
 
-What overlaps what is read from the compiled program's structure, assuming XLA's
-latency-hiding scheduler with collective pipelining (as MaxText and JAX-Toolbox run on GPUs):
+What overlaps what is read from the compiled program's structure, assuming what
+launch/xla_gpu_flags.sh turns on for GPUs (XLA's latency-hiding scheduler, pipelined
+collectives). Each ZeRO collective (its group spans no `tensor`) is placed by the loops around
+it, which JAX names in the HLO: the layer scans end in `encoder/while` or `decoder/while`, and
+the backward pass's carry `transpose(` in their name.
 
-- `layer`: a ZeRO collective (its group varies only along `replica`/`zero`) inside a layer
-  loop (a `while` whose trip count is the encoder's or decoder's depth) — stage 3's gather of
-  the next layer's parameters, a layer's gradient reduce-scatter — hides behind the layers'
-  compute, but for one layer's worth (the first gather, the last reduction: fill and drain);
-- `gradient`: a ZeRO reduce-scatter or all-reduce outside the layer loops (the gradients'
-  reduction at stages 0–2) hides behind the backward pass only, again but for one layer's worth:
-  the pipeliner moves a stacked gradient's reduction into the backward loop;
-- `exposed`: everything else — collectives over `tensor` (activations the next operation
-  waits for), the update's all-gather of new parameters (stages 1–2; nothing left to hide it
-  behind), non-layer gathers.
+- `forward` / `backward`: inside a layer loop (stage 3's gather of the next layer's parameters,
+  a layer's gradient reduce-scatter): hides behind that pass's layer compute, but for one
+  layer's worth (the first gather, the last reduction: fill and drain);
+- `gradient`: a reduce-scatter or all-reduce outside the layer loops (the gradients' reduction
+  at stages 0–2): the pipeliner moves a stacked gradient's reduction into the backward loop, so
+  it hides behind the backward compute that the layer collectives left free, but for one
+  layer's worth; one that runs once per step after gradient accumulation (outside the
+  micro-batch loop) only behind the last micro-batch's share;
+- `exposed`: everything else — collectives over `tensor` (activations the next operation waits
+  for), the update's all-gather of new parameters (stages 1–2: nothing is left to hide it
+  behind), non-layer gathers, and scalars (≤ 1 KiB: the loss, the gradient norm that clipping
+  waits for).
 
 `overlap=False` exposes everything, the other bound.
 
@@ -69,11 +74,14 @@ def combined(
     merged: dict[tuple, dict[str, Any]] = {}
     result = []
     for op in ops:
+        if not op["count"]:
+            continue
         if not over_data_axes(op, mesh):
             result.append(op)
             continue
         group = None if op["group"] is None else tuple(op["group"])
-        key = (op["kind"], group, op["computation"], tuple(op["loops"]))
+        key = (op["kind"], group, op["computation"], tuple(op["loops"]),
+               tuple(op.get("loop_names", ())))  # fmt: skip
         into = merged.setdefault(key, {**op, "count": 0, "bytes": 0, "operand_bytes": 0})
         into["count"] += op["count"]
         into["bytes"] += op["count"] * op["bytes"]
@@ -89,15 +97,36 @@ def combined(
     return result
 
 
-def overlap_class(op: dict[str, Any], mesh: dict[str, int], layers: set[int]) -> str:
-    """`layer`, `gradient` or `exposed` (module docstring)."""
-    if not over_data_axes(op, mesh):
+SCALAR_BYTES = 1024  # at most this: a scalar or two (the loss, the gradient norm)
+CLASSES = ("forward", "backward", "gradient", "gradient_per_step", "exposed")
+
+
+def _layer_loop(name: str) -> bool:
+    return name.endswith(("encoder/while", "decoder/while"))
+
+
+def overlap_class(op: dict[str, Any], mesh: dict[str, int]) -> str:
+    """One of CLASSES (module docstring)."""
+    if not over_data_axes(op, mesh) or full_bytes(op) <= SCALAR_BYTES:
         return "exposed"
-    if op["loops"] and op["loops"][-1] in layers:
-        return "layer"
+    names = op.get("loop_names", [])
+    if layer_loops := [name for name in names if _layer_loop(name)]:
+        return "backward" if "transpose(" in layer_loops[-1] else "forward"
     if op["kind"] in ("reduce-scatter", "all-reduce"):
-        return "gradient"
+        return "gradient" if names else "gradient_per_step"  # inside the micro-batch loop
     return "exposed"
+
+
+def hidden_seconds(by_class: dict[str, float], compute, depth: int, micro_batches: int) -> float:
+    """Communication hidden behind compute: each class behind the compute it may overlap, but
+    for one layer's worth (fill and drain)."""
+    keep = 1 - 1 / depth
+    forward = min(by_class["forward"] * keep, compute.forward_layers)
+    backward = min(by_class["backward"] * keep, compute.backward_layers)
+    free = compute.backward_layers - backward  # backward compute no layer collective took
+    gradient = min(by_class["gradient"] * keep, free)
+    last = (free - gradient) / micro_batches  # the last micro-batch's free backward compute
+    return forward + backward + gradient + min(by_class["gradient_per_step"] * keep, last)
 
 
 def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
@@ -127,23 +156,18 @@ def predict(
     sequences = analysis["batch_size"] / (mesh.get("replica", 1) * mesh.get("zero", 1))
     lengths = analysis["lengths"]
     compute = step_compute(model, sequences, *lengths, cluster, tensor=mesh.get("tensor", 1))
-    layers = set(analysis["layers"].values())
-    by_class = {"layer": 0.0, "gradient": 0.0, "exposed": 0.0}
+    by_class = dict.fromkeys(CLASSES, 0.0)
     by_kind: dict[str, float] = {}
     for op in combined(analysis["collective_ops"], mesh, combine_threshold_bytes):
         where = placement(op["group"], devices, cluster.gpus_per_node)
         seconds = op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
-        by_class[overlap_class(op, mesh, layers)] += seconds
+        by_class[overlap_class(op, mesh)] += seconds
         by_kind[op["kind"]] = by_kind.get(op["kind"], 0.0) + seconds
     communication = sum(by_class.values())
     hidden = 0.0
     if overlap:
-        depth = min(layers)
-        hideable_layer = by_class["layer"] * (1 - 1 / depth)
-        hideable_gradient = by_class["gradient"] * (1 - 1 / depth)
-        behind_layers = compute.forward_layers + compute.backward_layers
-        hidden_gradient = min(hideable_gradient, compute.backward_layers)
-        hidden = min(hideable_layer + hidden_gradient, behind_layers)
+        depth = min(analysis["layers"].values())
+        hidden = hidden_seconds(by_class, compute, depth, analysis["micro_batches"])
     update = update_seconds(analysis, cluster)
     step = compute.total + update + communication - hidden
     tokens = analysis["tokens_per_step"]

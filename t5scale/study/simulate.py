@@ -51,7 +51,7 @@ class SimulateConfig:
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 5
+ANALYSIS_VERSION = 6
 
 
 def _cache_path() -> Path:
