@@ -212,8 +212,11 @@ def simulate_command(call: Invocation) -> None:
     try:
         cluster = build_study_config("cluster")
     except ConfigError as error:
-        raise ConfigError(f"{error} (a cluster file names every figure, e.g. "
-                          "--gin_file=gin/clusters/a100.gin)") from None  # fmt: skip
+        if "required positional argument" not in str(error):
+            raise
+        missing = str(error).partition("argument")[2].lstrip("s: ")
+        raise ConfigError(f"ClusterConfig: not given: {missing}; a cluster file names every "
+                          "figure, e.g. --gin_file=gin/clusters/a100.gin") from None  # fmt: skip
     config = build_study_config("simulate")
     show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
     result = simulate.simulate(run, cluster, config, show)
