@@ -29,8 +29,9 @@ import t5scale  # noqa: F401
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 512)
 
+from t5scale.cluster_model.step_time import predict  # noqa: E402
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.study.simulate import predict, step_analysis  # noqa: E402
+from t5scale.study.simulate import step_analysis  # noqa: E402
 
 T5X = "NVIDIA/JAX-Toolbox rosetta/rosetta/projects/t5x/README.md @ 12d19d5c"
 NEMO = "NVIDIA/NeMo-Framework-Launcher README.md @ 003d7e63"

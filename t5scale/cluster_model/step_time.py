@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from t5scale.analysis.flops import mfu
@@ -49,7 +50,6 @@ from t5scale.model.sizes import ModelConfig
 DATA_AXES = {"replica", "zero"}
 # launch/xla_gpu_flags.sh: --xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes
 XLA_COMBINE_THRESHOLD_BYTES = 134_217_728
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
@@ -138,7 +138,8 @@ def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
         owned /= mesh["zero"]
     optimizer = analysis["model_state_per_device"]["zero_formula_bytes"]["optimizer_state"]
     optimizer /= mesh.get("tensor", 1)
-    per_parameter = DTYPE_BYTES[precision["gradients"]] + 2 * DTYPE_BYTES[precision["parameters"]]
+    width = {name: jnp.dtype(precision[name]).itemsize for name in ("gradients", "parameters")}
+    per_parameter = width["gradients"] + 2 * width["parameters"]
     moved = 2 * optimizer + owned * per_parameter
     return moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
 

@@ -27,8 +27,6 @@ from t5scale.study.plan import PlanConfig, stage_run
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.setup import build_setup
 
-__all__ = ["ClusterConfig", "SimulateConfig", "predict", "simulate", "step_analysis"]
-
 
 @dataclasses.dataclass(frozen=True)
 class SimulateConfig:
