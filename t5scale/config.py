@@ -24,6 +24,7 @@ from t5scale.study.simulate import SimulateConfig
 from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
+from t5scale.train.replicas import ReplicaSyncConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Always parsed first: it declares the macros (TRAIN_STEPS, MODEL_DIR, …) that runs override.
@@ -38,6 +39,7 @@ _CONFIGURABLES = {
     "checkpoint": gin.external_configurable(CheckpointConfig, "CheckpointConfig"),
     "distributed": gin.external_configurable(DistributedConfig, "DistributedConfig"),
     "precision": gin.external_configurable(PrecisionConfig, "PrecisionConfig"),
+    "sync": gin.external_configurable(ReplicaSyncConfig, "ReplicaSyncConfig"),
 }
 _STUDY_CONFIGURABLES = {
     "study": gin.external_configurable(StudyConfig, "StudyConfig"),

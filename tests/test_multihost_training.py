@@ -86,3 +86,21 @@ def test_zero_across_two_processes_trains_like_one(tmp_path):
     )
     assert "[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices" in two
     _assert_same_losses(across, one, range(1, 7))
+
+
+DILOCO = [
+    STAGES[2], "--gin.ParallelConfig.replica=2", "--gin.ReplicaSyncConfig.mode='diloco'",
+    "--gin.ReplicaSyncConfig.every=4",
+]  # fmt: skip
+
+
+def test_diloco_with_a_replica_per_process_trains_like_one_process(tmp_path):
+    """DiLoCo, H = 4, over 2 processes × 4 devices (each process one replica, ZeRO-2 inside):
+    two rounds, the same losses as one process × 8 devices, and the checkpoint of its
+    per-replica state (each process writing its replica's shards) goes on in one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    output, _ = _finish(_two_processes(two, 8, *DILOCO), _one_process(one, 10, *DILOCO))
+    assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
+    (resumed,) = _finish(_one_process(two, 10, *DILOCO))
+    assert "resuming from the checkpoint at step 8" in resumed
+    _assert_same_losses(two, one, range(1, 11))

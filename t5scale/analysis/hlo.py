@@ -54,7 +54,11 @@ _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
+# Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} — the devices (in order) as
+# a mesh, each group the devices that differ only along the axes in braces.
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 
 
@@ -180,8 +184,20 @@ def _groups(listed: str) -> list[list[int]]:
     return [[int(d) for d in g.split(",") if d.strip()] for g in re.findall(r"\{([^}]*)\}", listed)]
 
 
+def _mesh_group(found: re.Match) -> tuple[int, ...]:
+    """The first group of a mesh-form replica_groups."""
+    axes = [(name.strip().strip("'"), int(size)) for name, size in
+            (entry.split("=") for entry in found.group(1).split(","))]  # fmt: skip
+    within = {name.strip().strip("'") for name in found.group(2).split(",") if name.strip()}
+    ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+    index = tuple(slice(None) if name in within else 0 for name, _ in axes)
+    return tuple(int(i) for i in ids[index].reshape(-1))
+
+
 def group_size(attributes: str) -> int | None:
     """Devices per replica group; None when no groups are given (all devices take part)."""
+    if found := _GROUPS_MESH.search(attributes):
+        return len(_mesh_group(found))
     if found := _GROUPS_IOTA.search(attributes):
         # Iota form [groups, size]<=[devices], maybe with a transpose: size is the last dim.
         return int(found.group(1).split(",")[-1])
@@ -233,7 +249,8 @@ _DATA_MOVES = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
 
 
 def _name(operand: str) -> str:
-    return operand.split()[-1].lstrip("%")
+    """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
+    return _COMMENT.sub("", operand).split()[-1].lstrip("%")
 
 
 def _called(instruction: Instruction, module: Module) -> list[Instruction]:
@@ -339,6 +356,8 @@ class CollectiveOp:
 def first_group(attributes: str) -> tuple[int, ...] | None:
     """The first replica group (device positions), from either of HLO's spellings; the first
     source-target pair for a collective-permute; None when all devices take part."""
+    if found := _GROUPS_MESH.search(attributes):
+        return _mesh_group(found)
     if found := _GROUPS_IOTA.search(attributes):
         # [groups, size]<=[dims] with an optional T(perm): iota over dims, transposed, reshaped.
         shape = [int(d) for d in found.group(1).split(",")]
@@ -353,6 +372,14 @@ def first_group(attributes: str) -> tuple[int, ...] | None:
         if (found := pattern.search(attributes)) and (groups := _groups(found.group(1))):
             return tuple(groups[0])
     return None
+
+
+def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
+    """The mesh axes along which a replica group's devices differ (all of them for None)."""
+    if group is None:
+        return {axis for axis, size in mesh.items() if size > 1}
+    coordinates = np.array(np.unravel_index(group, tuple(mesh.values())))
+    return {axis for axis, row in zip(mesh, coordinates, strict=True) if len(set(row)) > 1}
 
 
 def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -7,13 +7,16 @@ from typing import Any
 import jax
 
 from t5scale.analysis.flops import training_flops_per_step
-from t5scale.analysis.hlo import collective_ops, summarise
+from t5scale.analysis.hlo import collective_ops, mesh_axes, summarise
 from t5scale.analysis.memory import compiled_memory, per_device_bytes
 
 
-def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[str, Any]:
+def analyze_step(
+    compiled, setup, compile_time_s: float | None = None, outer_step=None
+) -> dict[str, Any]:
     """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of `compiled`, the
-    train step of `setup` (a t5scale.train.setup.Setup)."""
+    train step of `setup` (a t5scale.train.setup.Setup), and with local SGD or DiLoCo of its
+    compiled `outer_step`."""
     run, layout, state, precision = setup.run, setup.layout, setup.state, setup.precision
     shardings = setup.state_shardings
     zero_shards = layout.zero_size
@@ -76,4 +79,43 @@ def analyze_step(compiled, setup, compile_time_s: float | None = None) -> dict[s
             "encoder": run.model.num_encoder_layers,
             "decoder": run.model.num_decoder_layers,
         },
+        "replica_sync": replica_sync(run.sync, dict(layout.mesh.shape), ops, outer_step)
+        | outer_state_bytes(state, shardings),
     }
+
+
+def outer_state_bytes(state, shardings) -> dict[str, int]:
+    """Per device: the anchor and outer momentum of local SGD or DiLoCo (sharded over `zero` as
+    the optimizer state is), beside the model state above; nothing when replicas step together."""
+    if state.outer is None:
+        return {}
+    return {"outer_state_bytes_per_device": per_device_bytes(state.outer, shardings.outer)}
+
+
+def replica_sync(sync, mesh: dict[str, int], inner_ops: list[dict], outer_step) -> dict[str, Any]:
+    """How replicas synchronise and what it moves, per device: the step's collective bytes and
+    those over `replica`, the outer step's (local SGD, DiLoCo), and both per step (the outer
+    step's over H)."""
+    every = sync.every if sync.local else 1
+
+    def totals(ops: list[dict]) -> dict[str, int]:
+        over_replica = [op for op in ops if "replica" in mesh_axes(op["group"], mesh)]
+        return {
+            "bytes": sum(op["count"] * op["bytes"] for op in ops),
+            "bytes_over_replica": sum(op["count"] * op["bytes"] for op in over_replica),
+        }
+
+    inner = totals(inner_ops)
+    result = sync.describe() | {"inner_step": inner}
+    if outer_step is not None:
+        outer_ops, _ = collective_ops(outer_step.as_text())
+        outer = totals(outer_ops)
+        result |= {
+            "outer_dtype": sync.outer_dtype,
+            "outer_step": outer | {"collectives": summarise(outer_ops)},
+            "outer_collective_ops": outer_ops,
+        }
+    else:
+        outer = {"bytes": 0, "bytes_over_replica": 0}
+    result["per_step"] = {name: inner[name] + outer[name] / every for name in inner}
+    return result

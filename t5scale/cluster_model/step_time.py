@@ -39,9 +39,9 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from t5scale.analysis.flops import mfu
+from t5scale.analysis.hlo import mesh_axes
 from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
 from t5scale.cluster_model.compute import step_compute
 from t5scale.cluster_model.hardware import ClusterConfig
@@ -50,14 +50,6 @@ from t5scale.model.sizes import ModelConfig
 DATA_AXES = {"replica", "zero"}
 # launch/xla_gpu_flags.sh: --xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes
 XLA_COMBINE_THRESHOLD_BYTES = 134_217_728
-
-
-def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
-    """The mesh axes along which a replica group's devices differ (all of them for None)."""
-    if group is None:
-        return {axis for axis, size in mesh.items() if size > 1}
-    coordinates = np.array(np.unravel_index(group, tuple(mesh.values())))
-    return {axis for axis, row in zip(mesh, coordinates, strict=True) if len(set(row)) > 1}
 
 
 def over_data_axes(op: dict[str, Any], mesh: dict[str, int]) -> bool:
@@ -144,6 +136,32 @@ def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
     return moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
 
 
+def outer_step_seconds(
+    analysis: dict[str, Any], cluster: ClusterConfig, threshold: int = XLA_COMBINE_THRESHOLD_BYTES
+) -> tuple[float, int]:
+    """(seconds of one outer step of local SGD or DiLoCo, H); (0, 1) for synchronous steps.
+
+    Its collectives (Δ's all-reduce over `replica`, at stages 1-2 the new parameters' gather)
+    are exposed: nothing computes beside them. Its arithmetic is memory-bound: the owned shard
+    of the replica's fp32 parameters, the anchor and the momentum read, the last two written,
+    and the working copy written."""
+    sync = analysis.get("replica_sync", {})
+    ops = sync.get("outer_collective_ops")
+    if not ops:
+        return 0.0, 1
+    mesh, devices = analysis["mesh"], analysis["devices"]
+    seconds = 0.0
+    for op in combined(ops, mesh, threshold):
+        where = placement(op["group"], devices, cluster.gpus_per_node)
+        seconds += op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
+    owned = analysis["parameters"] / mesh.get("tensor", 1)
+    if analysis["zero_stage"] >= 1:
+        owned /= mesh["zero"]
+    moved = owned * (3 * 4 + 2 * 4 + jnp.dtype(analysis["precision"]["parameters"]).itemsize)
+    seconds += moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
+    return seconds, sync["every"]
+
+
 def predict(
     analysis: dict[str, Any],
     model: ModelConfig,
@@ -170,7 +188,8 @@ def predict(
         depth = min(analysis["layers"].values())
         hidden = hidden_seconds(by_class, compute, depth, analysis["micro_batches"])
     update = update_seconds(analysis, cluster)
-    step = compute.total + update + communication - hidden
+    outer, every = outer_step_seconds(analysis, cluster, combine_threshold_bytes)
+    step = compute.total + update + communication - hidden + outer / every
     tokens = analysis["tokens_per_step"]
     peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
     return {
@@ -182,6 +201,8 @@ def predict(
         "communication_by_kind_s": by_kind,
         "communication_by_overlap_s": by_class,
         "hidden_s": hidden,
+        "outer_step_s": outer,  # local SGD, DiLoCo: once per `sync_every` steps
+        "sync_every": every if analysis.get("replica_sync", {}).get("outer_collective_ops") else 0,
         "sequences_per_s": analysis["batch_size"] / step,
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_device": tokens / step / devices,

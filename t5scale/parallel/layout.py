@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.parallel import rules
-from t5scale.parallel.mesh import MeshError, ParallelConfig
+from t5scale.parallel.mesh import DATA_AXES, MeshError, ParallelConfig
 from t5scale.parallel.zero import ZeroStage, get_stage
 
 
@@ -102,6 +102,14 @@ class StateLayout:
     stage: ZeroStage
     mesh: Mesh
     leaves: Any  # pytree of LeafLayout, shaped like the parameters
+    # False: replicas step on their own (local SGD, DiLoCo: t5scale/train/replicas.py) and the
+    # train step reduces over `zero` only; these trees are then one replica's.
+    sync_replicas: bool = True
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes a train step reduces gradients and losses over."""
+        return DATA_AXES if self.sync_replicas else ("zero",)
 
     @property
     def zero_size(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 from t5scale.parallel.zero import check_stages
 from t5scale.train.config import ConfigError
+from t5scale.train.replicas import MODES, ReplicaSyncConfig
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
 SEARCHES = ("funnel", "grid")
@@ -26,6 +27,10 @@ class StudyConfig:
     `token_budget` tokens, lower wins; for learning-rate and batch-size choices).
     device_memory_gb: the per-device budget; None → the GPU's own limit, or on the CPU this
     machine's memory shared by the emulated devices.
+    replica_syncs: how replicas synchronise, each 'every_step' (ZeRO over every device, as
+    DeepSpeed) or 'local_sgd/H' or 'diloco/H' (`replicas` replicas, ZeRO inside each, an outer
+    step every H steps: t5scale/train/replicas.py). Compare them with the `loss` objective after
+    a token budget, so that a faster configuration that learns worse does not win on speed.
     """
 
     study_dir: str = "runs/study"
@@ -35,6 +40,8 @@ class StudyConfig:
     micro_batch_sizes: tuple[int, ...] = (1,)
     remats: tuple[str, ...] = ("none",)
     learning_rates: tuple[float, ...] = (1e-3,)
+    replica_syncs: tuple[str, ...] = ("every_step",)
+    replicas: int = 2
     tensor: int = 1
     gradient_accumulation: int = 1
     input_length: int = 128
@@ -61,7 +68,7 @@ class StudyConfig:
 
     def __post_init__(self) -> None:
         for field in ("models", "stages", "devices", "micro_batch_sizes", "remats",
-                      "learning_rates", "extra_bindings"):  # fmt: skip
+                      "learning_rates", "replica_syncs", "extra_bindings"):  # fmt: skip
             object.__setattr__(self, field, tuple(getattr(self, field)))  # gin gives lists
         for axis in (
             "models",
@@ -70,9 +77,14 @@ class StudyConfig:
             "micro_batch_sizes",
             "remats",
             "learning_rates",
+            "replica_syncs",
         ):
             if not getattr(self, axis):
                 raise ConfigError(f"StudyConfig.{axis} is empty")
+        for sync in self.replica_syncs:
+            replica_sync(sync)  # a ConfigError naming it
+        if self.replicas < 1:
+            raise ConfigError("StudyConfig.replicas must be >= 1")
         check_stages(self.stages, "StudyConfig.stages")
         if bad := [d for d in self.devices if d < 1 or d % self.tensor]:
             raise ConfigError(
@@ -102,7 +114,8 @@ class StudyConfig:
 
     def configurations(self) -> list[Configuration]:
         """Every configuration of the grid, device count aside (the funnel's unit)."""
-        axes = (self.models, self.stages, self.micro_batch_sizes, self.remats, self.learning_rates)
+        axes = (self.models, self.stages, self.micro_batch_sizes, self.remats, self.learning_rates,
+                self.replica_syncs)  # fmt: skip
         return [Configuration(*values) for values in itertools.product(*axes)]
 
     def point(self, configuration: Configuration, devices: int) -> Point:
@@ -121,12 +134,25 @@ class Configuration:
     micro_batch_size: int
     remat: str
     learning_rate: float
+    sync: str = "every_step"
 
     def label(self) -> str:
+        sync = "" if self.sync == "every_step" else f" {self.sync}"
         return (
             f"{self.model} stage {self.stage} mb {self.micro_batch_size} remat {self.remat}"
-            f" lr {self.learning_rate:g}"
+            f" lr {self.learning_rate:g}{sync}"
         )
+
+
+def replica_sync(text: str) -> ReplicaSyncConfig:
+    """'every_step', 'local_sgd/H' or 'diloco/H' as a ReplicaSyncConfig (other settings at
+    their defaults); a ConfigError otherwise."""
+    mode, _, every = text.partition("/")
+    if mode not in MODES or (mode == "every_step") != (not every) or not (every or "1").isdigit():
+        raise ConfigError(
+            f"StudyConfig.replica_syncs: {text!r} is not 'every_step', 'local_sgd/H' or 'diloco/H'"
+        )
+    return ReplicaSyncConfig(mode, int(every or 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +165,8 @@ class Point:
     remat: str
     learning_rate: float
     devices: int
+    sync: str = "every_step"
+    replicas: int = 2  # for local SGD and DiLoCo
     tensor: int = 1
     gradient_accumulation: int = 1
     input_length: int = 128
@@ -159,12 +187,22 @@ class Point:
     def gin_files(self) -> list[str]:
         return [f"gin/models/{self.model}.gin"]
 
+    def _replication(self) -> list[str]:
+        if self.sync == "every_step":  # ZeRO over every device, as DeepSpeed
+            return ["ParallelConfig.replica=1", "ParallelConfig.zero_across_hosts=True"]
+        sync = replica_sync(self.sync)
+        return [  # a replica per host where there are several: ZeRO inside each
+            f"ParallelConfig.replica={self.replicas}",
+            "ParallelConfig.zero_across_hosts=False",
+            f"ReplicaSyncConfig.mode='{sync.mode}'",
+            f"ReplicaSyncConfig.every={sync.every}",
+        ]
+
     def gin_bindings(self) -> list[str]:
         """The run this point is, as --gin.NAME=VALUE bindings over its model's gin file."""
         return [
             f"ParallelConfig.zero_stage={self.stage}",
-            "ParallelConfig.replica=1",
-            "ParallelConfig.zero_across_hosts=True",  # ZeRO over every device, as DeepSpeed
+            *self._replication(),
             "ParallelConfig.zero=-1",
             f"ParallelConfig.tensor={self.tensor}",
             f"ModelConfig.remat='{self.remat}'",

@@ -36,7 +36,11 @@ def keep_best(
 
 
 def configuration_of(record: dict[str, Any]) -> Configuration:
-    return Configuration(*(record["config"][f.name] for f in dataclasses.fields(Configuration)))
+    """The record's configuration (a field a study before it lacks: its default)."""
+    config = record["config"]
+    return Configuration(
+        *(config.get(f.name, f.default) for f in dataclasses.fields(Configuration))
+    )
 
 
 @dataclasses.dataclass

@@ -8,9 +8,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from t5scale.data.loader import host_batches
-from t5scale.train.config import RunConfig
+from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.setup import CompiledStep, build_setup
 
 
@@ -23,9 +25,21 @@ def model_state_per_device(run: RunConfig, devices=None) -> float:
 
 def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
     """Run `warmup` then `timed` executions on synthetic batches, each timed to
-    block_until_ready; with k steps per execution each gives its time over k as the step time."""
+    block_until_ready; with k steps per execution each gives its time over k as the step time.
+
+    With local SGD or DiLoCo the outer step runs where it is due, inside the time of the step
+    it follows; the timed steps are a multiple of H and the step time is their mean, so that
+    each step carries its 1/H of the synchronisation."""
     setup, k = step.setup, step.steps_per_execution
     run = setup.run
+    local = setup.outer_tx is not None
+    if local:
+        every = run.sync.every
+        if every % k:
+            raise ConfigError(
+                f"steps_per_execution={k} must divide ReplicaSyncConfig.every={every}"
+            )
+        timed = -(-timed * k // every) * every // k  # any H steps in a row hold one outer step
     stream = host_batches(run.data, run.train.batch_size, run.train.seed, run.model.vocab_size)
 
     def next_batch():
@@ -41,15 +55,20 @@ def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
         batch = next_batch()
         started = time.perf_counter()
         state, metrics = step.compiled(state, batch)
+        if local:
+            if run.sync.due((index + 1) * k):
+                state = setup.compiled_outer.compiled(state)
+            metrics = combine_replica_metrics(multihost_utils.process_allgather(metrics, True))
         jax.block_until_ready((state, metrics))
         if index >= warmup:
             times.extend([(time.perf_counter() - started) / k] * k)
         losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
     del state
-    median = statistics.median(times)
+    median = statistics.fmean(times) if local else statistics.median(times)
     return {
         "step_time_s": {
-            "median": median,
+            "median": median,  # with local SGD or DiLoCo: the mean over whole rounds
+            "statistic": "mean over whole rounds" if local else "median",
             "min": min(times),
             "max": max(times),
             # spread: (max - min) / median over the timed steps

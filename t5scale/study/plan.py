@@ -47,13 +47,15 @@ class PlanConfig:
         check_stages(self.stages, "PlanConfig.stages")
 
 
-def stage_run(run: RunConfig, plan: PlanConfig, stage: int) -> RunConfig:
-    """The run the planner compiles for `stage`: zero over every data-parallel device."""
+def stage_run(run: RunConfig, plan: PlanConfig, stage: int, replicas: int = 1) -> RunConfig:
+    """The run the planner compiles for `stage`: zero over every data-parallel device (of each
+    of `replicas` replicas: local SGD, DiLoCo)."""
     data_parallel = plan.devices // plan.tensor
     batch = plan.micro_batch_size * data_parallel * run.train.micro_batches
     parallel = dataclasses.replace(
-        run.parallel, zero_stage=stage, replica=1, zero=data_parallel, tensor=plan.tensor
-    )
+        run.parallel, zero_stage=stage, replica=replicas, zero=data_parallel // replicas,
+        tensor=plan.tensor,
+    )  # fmt: skip
     return dataclasses.replace(
         run, parallel=parallel, train=dataclasses.replace(run.train, batch_size=batch)
     )

@@ -3,7 +3,9 @@
     t5scale simulate --gin_file=gin/models/mt5_xxl.gin --gin_file=gin/clusters/a100.gin
 
 For each ZeRO stage and node count the train step is compiled on as many emulated CPU devices
-as the cluster has GPUs (zero over all of them, or over all but `tensor`), and the cluster model
+as the cluster has GPUs (zero over all of them, or over all but `tensor`) — and, for each H in
+`diloco_every`, DiLoCo's inner and outer steps with a replica per node and zero inside it
+(t5scale/train/replicas.py) — and the cluster model
 (t5scale/cluster_model/) times what the compiled step does: its collectives, each placed on the
 nodes by its replica group, its compute, its update, and what hides behind what. Compiled
 analyses are cached on disk, so a second run over the same grid compiles nothing.
@@ -25,6 +27,7 @@ from t5scale.cluster_model.step_time import XLA_COMBINE_THRESHOLD_BYTES, predict
 from t5scale.parallel.zero import check_stages
 from t5scale.study.plan import PlanConfig, stage_run
 from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
 
 
@@ -37,10 +40,16 @@ class SimulateConfig:
     overlap: bool = True  # communication hides behind compute where the structure allows
     # XLA's GPU combine thresholds, as launch/xla_gpu_flags.sh sets them
     combine_threshold_bytes: int = XLA_COMBINE_THRESHOLD_BYTES
+    # DiLoCo beside the synchronous stages: a replica per node, an outer step every H steps for
+    # each H here (ReplicaSyncConfig's other settings, e.g. outer_dtype, as gin binds them)
+    diloco_every: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "diloco_every", tuple(self.diloco_every))
+        if any(every < 1 for every in self.diloco_every):
+            raise ConfigError("SimulateConfig.diloco_every: each H must be >= 1")
         if min((*self.nodes, self.micro_batch_size, self.tensor, self.combine_threshold_bytes),
                default=0) < 1 or not self.nodes:  # fmt: skip
             raise ConfigError("SimulateConfig: nodes, micro_batch_size, tensor and "
@@ -49,7 +58,7 @@ class SimulateConfig:
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 6
+ANALYSIS_VERSION = 7
 
 
 def _cache_path() -> Path:
@@ -58,16 +67,22 @@ def _cache_path() -> Path:
 
 
 def step_analysis(
-    run: RunConfig, stage: int, devices: int, micro_batch_size: int, tensor: int = 1
+    run: RunConfig,
+    stage: int,
+    devices: int,
+    micro_batch_size: int,
+    tensor: int = 1,
+    replicas: int = 1,
 ) -> dict:
-    """The compiled step's analysis on `devices` emulated devices; cached across calls on disk
-    (keyed by the whole run, stage, device count and the JAX version), since compiling a large
-    model on 64 devices takes tens of seconds."""
+    """The compiled step's analysis on `devices` emulated devices (with `replicas` > 1 and a
+    local run.sync, its outer step's too); cached across calls on disk (keyed by the whole run,
+    stage, device count and the JAX version), since compiling a large model on 64 devices takes
+    tens of seconds."""
     plan = PlanConfig(devices=devices, micro_batch_size=micro_batch_size, tensor=tensor)
-    staged = stage_run(run, plan, stage)
+    staged = stage_run(run, plan, stage, replicas)
     key_text = json.dumps(
         [dataclasses.asdict(staged.model), dataclasses.asdict(staged.parallel),
-         dataclasses.asdict(staged.precision),
+         dataclasses.asdict(staged.precision), dataclasses.asdict(staged.sync),
          dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
          staged.data.input_length, staged.data.target_length, devices, jax.__version__,
          ANALYSIS_VERSION],
@@ -93,19 +108,26 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
     needed = max(config.nodes) * cluster.gpus_per_node
     if jax.device_count() < needed:
         raise ConfigError(f"{needed} devices to emulate, {jax.device_count()} here")
-    grid = [(stage, nodes) for stage in config.stages for nodes in config.nodes]
-    for done, (stage, nodes) in enumerate(grid, 1):
+    syncs = [(ReplicaSyncConfig(), "every step")] + [
+        (dataclasses.replace(run.sync, mode="diloco", every=every), f"DiLoCo H={every}")
+        for every in config.diloco_every
+    ]
+    grid = [(s, n, sync) for s in config.stages for sync in syncs for n in config.nodes]
+    for done, (stage, nodes, (sync, sync_name)) in enumerate(grid, 1):
         devices = nodes * cluster.gpus_per_node
-        analysis = step_analysis(run, stage, devices, config.micro_batch_size, config.tensor)
-        row = {"stage": stage, "nodes": nodes, "devices": devices,
+        analysis = step_analysis(
+            dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
+            config.tensor, replicas=nodes if sync.local else 1,
+        )  # fmt: skip
+        row = {"stage": stage, "sync": sync_name, "nodes": nodes, "devices": devices,
                "batch_size": analysis["batch_size"], "precision": analysis["precision"]["mode"],
                "zero_formula": analysis["model_state_per_device"]["zero_formula"]}  # fmt: skip
         rows.append(
             row
             | predict(analysis, run.model, cluster, config.overlap, config.combine_threshold_bytes)
         )
-        show(f"[{done}/{len(grid)}] stage {stage}, {nodes} node{'s' if nodes > 1 else ''}: "
-             f"{rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
+        show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
+             f"node{'s' if nodes > 1 else ''}: {rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
     return {
         "model": run.model.name,
         "cluster": dataclasses.asdict(cluster),
@@ -133,15 +155,21 @@ def format_simulation(result: dict[str, Any]) -> str:
         f"{result['lengths'][0]}/{result['lengths'][1]}, {result['dtype']} compute, "
         f"{result['precision']} precision, remat {result['remat']}",
         "",
-        "| stage | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
-        "communication s (exposed) | tokens/s | tokens/s/GPU | MFU | fits (XLA GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stage | replicas sync | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
+        "communication s (exposed) | outer step s (per step) | tokens/s | tokens/s/GPU | MFU | "
+        "fits (XLA GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
+        outer = (
+            f"{row['outer_step_s']:.3f} ({row['outer_step_s'] / row['sync_every']:.4f})"
+            if row["sync_every"] else "–"
+        )  # fmt: skip
         lines.append(
-            f"| {row['stage']} | {row['zero_formula']} | {row['nodes']} | {row['devices']} | "
+            f"| {row['stage']} | {row['sync']} | {row['zero_formula']} | {row['nodes']} | "
+            f"{row['devices']} | "
             f"{row['step_s']:.3f} | {row['compute_s']:.3f} | {row['update_s']:.3f} | "
-            f"{row['communication_s']:.3f} ({row['exposed_communication_s']:.3f}) | "
+            f"{row['communication_s']:.3f} ({row['exposed_communication_s']:.3f}) | {outer} | "
             f"{row['tokens_per_s']:,.0f} | {row['tokens_per_s_per_device']:,.0f} | "
             f"{100 * row['mfu']:.0f}% | {'yes' if row['fits'] else 'no'} "
             f"({row['xla_peak_bytes'] / 1e9:.0f}) |"

@@ -106,7 +106,9 @@ class Checkpoints:
     ) -> Restored | None:
         """The newest checkpoint that restores, into `abstract_state`'s shardings; None if none.
 
-        `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings.
+        `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings, or a function of
+        the checkpoint's meta that gives one (a checkpoint of another synchronisation mode is
+        laid out differently).
         """
         for step in reversed(self.steps()):
             where = f"checkpoint {self.directory}/{step}"
@@ -116,8 +118,9 @@ class Checkpoints:
                 self._set_aside(step, error)
                 continue
             check_compatible(meta, model, optimizer, where)  # a mismatch is the user's: stop
+            target = abstract_state(meta) if callable(abstract_state) else abstract_state
             try:
-                state = self._restore(step, state=ocp.args.StandardRestore(abstract_state))
+                state = self._restore(step, state=ocp.args.StandardRestore(target))
             except Exception as error:  # noqa: BLE001
                 self._set_aside(step, error)
                 continue

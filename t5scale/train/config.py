@@ -10,6 +10,7 @@ from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
 from t5scale.train.precision import PrecisionConfig, resolve
+from t5scale.train.replicas import ReplicaSyncConfig
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    sync: ReplicaSyncConfig = ReplicaSyncConfig()
 
     def __post_init__(self) -> None:
         resolve(self.precision, self.model.dtype)  # a ValueError where the two disagree

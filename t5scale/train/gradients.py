@@ -22,6 +22,9 @@ stage scatters over `zero` is padded (t5scale/parallel/layout.py): gathers cut t
 before the model sees a parameter, and gradients are padded before they are reduce-scattered.
 - **the reduction** after the last micro-batch (`all_reduce_gradients`): over every
   data-parallel device where the gradient is whole, over `replica` where `zero` scattered it.
+  When replicas step on their own (local SGD, DiLoCo: t5scale/train/replicas.py) nothing is
+  reduced over `replica`: each replica's parameters come in on a leading axis split over it, and
+  its gradients and loss sums go out the same way.
 
 Every explicit collective is ordered (t5scale/parallel/collectives.py); the embedding's gather
 comes last, so the encoder cannot start, and in the backward pass the reverse chain cannot
@@ -284,7 +287,11 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
     layouts = jax.tree.leaves(layout.leaves, is_leaf=is_leaf_layout)
 
     def all_reduce(index: int, g: jax.Array) -> jax.Array:
-        return lax.psum(g, ("replica",) if _scattered(layout, layouts[index]) else DATA_AXES)
+        if _scattered(layout, layouts[index]):  # `zero` already reduced it
+            axes = tuple(a for a in layout.data_axes if a != "zero")
+        else:
+            axes = layout.data_axes
+        return lax.psum(g, axes) if axes else g
 
     return jax.tree.unflatten(treedef, collectives.in_order(values, all_reduce))
 
@@ -318,7 +325,7 @@ def _local_gradients(
     batch,
 ):
     weights = batch["decoder_loss_weights"].astype(jnp.float32)
-    total_weight = jnp.maximum(lax.psum(jnp.sum(weights), DATA_AXES), 1.0)
+    total_weight = jnp.maximum(lax.psum(jnp.sum(weights), layout.data_axes), 1.0)
     # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
     # an fp32 view of the bf16 working copy when mixed precision reduces in fp32 (the model
     # casts each weight to its compute dtype where it is used; stage 3 gathers it in bf16).
@@ -330,7 +337,7 @@ def _local_gradients(
     grads = all_reduce_gradients(grads, layout)
     # Ordered after the gradients: see t5scale/parallel/collectives.py.
     sums = jnp.stack([jnp.sum(cross_entropy), jnp.sum(z_term)])
-    sums = lax.psum(collectives.ordered_after(sums, grads), DATA_AXES)
+    sums = lax.psum(collectives.ordered_after(sums, grads), layout.data_axes)
     metrics = {"cross_entropy_sum": sums[0], "z_loss_sum": sums[1], "target_tokens": total_weight}
     return grads, metrics
 
@@ -339,11 +346,30 @@ def gradient_fn(
     model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
 ):
     """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, summed
-    metrics), as a shard_map."""
+    metrics), as a shard_map.
+
+    Where replicas step on their own, every parameter, gradient and metric has a leading axis of
+    one entry per replica, and the batch is split into the replicas' slices on a leading axis."""
+    local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
+    param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
+    if layout.sync_replicas:
+        return jax.shard_map(
+            local, mesh=layout.mesh, in_specs=(param_specs, P(DATA_AXES)),
+            out_specs=(grad_specs, P()), axis_names=set(DATA_AXES),
+        )  # fmt: skip
+
+    def one_replica(params, batch):
+        squeeze = functools.partial(jax.tree.map, lambda x: x[0])
+        unsqueeze = functools.partial(jax.tree.map, lambda x: x[None])
+        grads, metrics = local(squeeze(params), squeeze(batch))
+        return unsqueeze(grads), unsqueeze(metrics)
+
+    def over_replicas(specs):
+        return jax.tree.map(lambda spec: P("replica", *spec), specs,
+                            is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+
     return jax.shard_map(
-        functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss),
-        mesh=layout.mesh,
-        in_specs=(layout.manual_param_specs, P(DATA_AXES)),
-        out_specs=(layout.manual_grad_specs, P()),
-        axis_names=set(DATA_AXES),
-    )
+        one_replica, mesh=layout.mesh,
+        in_specs=(over_replicas(param_specs), P("replica", "zero")),
+        out_specs=(over_replicas(grad_specs), P("replica")), axis_names=set(DATA_AXES),
+    )  # fmt: skip

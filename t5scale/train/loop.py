@@ -23,6 +23,7 @@ from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.metrics import MetricsLog
+from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.setup import CompiledStep, Setup, build_setup
 
 
@@ -40,9 +41,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
 
         checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
-        restored = checkpoints.restore_latest(
-            setup.checkpoint_target, run.model, run.optimizer.name
-        )
+        restored = checkpoints.restore_latest(setup.saved_target, run.model, run.optimizer.name)
     start = restored.meta["step"] if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
@@ -68,7 +67,10 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             split="validation",
         )  # fmt: skip
     try:
-        state = setup.from_checkpoint(restored.state) if restored else setup.create_state()
+        if restored:
+            state = setup.from_checkpoint(restored.state, restored.meta)
+        else:
+            state = setup.create_state()
         single_step = setup.compile()
         programs = StepPrograms(run, setup, single_step)
         if cfg.steps_per_execution > 1:
@@ -104,14 +106,28 @@ class StepPrograms:
         if self.multi_step is None or done + steps > run.train.steps:
             return 1
         inside = range(done + 1, done + steps)
-        stops = (_checkpoint_due(run, s) or _validation_due(run, s) for s in inside)
+        stops = (
+            _checkpoint_due(run, s) or _validation_due(run, s) or run.sync.due(s) for s in inside
+        )
         return 1 if any(stops) else steps
 
-    def execute(self, state, batches: list) -> tuple:
-        """(state, metrics) after len(batches) steps; with several, a value per step each."""
+    def execute(self, state, batches: list, done: int) -> tuple:
+        """(state, metrics) after len(batches) steps after `done`; with several, a value per
+        step each.
+        Local SGD and DiLoCo: the replicas' metrics combined, and the outer step run where it
+        is due."""
         if len(batches) == 1:
-            return self.single_step.compiled(state, batches[0])
-        return self.multi_step.compiled(state, self.setup.stack(batches))
+            state, metrics = self.single_step.compiled(state, batches[0])
+        else:
+            state, metrics = self.multi_step.compiled(state, self.setup.stack(batches))
+        if self.setup.outer_tx is None:
+            return state, metrics
+        if self.run.sync.due(done + len(batches)):
+            state = self.setup.compiled_outer.compiled(state)
+        # Each replica's metrics live on its own devices (another process's, across hosts).
+        return state, combine_replica_metrics(
+            multihost_utils.process_allgather(metrics, tiled=True)
+        )
 
 
 def _checkpoint_due(run: RunConfig, step: int) -> bool:
@@ -173,6 +189,7 @@ class _Saver:
             "model": model_signature(run.model),
             "optimizer": run.optimizer.name,
             "precision": self.setup.precision.name,  # of the run that saved; not needed to restore
+            "sync": run.sync.describe() | {"replicas": self.setup.mesh.shape["replica"]},
             "gin": self.gin,
         }
         self.checkpoints.save(step, self.setup.to_checkpoint(state), meta)
@@ -225,7 +242,7 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
             executed = programs.steps_in_next_execution(done)
             chunk = [next(batches) for _ in range(executed)]  # the next prefetch
             started = time.perf_counter()
-            state, metrics = programs.execute(state, chunk)
+            state, metrics = programs.execute(state, chunk, done)
             metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
             # Steps of one execution share its time equally: it is all there is to measure.
             elapsed = (time.perf_counter() - started) / executed
@@ -237,7 +254,8 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
                 skipped += record["nonfinite"] > 0  # the step already left the state as it was
                 record["skipped_steps"] = skipped
                 if evaluate and _validation_due(run, record["step"]):
-                    record["validation_loss"] = evaluate(state.params)  # a chunk's last step
+                    # a chunk's last step (local SGD, DiLoCo: the last synchronised parameters)
+                    record["validation_loss"] = evaluate(programs.setup.model_params(state))
                 log.write(record)
                 history.append(record)
                 preempted = preemption.reached(record["step"]) or preempted  # asked every step

@@ -11,9 +11,11 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW is the default, to compare with DeepSpeed; Adafactor is T5's own choice."""
+    """AdamW is the default, to compare with DeepSpeed; Adafactor is T5's own choice; plain SGD
+    (weight decay added to the gradient) is the one inner optimizer with which local SGD at
+    H = 1 is synchronous training exactly (t5scale/train/replicas.py)."""
 
-    name: Literal["adamw", "adafactor"] = "adamw"
+    name: Literal["adamw", "adafactor", "sgd"] = "adamw"
     learning_rate: float = 1e-3
     warmup_steps: int = 100
     # 'linear': ramp to the peak, then decay as 1/sqrt(step) (the usual reading);
@@ -26,8 +28,8 @@ class OptimizerConfig:
     grad_clip_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
-        if self.name not in ("adamw", "adafactor"):
-            raise ValueError(f"optimizer must be adamw or adafactor, got {self.name!r}")
+        if self.name not in ("adamw", "adafactor", "sgd"):
+            raise ValueError(f"optimizer must be adamw, adafactor or sgd, got {self.name!r}")
         if self.warmup_shape not in ("linear", "constant"):
             raise ValueError(f"warmup_shape must be linear or constant, got {self.warmup_shape!r}")
         if self.warmup_steps < 1:
@@ -53,8 +55,10 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
         core = optax.adamw(
             schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay
         )
-    else:
+    elif config.name == "adafactor":
         core = optax.adafactor(schedule, weight_decay_rate=config.weight_decay or None)
+    else:
+        core = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.sgd(schedule))
     if config.grad_clip_norm is None:
         return core
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), core)

@@ -30,18 +30,29 @@ from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.precision import Precision, resolve
+from t5scale.train.replicas import ReplicaSyncConfig, outer_optimizer
 from t5scale.train.state import (
     TrainState,
     abstract_state,
     canonical_init,
+    canonical_initializer,
     canonical_shardings,
+    change_replicas,
     from_canonical,
     initializer,
+    local_canonical,
     state_shardings,
     to_canonical,
     with_shardings,
 )
-from t5scale.train.step import batch_sharding, make_eval_step, make_train_step, stack_batches
+from t5scale.train.step import (
+    batch_sharding,
+    make_eval_step,
+    make_outer_step,
+    make_train_step,
+    stack_batches,
+    working_copy,
+)
 
 
 def check_batch(run: RunConfig, mesh: Mesh) -> None:
@@ -68,7 +79,8 @@ class CompiledStep:
     @functools.cached_property
     def analysis(self) -> dict[str, Any]:
         """step_analysis.json: memory per device, FLOPs, collectives (t5scale/analysis/step.py)."""
-        return analyze_step(self.compiled, self.setup, self.compile_time_s)
+        outer = self.setup.compiled_outer.compiled if self.setup.outer_tx is not None else None
+        return analyze_step(self.compiled, self.setup, self.compile_time_s, outer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +94,24 @@ class Setup:
     precision: Precision
     state: TrainState  # jax.ShapeDtypeStruct leaves, each with its at-rest sharding
     canonical: TrainState  # the same for the state's checkpointed form (t5scale/train/state.py)
+    # Local SGD's or DiLoCo's outer optimizer (t5scale/train/replicas.py); None: replicas
+    # synchronise every step.
+    outer_tx: optax.GradientTransformation | None = None
 
     def model_state_bytes(self) -> ModelStateBytes:
         """Global bytes of parameters, gradients and optimizer state (with the fp32 master when
-        mixed), in the model's shapes: what the ZeRO formula divides."""
+        mixed), in the model's shapes: what the ZeRO formula divides. With local SGD or DiLoCo,
+        one replica's (each holds its own; the outer state is counted apart)."""
         canonical, precision = self.canonical, self.precision
+        params, opt_state = canonical.params, canonical.opt_state
+        if self.outer_tx is not None:
+            params = canonical.outer.anchor
+            opt_state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), opt_state
+            )
         return model_state_bytes(
-            canonical.params, canonical.opt_state, precision.param_dtype, precision.grad_dtype,
-            master=precision.mixed,
-        )  # fmt: skip
+            params, opt_state, precision.param_dtype, precision.grad_dtype, master=precision.mixed
+        )
 
     @property
     def state_shardings(self) -> TrainState:
@@ -117,7 +138,8 @@ class Setup:
     def train_step(self, steps_per_execution: int = 1):
         """The jitted (not yet compiled) step; NaN or Inf as CheckpointConfig.on_nonfinite says."""
         return make_train_step(
-            self.run.model, self.layout, self.tx, self.run.train, self.precision,
+            self.run.model, self.layout, self.tx, self.run.train, self.state_shardings,
+            self.precision,
             skip_nonfinite=self.run.checkpoint.on_nonfinite == "skip",
             steps_per_execution=steps_per_execution,
         )  # fmt: skip
@@ -134,6 +156,32 @@ class Setup:
         elapsed = time.perf_counter() - started
         return CompiledStep(self, compiled, steps_per_execution, elapsed)
 
+    @functools.cached_property
+    def outer_step(self):
+        """The jitted outer step of local SGD or DiLoCo (t5scale/train/replicas.py)."""
+        return make_outer_step(
+            self.layout, self.precision, self.run.sync, self.outer_tx, self.state_shardings
+        )
+
+    @functools.cached_property
+    def compiled_outer(self) -> CompiledStep:
+        """The outer step compiled from abstract shapes (local SGD, DiLoCo)."""
+        started = time.perf_counter()
+        compiled = self.outer_step.lower(self.state).compile()
+        return CompiledStep(self, compiled, 1, time.perf_counter() - started)
+
+    @functools.cached_property
+    def _anchor_params(self):
+        convert = functools.partial(working_copy, self.layout, self.precision)
+        return jax.jit(convert, out_shardings=self.layout.param_shardings)
+
+    def model_params(self, state: TrainState) -> Any:
+        """The parameters to evaluate, in the stage's layout: the state's own, or with local SGD
+        and DiLoCo the synchronised ones (the anchor, as of the last outer step)."""
+        if self.outer_tx is None:
+            return state.params
+        return self._anchor_params(state.outer.anchor)
+
     def eval_step(self):
         return make_eval_step(self.run.model, self.layout, self.run.train.z_loss)
 
@@ -141,20 +189,20 @@ class Setup:
     # compile again at every checkpoint.
     @functools.cached_property
     def _initializer(self):
-        init = initializer(self.run.model, self.tx, self.layout, self.precision)
+        init = initializer(self.run.model, self.tx, self.layout, self.precision, self.outer_tx)
         return jax.jit(init, out_shardings=self.state_shardings)
 
     @functools.cached_property
     def _to_canonical(self):
         convert = functools.partial(to_canonical, tx=self.tx, layout=self.layout,
-                                    precision=self.precision)  # fmt: skip
+                                    precision=self.precision, outer_tx=self.outer_tx)  # fmt: skip
         shardings = jax.tree.map(lambda leaf: leaf.sharding, self.canonical)
         return jax.jit(convert, out_shardings=shardings)
 
     @functools.cached_property
     def _from_canonical(self):
         convert = functools.partial(from_canonical, tx=self.tx, layout=self.layout,
-                                    precision=self.precision)  # fmt: skip
+                                    precision=self.precision, outer_tx=self.outer_tx)  # fmt: skip
         return jax.jit(convert, out_shardings=self.state_shardings)
 
     def create_state(self, seed: int | None = None) -> TrainState:
@@ -173,7 +221,7 @@ class Setup:
     @property
     def checkpointed_as_is(self) -> bool:
         """Whether the state is its own canonical form (fp32, nothing padded)."""
-        return not self.precision.mixed and not self.layout.padded
+        return not self.precision.mixed and not self.layout.padded and self.outer_tx is None
 
     @property
     def checkpoint_target(self) -> TrainState:
@@ -185,15 +233,75 @@ class Setup:
         optimizer's own state in the model's shapes."""
         if self.checkpointed_as_is:
             return state
-        if not self.layout.padded:  # mixed: the master and the moments as they are
+        if not self.layout.padded and self.outer_tx is None:  # mixed: the master and moments
             return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
         return self._to_canonical(state)
 
-    def from_checkpoint(self, canonical: TrainState) -> TrainState:
-        """The state from a restored checkpoint_target."""
+    def from_checkpoint(self, canonical: TrainState, meta: dict | None = None) -> TrainState:
+        """The state from a restored checkpoint_target (or `saved_target(meta)`)."""
+        if meta is not None and _form(_saved_sync(meta)) != _form(self._sync_form):
+            canonical = change_replicas(canonical, self._sync_form["replicas"], self.outer_tx)
+            if self.checkpointed_as_is:  # laid out as the other mode's checkpoint was
+                return jax.device_put(canonical, self.state_shardings)
         if self.checkpointed_as_is:
             return canonical
         return self._from_canonical(canonical)
+
+    @property
+    def _sync_form(self) -> dict:
+        """How this run's checkpoints are laid out: the mode and the replica count."""
+        replicas = self.mesh.shape["replica"] if self.outer_tx is not None else None
+        return {"mode": self.run.sync.mode, "replicas": replicas}
+
+    def saved_target(self, meta: dict) -> TrainState:
+        """What a checkpoint with this meta restores into: checkpoint_target, or the canonical
+        form its own synchronisation mode wrote. A ConfigError where it cannot become this run's
+        state: replicas that have not synchronised since their last outer step, restored into
+        a synchronous run or another replica count."""
+        saved = _saved_sync(meta)
+        if _form(saved) == _form(self._sync_form):
+            return self.checkpoint_target
+        if saved["replicas"] is not None:
+            step, every = meta["step"], saved["every"]
+            if step % every and saved["replicas"] != self._sync_form["replicas"]:
+                into = self._sync_form["replicas"]
+                into = "a synchronous run" if into is None else f"{into} replicas"
+                raise ConfigError(
+                    f"the checkpoint at step {step} is {step % every} steps into a "
+                    f"{saved['mode']} round (H={every}) of {saved['replicas']} replicas, which "
+                    f"differ until they synchronise: it resumes into {saved['replicas']} "
+                    f"replicas only, not {into} (or resume from a checkpoint at a multiple of H)"
+                )
+            outer_tx = outer_optimizer(ReplicaSyncConfig(**_outer_settings(meta)))
+            layout = dataclasses.replace(self.layout, sync_replicas=False)
+            shapes = jax.eval_shape(
+                lambda rng: local_canonical(
+                    canonical_init(self.run.model, self.tx)(rng), saved["replicas"], outer_tx
+                ),
+                jax.random.key(0),
+            )
+            return with_shardings(shapes, canonical_shardings(layout, self.tx, shapes, outer_tx))
+        shapes = jax.eval_shape(canonical_init(self.run.model, self.tx), jax.random.key(0))
+        return with_shardings(shapes, canonical_shardings(self.layout, self.tx, shapes))
+
+
+def _saved_sync(meta: dict | None) -> dict:
+    """A checkpoint's synchronisation mode and replica count (None: every step)."""
+    sync = (meta or {}).get("sync", {"mode": "every_step"})
+    replicas = sync.get("replicas") if sync["mode"] != "every_step" else None
+    return {"mode": sync["mode"], "replicas": replicas, "every": sync.get("every", 1)}
+
+
+def _form(sync: dict) -> tuple:
+    """What decides a checkpoint's layout: the mode (the outer momentum) and the replicas."""
+    return sync["mode"], sync["replicas"]
+
+
+def _outer_settings(meta: dict) -> dict:
+    sync = meta["sync"]
+    return {"mode": sync["mode"], "every": sync["every"],
+            "outer_learning_rate": sync["outer_learning_rate"],
+            "outer_momentum": sync["outer_momentum"]}  # fmt: skip
 
 
 def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
@@ -204,14 +312,19 @@ def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
     layout = make_layout(run.parallel, mesh, abstract_params(run.model))
+    outer_tx = outer_optimizer(run.sync) if run.sync.local else None
+    layout = dataclasses.replace(layout, sync_replicas=outer_tx is None)
     if layout.padded and run.optimizer.name == "adafactor" and layout.stage.shard_optimizer_state:
         raise ConfigError(
             f"Adafactor's factored statistics would average the padding that zero={layout.zero_size} "
             "needs on this model: choose a zero size that divides its dimensions, or AdamW"
         )
     precision = resolve(run.precision, run.model.dtype)
-    shapes = abstract_state(run.model, tx, layout, precision)
-    state = with_shardings(shapes, state_shardings(layout, tx, shapes, precision))
-    canonical_shapes = jax.eval_shape(canonical_init(run.model, tx), jax.random.key(0))
-    canonical = with_shardings(canonical_shapes, canonical_shardings(layout, tx, canonical_shapes))
-    return Setup(run, mesh, tx, layout, precision, state, canonical)
+    shapes = abstract_state(run.model, tx, layout, precision, outer_tx)
+    state = with_shardings(shapes, state_shardings(layout, tx, shapes, precision, outer_tx))
+    init = canonical_initializer(run.model, tx, layout, outer_tx)
+    canonical_shapes = jax.eval_shape(init, jax.random.key(0))
+    canonical = with_shardings(
+        canonical_shapes, canonical_shardings(layout, tx, canonical_shapes, outer_tx)
+    )
+    return Setup(run, mesh, tx, layout, precision, state, canonical, outer_tx)

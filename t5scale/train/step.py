@@ -27,7 +27,15 @@ from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
 from t5scale.train.loss import loss_sums
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
-from t5scale.train.state import TrainState, abstract_state, state_shardings
+from t5scale.train.replicas import (
+    OuterState,
+    ReplicaSyncConfig,
+    outer_delta,
+    outer_update,
+    per_replica,
+    split_over_replicas,
+)
+from t5scale.train.state import TrainState
 
 
 def apply_update(
@@ -67,6 +75,7 @@ def make_train_step(
     layout: StateLayout,
     tx: optax.GradientTransformation,
     train: TrainConfig,
+    state_shardings: TrainState,
     precision: Precision = FLOAT32,
     skip_nonfinite: bool = False,
     steps_per_execution: int = 1,
@@ -83,18 +92,23 @@ def make_train_step(
     values, one per step. The steps are the same as k single ones; what changes is the cost
     around each execution: XLA:CPU maps its temp buffer afresh for every execution, and inside
     the loop the steps reuse it (docs/benchmarks.md).
+
+    Where replicas step on their own (`layout.sync_replicas` False: local SGD, DiLoCo) each
+    replica takes the step on its slice of the global batch with its own parameters and
+    optimizer state (a leading axis: t5scale/train/replicas.py), and every metric has a value
+    per replica.
     """
     if steps_per_execution < 1:
         raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
     gradients = gradient_fn(model, layout, precision, train.micro_batches, train.z_loss)
 
-    def step(state: TrainState, batch: Batch):
-        grads, sums = gradients(state.params, batch)
+    def update(state: TrainState, grads, sums):
+        """(parameters, optimizer state, metrics) after the update of one replica (or all of
+        them, when they step together)."""
         params, opt_state = apply_update(tx, layout, precision, state, grads)
         metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(cast(grads, jnp.float32))}
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
-        new = TrainState(state.step + 1, params, opt_state)
         if skip_nonfinite:
 
             def keep(new_tree, old_tree):
@@ -104,24 +118,93 @@ def make_train_step(
                     old_tree,
                 )
 
-            new = new.replace(
-                params=keep(new.params, state.params),
-                opt_state=keep(new.opt_state, state.opt_state),
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        return params, opt_state, metrics
+
+    if layout.sync_replicas:
+
+        def step(state: TrainState, batch: Batch):
+            grads, sums = gradients(state.params, batch)
+            params, opt_state, metrics = update(state, grads, sums)
+            return TrainState(state.step + 1, params, opt_state), metrics
+
+    else:
+        replicas = layout.mesh.shape["replica"]
+        slices_sharding = NamedSharding(layout.mesh, P("replica", "zero"))
+
+        def step(state: TrainState, batch: Batch):
+            # Each replica's slice of the global batch on a leading axis (no data moves).
+            slices = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
+            grads, sums = gradients(
+                state.params, lax.with_sharding_constraint(slices, slices_sharding)
             )
-        return new, metrics
+
+            def one_replica(params, opt_state, grads, sums):
+                return update(TrainState(state.step, params, opt_state), grads, sums)
+
+            params, opt_state, metrics = jax.vmap(one_replica, spmd_axis_name="replica")(
+                state.params, state.opt_state, grads, sums
+            )
+            return TrainState(state.step + 1, params, opt_state, state.outer), metrics
 
     def steps(state: TrainState, batches: Batch):
         return lax.scan(step, state, batches, length=steps_per_execution)
 
     stacked = steps_per_execution > 1
-    shapes = abstract_state(model, tx, layout, precision)
-    shardings = state_shardings(layout, tx, shapes, precision)
+    per_replica_metrics = () if layout.sync_replicas else ("replica",)
+    metrics_spec = P(*((None,) if stacked else ()), *per_replica_metrics)
     return jax.jit(
         steps if stacked else step,
-        in_shardings=(shardings, batch_sharding(layout, stacked)),
-        out_shardings=(shardings, NamedSharding(layout.mesh, P())),
+        in_shardings=(state_shardings, batch_sharding(layout, stacked)),
+        out_shardings=(state_shardings, NamedSharding(layout.mesh, metrics_spec)),
         donate_argnums=0,
     )
+
+
+def working_copy(layout: StateLayout, precision: Precision, fp32_params: Any) -> Any:
+    """Parameters as the stage keeps them, from fp32 ones in the optimizer state's layout: cast
+    (to bf16 when mixed), then (stages 1-2) gathered over `zero`, as after an update."""
+    params = lax.with_sharding_constraint(cast(fp32_params, precision.param_dtype),
+                                          layout.param_shardings)  # fmt: skip
+    return params if layout.stage.shard_parameters else layout.unpad(params)
+
+
+def make_outer_step(
+    layout: StateLayout,
+    precision: Precision,
+    sync: ReplicaSyncConfig,
+    outer_tx: optax.GradientTransformation,
+    state_shardings: TrainState,
+):
+    """The jitted outer step(state) → state of local SGD and DiLoCo (t5scale/train/replicas.py):
+    Δ reduced over `replica`, the outer optimizer's step on the anchor, every replica restarted
+    from it. The state is donated."""
+    stage, replicas = layout.stage, layout.mesh.shape["replica"]
+    update_layout = layout.update_shardings
+    restarted = functools.partial(working_copy, layout, precision)
+
+    def outer_step(state: TrainState) -> TrainState:
+        if precision.mixed:
+            current = state.opt_state.master
+        elif stage.shard_optimizer_state:
+            current = jax.vmap(layout.pad)(state.params)
+        else:
+            current = state.params
+        delta = outer_delta(state.outer.anchor, current, jnp.dtype(sync.outer_dtype))
+        outer: OuterState = outer_update(outer_tx, state.outer, delta, update_layout)
+        restart = lax.with_sharding_constraint(
+            per_replica(outer.anchor, replicas), split_over_replicas(update_layout)
+        )
+        params = jax.vmap(restarted, spmd_axis_name="replica")(restart)
+        opt_state = state.opt_state
+        if precision.mixed:
+            opt_state = opt_state.replace(master=restart)
+        return TrainState(state.step, params, opt_state, outer)
+
+    return jax.jit(
+        outer_step, in_shardings=(state_shardings,), out_shardings=state_shardings,
+        donate_argnums=0,
+    )  # fmt: skip
 
 
 def _mean_losses(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
