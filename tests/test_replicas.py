@@ -109,7 +109,8 @@ SGD = OptimizerConfig(name="sgd", learning_rate=0.5, warmup_steps=2, grad_clip_n
     [
         (1, ReplicaSyncConfig("local_sgd", every=1)),
         pytest.param(  # out of CI's budget: the HLO test compiles stage 3 in CI
-            3, ReplicaSyncConfig("diloco", every=1, outer_learning_rate=1.0, outer_momentum=0.0),
+            3,
+            ReplicaSyncConfig("diloco", every=1, outer_learning_rate=1.0, outer_momentum=0.0),
             marks=pytest.mark.slow,
         ),
     ],
