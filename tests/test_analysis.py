@@ -19,6 +19,7 @@ from t5scale.analysis.flops import (  # noqa: E402
 from t5scale.analysis.hlo import (  # noqa: E402
     collective_stats,
     collective_summary,
+    first_group,
     format_bytes,
     group_size,
     shape_bytes,
@@ -132,6 +133,13 @@ ENTRY %main (p: f32[4]) -> f32[4] {
     assert group_size("replica_groups=[1,8]<=[8]") == 8
     assert group_size("replica_groups={{0,2,4},{1,3,5}}") == 3
     assert group_size("replica_groups={}") is None
+    # Newer XLA's mesh form: the devices as a mesh (maybe a transposed iota), grouped along the
+    # axes in braces.
+    mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={1}"
+    assert first_group(mesh) == (0, 1, 2, 3) and group_size(mesh) == 4
+    assert first_group("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == (0, 4)
+    permuted = "replica_groups=mesh['a'=2,'b'=1,'c'=2,'d'=2], device_ids=([2,2,2]T(0,2,1)) {'c'}"
+    assert first_group(permuted) == (0, 1)  # ids [[0,2],[1,3]], [[4,6],[5,7]]: c runs 0 → 1
 
 
 def test_async_pairs_count_once_with_the_result_of_their_done():

@@ -95,11 +95,14 @@ DILOCO = [
 
 
 def test_diloco_with_a_replica_per_process_trains_like_one_process(tmp_path):
-    """DiLoCo, H = 4, over 2 processes × 4 devices (each process one replica, ZeRO-2 inside):
-    two rounds, the same losses as one process × 8 devices, and the checkpoint of its
-    per-replica state (each process writing its replica's shards) goes on in one process."""
+    """DiLoCo, H = 4, over 2 processes × 4 devices (each process one replica, ZeRO-2 inside, two
+    steps per execution): two rounds, the same losses as one process × 8 devices, and the
+    checkpoint of its per-replica state (each process writing its replica's shards) goes on in
+    one process."""
     one, two = tmp_path / "one", tmp_path / "two"
-    output, _ = _finish(_two_processes(two, 8, *DILOCO), _one_process(one, 10, *DILOCO))
+    # Two steps per execution on the two processes: an execution never crosses an outer step.
+    two_runs = _two_processes(two, 8, *DILOCO, "--gin.STEPS_PER_EXECUTION=2")
+    output, _ = _finish(two_runs, _one_process(one, 10, *DILOCO))
     assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
     (resumed,) = _finish(_one_process(two, 10, *DILOCO))
     assert "resuming from the checkpoint at step 8" in resumed

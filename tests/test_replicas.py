@@ -32,44 +32,53 @@ from t5scale.train.setup import Setup, build_setup
 BF16 = dataclasses.replace(TINY_MODEL, dtype="bfloat16")
 
 
-def _setup(stage: int, sync: ReplicaSyncConfig, **changes) -> Setup:
-    run = tiny_run(ParallelConfig(zero_stage=stage, replica=2, zero=4), **changes)
-    return build_setup(dataclasses.replace(run, sync=sync))
+def _setup(stage: int, sync: ReplicaSyncConfig, tensor: int = 1, **changes) -> Setup:
+    parallel = ParallelConfig(zero_stage=stage, replica=2, zero=4 // tensor, tensor=tensor)
+    return build_setup(dataclasses.replace(tiny_run(parallel, **changes), sync=sync))
 
 
 @functools.cache
-def _analysis(stage: int, mixed: bool, outer_dtype: str) -> dict:
+def _analysis(stage: int, mixed: bool, outer_dtype: str, tensor: int) -> dict:
     sync = ReplicaSyncConfig("diloco", every=4, outer_dtype=outer_dtype)
-    setup = _setup(stage, sync, **({"model": BF16} if mixed else {}))
+    setup = _setup(stage, sync, tensor, **({"model": BF16} if mixed else {}))
     return setup.compile().analysis
 
 
 @pytest.mark.parametrize(
-    "stage, mixed, outer_dtype",
-    [(0, False, "float32"), (1, False, "float32"), (2, True, "float32"), (3, True, "bfloat16")],
+    "stage, mixed, outer_dtype, tensor",
+    [
+        (0, False, "float32", 1),
+        (1, False, "float32", 2),
+        (2, True, "float32", 1),
+        (3, True, "bfloat16", 1),
+    ],
 )
 def test_the_inner_step_never_crosses_replica_and_the_outer_step_all_reduces_once(
-    stage, mixed, outer_dtype
+    stage, mixed, outer_dtype, tensor
 ):
-    analysis = _analysis(stage, mixed, outer_dtype)
+    analysis = _analysis(stage, mixed, outer_dtype, tensor)
     mesh, sync = analysis["mesh"], analysis["replica_sync"]
     assert analysis["collective_ops"]  # the stage's own collectives, inside each replica
     assert all("replica" not in mesh_axes(op["group"], mesh) for op in analysis["collective_ops"])
     assert sync["inner_step"]["bytes_over_replica"] == 0
     # The outer step: one all-reduce of Δ over `replica` (XLA combines the leaves into one),
-    # each device reducing its `zero` shard from stage 1 (the optimizer state's layout).
+    # each device reducing its shard of it: the anchor's, laid out as the optimizer state
+    # (whole at stage 0, split over `zero` from stage 1, and over `tensor`).
     over_replica = [
         op for op in sync["outer_collective_ops"] if "replica" in mesh_axes(op["group"], mesh)
     ]
     assert {op["kind"] for op in over_replica} == {"all-reduce"}
     assert sum(op["count"] for op in over_replica) == 1
     assert all(mesh_axes(op["group"], mesh) == {"replica"} for op in over_replica)
+    anchor_bytes = sync["outer_state_bytes_per_device"] / 2  # the anchor and its momentum
     width = 4 if outer_dtype == "float32" else 2
-    parameters = analysis["parameters"] / (1 if stage == 0 else mesh["zero"])
-    assert sync["outer_step"]["bytes_over_replica"] == pytest.approx(parameters * width, rel=0.05)
-    # Stages 1-2 gather the new working copy over `zero` after it, as after an update.
+    assert sync["outer_step"]["bytes_over_replica"] == anchor_bytes * width / 4
+    shards = 1 if stage == 0 else mesh["zero"]
+    assert anchor_bytes < analysis["parameters"] * 4 / shards * 1.02  # (tensor splits more)
+    # Stages 1-2 gather the new working copy over `zero` after it, as after an update (with
+    # tensor parallelism, permuting the vocabulary tables' zero-major rows first).
     others = {op["kind"] for op in sync["outer_collective_ops"] if op not in over_replica}
-    assert others == ({"all-gather"} if stage in (1, 2) else set())
+    assert others - {"collective-permute"} == ({"all-gather"} if stage in (1, 2) else set())
     per_step = sync["per_step"]["bytes_over_replica"]
     assert per_step == sync["outer_step"]["bytes_over_replica"] / 4
 

@@ -13,12 +13,14 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, fake_slurm_env, run_cli
 
 from t5scale.study import funnel
-from t5scale.study.config import Point
+from t5scale.study.config import Point, StudyConfig
 from t5scale.study.trial import run_trial
+from t5scale.train.config import ConfigError
 
 GRID = [
     "--gin.StudyConfig.models=['mt5_tiny']",
@@ -124,6 +126,20 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
     assert crash["status"] == "crash" and "mt5_missing.gin" in crash["error"]
 
 
+def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
+    point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, sync="diloco/2", replicas=2,
+                  input_length=32, target_length=8)  # fmt: skip
+    assert {"ParallelConfig.replica=2", "ReplicaSyncConfig.every=2"} <= set(point.gin_bindings())
+    result = run_trial(_spec(point, "timed") | {"timed_steps": 3}, tmp_path, "diloco", 240)
+    assert result["status"] == "ok", result
+    assert result["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
+    assert result["analysis"]["replica_sync"]["inner_step"]["bytes_over_replica"] == 0
+    timing = result["step_time_s"]  # 3 asked, 4 timed: two rounds, each with its outer step
+    assert timing["statistic"] == "mean over whole rounds" and timing["timed_steps"] == 4
+    assert result["step_times_s"][1] > min(result["step_times_s"])  # the outer step's share
+    assert np.isfinite(result["final_loss"])
+
+
 def test_keep_best_by_throughput_or_by_loss():
     def record(stage: int, per_device: float, loss: float) -> dict:
         point = Point("m", stage, 1, "none", 1e-3, devices=2)
@@ -142,6 +158,8 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad = run_cli("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "StudyConfig.stages: ZeRO stage must be 0, 1, 2 or 3" in bad.stderr
+    with pytest.raises(ConfigError, match="'diloco' is not 'every_step', 'local_sgd/H' or"):
+        StudyConfig(replica_syncs=("every_step", "diloco"))
     missing = run_cli("report", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "run `t5scale study`" in missing.stderr
 
@@ -179,10 +197,21 @@ def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(tmp_path):
         # Layers, not the vocabulary tables, dominate: stage 3 gathers them twice and
         # reduce-scatters once, against one all-reduce (twice the bytes) at stage 0.
         "--gin.ModelConfig.vocab_size=256",
-        *cluster, "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json", env=env,
+        *cluster, "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json",
+        "--gin.SimulateConfig.diloco_every=[4, 16]", env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {(r["stage"], r["nodes"]): r for r in json.loads(done.stdout)["rows"]}
+    result = json.loads(done.stdout)["rows"]
+    rows = {(r["stage"], r["nodes"]): r for r in result if r["sync"] == "every step"}
+    diloco = {(r["stage"], r["sync"], r["nodes"]): r for r in result if r["sync"] != "every step"}
+    for stage in (0, 3):
+        # A replica per node (one GPU each here): nothing crosses the network but the outer
+        # step's all-reduce, once per H steps.
+        four, sixteen = diloco[stage, "DiLoCo H=4", 2], diloco[stage, "DiLoCo H=16", 2]
+        assert four["communication_s"] == 0 and four["outer_step_s"] > 0
+        assert four["outer_step_s"] == pytest.approx(sixteen["outer_step_s"])  # one compile
+        assert rows[stage, 2]["step_s"] > four["step_s"] > sixteen["step_s"]
+        assert diloco[stage, "DiLoCo H=4", 1]["outer_step_s"] < four["outer_step_s"]
     assert rows[3, 1]["communication_s"] == rows[0, 1]["communication_s"] == 0  # one GPU
     assert rows[3, 2]["communication_s"] > rows[0, 2]["communication_s"]
     assert rows[3, 2]["step_s"] > rows[0, 2]["step_s"]

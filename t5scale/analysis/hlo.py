@@ -56,7 +56,11 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
 # Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} — the devices (in order) as
 # a mesh, each group the devices that differ only along the axes in braces.
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# The devices may be given as an iota, reshaped and transposed: device_ids=([2,2,2]T(0,2,1)).
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\))?\s*\{([^}]*)\}"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
@@ -188,8 +192,14 @@ def _mesh_group(found: re.Match) -> tuple[int, ...]:
     """The first group of a mesh-form replica_groups."""
     axes = [(name.strip().strip("'"), int(size)) for name, size in
             (entry.split("=") for entry in found.group(1).split(","))]  # fmt: skip
-    within = {name.strip().strip("'") for name in found.group(2).split(",") if name.strip()}
-    ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+    dims, perm, named = found.group(2), found.group(3), found.group(4)
+    within = {name.strip().strip("'") for name in named.split(",") if name.strip()}
+    ids = np.arange(math.prod(size for _, size in axes))
+    if dims:
+        ids = ids.reshape([int(d) for d in dims.split(",")])
+        if perm:
+            ids = ids.transpose([int(d) for d in perm.split(",")])
+    ids = ids.reshape([size for _, size in axes])
     index = tuple(slice(None) if name in within else 0 for name, _ in axes)
     return tuple(int(i) for i in ids[index].reshape(-1))
 

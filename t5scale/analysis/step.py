@@ -92,6 +92,17 @@ def outer_state_bytes(state, shardings) -> dict[str, int]:
     return {"outer_state_bytes_per_device": per_device_bytes(state.outer, shardings.outer)}
 
 
+def with_every(analysis: dict[str, Any], every: int) -> dict[str, Any]:
+    """The analysis of the same step with local SGD's or DiLoCo's outer step every `every`
+    steps (the programs do not depend on H)."""
+    sync = analysis.get("replica_sync", {})
+    if "outer_step" not in sync or sync["every"] == every:
+        return analysis
+    per_step = {name: sync["inner_step"][name] + sync["outer_step"][name] / every
+                for name in sync["inner_step"]}  # fmt: skip
+    return analysis | {"replica_sync": sync | {"every": every, "per_step": per_step}}
+
+
 def replica_sync(sync, mesh: dict[str, int], inner_ops: list[dict], outer_step) -> dict[str, Any]:
     """How replicas synchronise and what it moves, per device: the step's collective bytes and
     those over `replica`, the outer step's (local SGD, DiLoCo), and both per step (the outer

@@ -129,27 +129,20 @@ def split_over_replicas(shardings: Any, over: str | None = "replica") -> Any:
     )
 
 
-def outer_delta(anchor: Any, replicas_params: Any, dtype) -> Any:
-    """Δ = anchor − the replicas' mean, reduced over `replica` in `dtype` (the outer step's one
-    collective over `replica`), returned in fp32."""
-
-    def delta(a: jax.Array, p: jax.Array) -> jax.Array:
-        differences = (a[None] - p).astype(dtype)
-        # lax.reduce: jnp.sum would add bf16 in fp32, and the all-reduce would move fp32.
-        total = lax.reduce(differences, np.array(0, dtype), lax.add, (0,))
-        return total.astype(jnp.float32) / p.shape[0]
-
-    return jax.tree.map(delta, anchor, replicas_params)
-
-
-def outer_update(
-    outer_tx: optax.GradientTransformation, outer: OuterState, delta: Any, shardings: Any
-) -> OuterState:
-    """The outer optimizer's step on Δ (as a gradient: the anchor moves towards the replicas)."""
-    delta = lax.with_sharding_constraint(delta, shardings)
+def outer_round(
+    outer_tx: optax.GradientTransformation, dtype, replicas: int, outer: OuterState, current: Any
+) -> tuple[OuterState, Any]:
+    """One device's part of the outer step, inside a shard_map manual over every mesh axis:
+    (the new outer state, the parameters every replica restarts from, with a leading axis of
+    one). `current` is this replica's fp32 parameters (leading axis of one), laid out as the
+    anchor; Δ = anchor − the replicas' mean is summed over `replica` in `dtype`, all leaves in
+    one all-reduce."""
+    differences = jax.tree.map(lambda a, p: (a - p[0]).astype(dtype), outer.anchor, current)
+    total = lax.psum(differences, "replica")
+    delta = jax.tree.map(lambda d: d.astype(jnp.float32) / replicas, total)
     updates, momentum = outer_tx.update(delta, outer.momentum, outer.anchor)
-    anchor = lax.with_sharding_constraint(optax.apply_updates(outer.anchor, updates), shardings)
-    return OuterState(anchor, momentum)
+    anchor = optax.apply_updates(outer.anchor, updates)
+    return OuterState(anchor, momentum), jax.tree.map(lambda a: a[None], anchor)
 
 
 def combine_replica_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

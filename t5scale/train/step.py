@@ -23,18 +23,12 @@ from t5scale.model.mt5 import MT5
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import StateLayout
 from t5scale.parallel.mesh import DATA_AXES
+from t5scale.train import replicas as replicas_module
 from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
 from t5scale.train.loss import loss_sums
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
-from t5scale.train.replicas import (
-    OuterState,
-    ReplicaSyncConfig,
-    outer_delta,
-    outer_update,
-    per_replica,
-    split_over_replicas,
-)
+from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.state import TrainState
 
 
@@ -54,20 +48,23 @@ def apply_update(
         master, inner = state.opt_state.master, state.opt_state.inner
         updates, inner = tx.update(cast(grads, jnp.float32), inner, master)
         master = optax.apply_updates(master, updates)
-        # The bf16 copy is cast on each shard and then gathered (in bf16, not the fp32 master).
-        params = lax.with_sharding_constraint(cast(master, precision.param_dtype), update_layout)
-        opt_state = MasterState(master, inner)
-    else:
-        params = state.params
-        if stage.shard_optimizer_state:
-            params = layout.pad(params)
-        params = lax.with_sharding_constraint(params, update_layout)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return working_copy(layout, precision, master), MasterState(master, inner)
+    params = state.params
+    if stage.shard_optimizer_state:
+        params = layout.pad(params)
+    params = lax.with_sharding_constraint(params, update_layout)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    return working_copy(layout, precision, optax.apply_updates(params, updates)), opt_state
+
+
+def working_copy(layout: StateLayout, precision: Precision, fp32_params: Any) -> Any:
+    """Parameters as the stage keeps them, from fp32 ones in the optimizer state's layout: the
+    working copy cast on each shard (bf16 when mixed, so that it is gathered in bf16, not the
+    fp32 master), then put in the parameters' layout (stages 1-2: gathered over `zero`)."""
+    params = cast(fp32_params, precision.param_dtype)
+    params = lax.with_sharding_constraint(params, layout.update_shardings)
     params = lax.with_sharding_constraint(params, layout.param_shardings)
-    if not stage.shard_parameters:
-        params = layout.unpad(params)
-    return params, opt_state
+    return params if layout.stage.shard_parameters else layout.unpad(params)
 
 
 def make_train_step(
@@ -161,14 +158,6 @@ def make_train_step(
     )
 
 
-def working_copy(layout: StateLayout, precision: Precision, fp32_params: Any) -> Any:
-    """Parameters as the stage keeps them, from fp32 ones in the optimizer state's layout: cast
-    (to bf16 when mixed), then (stages 1-2) gathered over `zero`, as after an update."""
-    params = lax.with_sharding_constraint(cast(fp32_params, precision.param_dtype),
-                                          layout.param_shardings)  # fmt: skip
-    return params if layout.stage.shard_parameters else layout.unpad(params)
-
-
 def make_outer_step(
     layout: StateLayout,
     precision: Precision,
@@ -178,9 +167,24 @@ def make_outer_step(
 ):
     """The jitted outer step(state) → state of local SGD and DiLoCo (t5scale/train/replicas.py):
     Δ reduced over `replica`, the outer optimizer's step on the anchor, every replica restarted
-    from it. The state is donated."""
+    from it. The state is donated.
+
+    Δ and the outer update are written per device (a shard_map over every axis), so that the one
+    collective over `replica` is Δ's all-reduce of each device's shard: left to XLA, tensor-
+    parallel tables were also gathered across replicas."""
     stage, replicas = layout.stage, layout.mesh.shape["replica"]
-    update_layout = layout.update_shardings
+    outer_specs = jax.tree.map(lambda s: s.spec, state_shardings.outer,
+                               is_leaf=lambda x: isinstance(x, NamedSharding))  # fmt: skip
+    current_specs = jax.tree.map(lambda spec: P("replica", *spec), outer_specs.anchor,
+                                 is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    outer_round = jax.shard_map(
+        functools.partial(
+            replicas_module.outer_round, outer_tx, jnp.dtype(sync.outer_dtype), replicas
+        ),  # fmt: skip
+        mesh=layout.mesh,
+        in_specs=(outer_specs, current_specs),
+        out_specs=(outer_specs, current_specs),
+    )
     restarted = functools.partial(working_copy, layout, precision)
 
     def outer_step(state: TrainState) -> TrainState:
@@ -190,11 +194,7 @@ def make_outer_step(
             current = jax.vmap(layout.pad)(state.params)
         else:
             current = state.params
-        delta = outer_delta(state.outer.anchor, current, jnp.dtype(sync.outer_dtype))
-        outer: OuterState = outer_update(outer_tx, state.outer, delta, update_layout)
-        restart = lax.with_sharding_constraint(
-            per_replica(outer.anchor, replicas), split_over_replicas(update_layout)
-        )
+        outer, restart = outer_round(state.outer, current)
         params = jax.vmap(restarted, spmd_axis_name="replica")(restart)
         opt_state = state.opt_state
         if precision.mixed:
