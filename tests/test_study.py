@@ -280,3 +280,26 @@ def test_the_loss_objective_keeps_the_learning_rate_that_learns(tmp_path):
     assert on_two[1e-6]["tokens_seen"] == on_two[3e-3]["tokens_seen"] >= 800
     assert on_two[3e-3]["final_loss"] < on_two[1e-6]["final_loss"]
     assert [r["config"]["learning_rate"] for r in timed if r["config"]["devices"] == 4] == [3e-3]
+
+
+@pytest.mark.slow  # out of CI's budget: test_a_diloco_point_is_timed_over_whole_rounds in CI
+def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_path):
+    """Synchronous ZeRO-2 against DiLoCo (H = 4, 2 replicas, ZeRO-2 inside) with the loss
+    objective: both see the same tokens, and the funnel ranks them by the loss they reach."""
+    study_dir = tmp_path / "study"
+    done = run_cli(
+        "study", *GRID, "--gin.StudyConfig.stages=[2]", "--gin.StudyConfig.objective='loss'",
+        "--gin.StudyConfig.replica_syncs=['every_step', 'diloco/4']",
+        "--gin.StudyConfig.token_budget=2000", "--gin.StudyConfig.learning_rates=[3e-3]",
+        "--gin.StudyConfig.extra_bindings=['OptimizerConfig.warmup_steps=1']",
+        f"--gin.StudyConfig.study_dir={study_dir}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    timed = [r for r in records(study_dir) if r["kind"] == "timed" and r["status"] == "ok"]
+    on_four = {r["config"]["sync"]: r for r in timed if r["config"]["devices"] == 4}
+    assert set(on_four) == {"every_step", "diloco/4"}
+    sync, diloco = on_four["every_step"], on_four["diloco/4"]
+    assert sync["tokens_seen"] == diloco["tokens_seen"] >= 2000
+    assert diloco["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
+    assert diloco["step_time_s"]["statistic"] == "mean over whole rounds"
+    assert "diloco/4" in (study_dir / "funnel.md").read_text()
