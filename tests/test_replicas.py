@@ -211,6 +211,7 @@ def test_a_round_killed_midway_resumes_exactly_and_checkpoints_move_between_mode
     code, out, _ = train(killed)
     resumed_at = int(out.split("resuming from the checkpoint at step ")[1].split()[0])
     assert code == 0 and resumed_at % 3, resumed_at  # mid-round
+    assert "diloco: 2 replicas step on their own and synchronise every 3 steps" in out
     assert [r["loss"] for r in _records(killed)] == [r["loss"] for r in _records(reference)]
     sync = json.loads((reference / "step_analysis.json").read_text())["replica_sync"]
     assert sync["mode"] == "diloco" and sync["every"] == 3

@@ -35,6 +35,15 @@ def keep_best(
     return kept
 
 
+def _synchronised(config: dict[str, Any]) -> str:
+    """How the point's replicas synchronise, in words."""
+    sync = config.get("sync", "every_step")
+    if sync == "every_step":
+        return "synchronised every step"
+    mode, _, every = sync.partition("/")
+    return f"{mode.replace('_', ' ')} every {every} steps over {config['replicas']} replicas"
+
+
 def configuration_of(record: dict[str, Any]) -> Configuration:
     """The record's configuration (a field a study before it lacks: its default)."""
     config = record["config"]
@@ -140,7 +149,8 @@ def render(
         config = record["config"]
         lines.append(
             f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
-            f"{config['remat']}, lr {config['learning_rate']:g} at {config['devices']} devices: "
+            f"{config['remat']}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
+            f"{config['devices']} devices: "
             f"{record['tokens_per_s_per_device']:,.0f} tokens/s per device, step "
             f"{record['step_time_s']['median']:.3g} s, final loss {record['final_loss']:.4f}"
         )

@@ -36,6 +36,12 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     cfg = run.train
     setup = build_setup(run, devices)
     print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
+    if run.sync.local and jax.process_index() == 0:
+        print(
+            f"{run.sync.mode}: {setup.mesh.shape['replica']} replicas step on their own and "
+            f"synchronise every {run.sync.every} steps",
+            flush=True,
+        )
     checkpoints, restored = None, None
     if cfg.model_dir:
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
