@@ -109,8 +109,11 @@ def _for_each_replica(convert, state, tx, layout, precision, outer_tx) -> TrainS
     params, opt_state = jax.vmap(one_replica)(state.params, state.opt_state)
     outer = state.outer
     if layout.stage.shard_optimizer_state:
-        resize = (lambda x, leaf: leaf.pad(x)) if convert is from_canonical else (
-            lambda x, leaf: leaf.unpad(x))  # fmt: skip
+        padding = convert is from_canonical
+
+        def resize(x, leaf):
+            return leaf.pad(x) if padding else leaf.unpad(x)
+
         outer = OuterState(
             jax.tree.map(lambda leaf, x: resize(x, leaf), layout.leaves, outer.anchor,
                          is_leaf=is_leaf_layout),
