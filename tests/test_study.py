@@ -136,7 +136,6 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     assert result["analysis"]["replica_sync"]["inner_step"]["bytes_over_replica"] == 0
     timing = result["step_time_s"]  # 3 asked, 4 timed: two rounds, each with its outer step
     assert timing["statistic"] == "mean over whole rounds" and timing["timed_steps"] == 4
-    assert result["step_times_s"][1] > min(result["step_times_s"])  # the outer step's share
     assert np.isfinite(result["final_loss"])
 
 
