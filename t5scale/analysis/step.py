@@ -98,9 +98,13 @@ def with_every(analysis: dict[str, Any], every: int) -> dict[str, Any]:
     sync = analysis.get("replica_sync", {})
     if "outer_step" not in sync or sync["every"] == every:
         return analysis
-    per_step = {name: sync["inner_step"][name] + sync["outer_step"][name] / every
-                for name in sync["inner_step"]}  # fmt: skip
+    per_step = _per_step(sync["inner_step"], sync["outer_step"], every)
     return analysis | {"replica_sync": sync | {"every": every, "per_step": per_step}}
+
+
+def _per_step(inner: dict[str, int], outer: dict[str, int], every: int) -> dict[str, float]:
+    """Bytes per step: the inner step's, and the outer step's over the H steps it serves."""
+    return {name: inner[name] + outer[name] / every for name in inner}
 
 
 def replica_sync(sync, mesh: dict[str, int], inner_ops: list[dict], outer_step) -> dict[str, Any]:
@@ -128,5 +132,5 @@ def replica_sync(sync, mesh: dict[str, int], inner_ops: list[dict], outer_step) 
         }
     else:
         outer = {"bytes": 0, "bytes_over_replica": 0}
-    result["per_step"] = {name: inner[name] + outer[name] / every for name in inner}
+    result["per_step"] = _per_step(inner, outer, every)
     return result

@@ -121,13 +121,19 @@ def hidden_seconds(by_class: dict[str, float], compute, depth: int, micro_batche
     return forward + backward + gradient + min(by_class["gradient_per_step"] * keep, last)
 
 
+def owned_parameters(analysis: dict[str, Any]) -> float:
+    """Parameters whose update this device runs: its `tensor` slice, and from stage 1 its
+    `zero` shard of that."""
+    mesh = analysis["mesh"]
+    owned = analysis["parameters"] / mesh.get("tensor", 1)
+    return owned / mesh["zero"] if analysis["zero_stage"] >= 1 else owned
+
+
 def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
     """The optimizer update, memory-bound: it reads and writes the optimizer state this device
     owns, reads the owned gradients and reads and writes the owned parameters."""
     mesh, precision = analysis["mesh"], analysis["precision"]
-    owned = analysis["parameters"] / mesh.get("tensor", 1)
-    if analysis["zero_stage"] >= 1:
-        owned /= mesh["zero"]
+    owned = owned_parameters(analysis)
     optimizer = analysis["model_state_per_device"]["zero_formula_bytes"]["optimizer_state"]
     optimizer /= mesh.get("tensor", 1)
     width = {name: jnp.dtype(precision[name]).itemsize for name in ("gradients", "parameters")}
@@ -154,9 +160,7 @@ def outer_step_seconds(
     for op in combined(ops, mesh, threshold):
         where = placement(op["group"], devices, cluster.gpus_per_node)
         seconds += op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
-    owned = analysis["parameters"] / mesh.get("tensor", 1)
-    if analysis["zero_stage"] >= 1:
-        owned /= mesh["zero"]
+    owned = owned_parameters(analysis)
     moved = owned * (3 * 4 + 2 * 4 + jnp.dtype(analysis["precision"]["parameters"]).itemsize)
     seconds += moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
     return seconds, sync["every"]

@@ -50,6 +50,7 @@ from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train.loss import loss_sums, weighted_sums
 from t5scale.train.precision import Precision
+from t5scale.train.replicas import specs_over_replicas
 
 Batch = dict[str, jax.Array]
 
@@ -364,12 +365,8 @@ def gradient_fn(
         grads, metrics = local(squeeze(params), squeeze(batch))
         return unsqueeze(grads), unsqueeze(metrics)
 
-    def over_replicas(specs):
-        return jax.tree.map(lambda spec: P("replica", *spec), specs,
-                            is_leaf=lambda x: isinstance(x, P))  # fmt: skip
-
     return jax.shard_map(
         one_replica, mesh=layout.mesh,
-        in_specs=(over_replicas(param_specs), P("replica", "zero")),
-        out_specs=(over_replicas(grad_specs), P("replica")), axis_names=set(DATA_AXES),
+        in_specs=(specs_over_replicas(param_specs), P("replica", "zero")),
+        out_specs=(specs_over_replicas(grad_specs), P("replica")), axis_names=set(DATA_AXES),
     )  # fmt: skip

@@ -129,6 +129,11 @@ def split_over_replicas(shardings: Any, over: str | None = "replica") -> Any:
     )
 
 
+def specs_over_replicas(specs: Any) -> Any:
+    """PartitionSpecs of the same trees with a leading replica axis split over `replica`."""
+    return jax.tree.map(lambda spec: P("replica", *spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def outer_round(
     outer_tx: optax.GradientTransformation, dtype, replicas: int, outer: OuterState, current: Any
 ) -> tuple[OuterState, Any]:

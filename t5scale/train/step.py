@@ -175,8 +175,7 @@ def make_outer_step(
     stage, replicas = layout.stage, layout.mesh.shape["replica"]
     outer_specs = jax.tree.map(lambda s: s.spec, state_shardings.outer,
                                is_leaf=lambda x: isinstance(x, NamedSharding))  # fmt: skip
-    current_specs = jax.tree.map(lambda spec: P("replica", *spec), outer_specs.anchor,
-                                 is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    current_specs = replicas_module.specs_over_replicas(outer_specs.anchor)
     outer_round = jax.shard_map(
         functools.partial(
             replicas_module.outer_round, outer_tx, jnp.dtype(sync.outer_dtype), replicas
