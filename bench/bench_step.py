@@ -8,8 +8,9 @@ Not a test: it prints a markdown table (and JSON with --out) for docs/benchmarks
 
 Each t5scale run (one device, and each ZeRO stage on all devices) is one of the study's trials
 (t5scale/study/trial.py): a process of its own that compiles, checks the one-step program's
-memory, takes one warm-up execution and then times --steps steps back to back, each to
-block_until_ready, as a training run would; compile time is reported apart. With
+memory, and then times --steps steps (at least 6) back to back, each to block_until_ready, as
+a training run would, leaving out the warm-up steps it finds in the timings
+(t5scale/study/evidence.py); compile time is reported apart. With
 --steps-per-execution k > 1, t5scale's runs take k steps per XLA execution
 (TrainConfig.steps_per_execution) and each execution gives its time over k as the step time;
 one device is then also run at k = 1. The Hugging Face PyTorch MT5ForConditionalGeneration
@@ -91,8 +92,14 @@ def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, mac
         "devices_per_process": devices,
         "point": point.__dict__,
         "memory_budget_bytes": budget,
-        "warmup_steps": 1,
-        "timed_steps": setup.steps,
+        # exactly --steps samples (at least 6: the fewest a 95% interval needs); the warm-up is
+        # found in them (t5scale/study/evidence.py) and left out of the step time
+        "timing": {
+            "precision": 1e-9,
+            "min_samples": setup.steps,
+            "max_samples": setup.steps,
+            "max_seconds": TIMEOUT_S,
+        },
         "peak_flops_per_s": machine["peak_flops_per_s"],
         # Plain AdamW without clipping, exactly as the transformers baseline runs it.
         "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"],
@@ -106,7 +113,7 @@ def transformers_spec(model: str, setup: Setup) -> dict:
 
 
 def time_transformers(model_name: str, setup: Setup) -> dict:
-    """In the worker process: the baseline's warm-up step, then --steps timed steps."""
+    """In the worker process: the baseline's warm-up step, then --steps (at least 6) timed steps."""
     import contextlib
 
     import torch
@@ -147,7 +154,7 @@ def time_transformers(model_name: str, setup: Setup) -> dict:
 
     step()  # warm-up
     times = []
-    for _ in range(setup.steps):
+    for _ in range(max(setup.steps, 6)):  # as many as t5scale's runs time
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -158,6 +165,12 @@ def worker(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     result = time_transformers(spec["model"], Setup(**spec["setup"]))
     write_result(Path(result_path), result)
+
+
+def _after_warmup(result: dict) -> list[float]:
+    """A run's step times without the warm-up the trial found (none for transformers)."""
+    warmup = result.get("step_time_s", {}).get("warmup_samples", 0)
+    return result["step_times_s"][warmup:]
 
 
 def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
@@ -187,8 +200,9 @@ def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
                 peak = result["analysis"]["memory_per_device"]["peak_estimate_bytes"]
                 row["memory_per_device_gib"] = peak / 2**30
             if result["status"] == "ok":
-                row["step_times_s"] += result["step_times_s"]
-                medians[index].append(statistics.median(result["step_times_s"]))
+                kept = _after_warmup(result)
+                row["step_times_s"] += kept
+                medians[index].append(statistics.median(kept))
     for row, per_round in zip(rows, medians, strict=True):
         if row["status"] == "ok":
             row["step_s"] = statistics.median(row["step_times_s"])
@@ -222,7 +236,8 @@ def print_table(rows: list[dict], setup: Setup, args, device_kind: str) -> None:
     print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
           f"{setup.target_length}, AdamW (no clipping), {setup.dtype} compute, precision "
           f"{setup.precision}, remat {setup.remat}; "
-          f"each run in its own process, {setup.steps} steps back to back after 1 warm-up, in "
+          f"each run in its own process, {max(setup.steps, 6)} steps back to back (t5scale: the "
+          "warm-up found in them and left out; transformers: after 1 warm-up step), in "
           f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
     print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
           "| speed vs 1 device |")  # fmt: skip

@@ -210,3 +210,20 @@ def fake_slurm_env(tmp_path: Path) -> dict[str, str]:
     srun.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
     return env | {"PATH": f"{tmp_path}:{env['PATH']}", "T5SCALE_COORDINATOR_PORT": str(free_port())}
+
+
+def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's own reader over the event files in `logdir`: tag → [(step, value)]."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    events = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    events.Reload()
+    return {
+        tag: [
+            (e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)
+        ]
+        for tag in events.Tags()["tensors"]
+    }

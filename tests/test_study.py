@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, fake_slurm_env, run_cli
+from conftest import REPO, fake_slurm_env, read_scalars, run_cli
 
-from t5scale.study import funnel
+from t5scale.study import funnel, simulated
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.trial import run_trial
 from t5scale.train.config import ConfigError
@@ -28,10 +28,12 @@ GRID = [
     "--gin.StudyConfig.devices=[2, 4]",
     "--gin.StudyConfig.input_length=32",
     "--gin.StudyConfig.target_length=8",
-    "--gin.StudyConfig.timed_steps=2",
+    "--gin.StudyConfig.max_timed_steps=8",
+    "--gin.StudyConfig.max_timing_s=10",
     "--gin.StudyConfig.trial_timeout_s=180",
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+OBJ = "tokens_per_s_per_device"
 
 
 def records(study_dir: Path) -> list[dict]:
@@ -55,12 +57,15 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     found = records(study_dir)
     compiled = [r for r in found if r["kind"] == "compile"]
     timed = [r for r in found if r["kind"] == "timed"]
-    # compiled: both stages on 2 devices, then only the one that goes on, on 4
-    assert len(compiled) == 3 and all(r["status"] == "ok" for r in compiled)
     for r in timed:
         assert r["status"] == "ok", r
         step = r["step_time_s"]
-        assert step["timed_steps"] == 2 and step["min"] <= step["median"] <= step["max"]
+        kept = r["step_times_s"][step["warmup_samples"] :]
+        assert step["samples"] == len(kept) and step["timed_steps"] == len(kept)
+        assert 6 <= len(r["step_times_s"]) <= 8 or step["stopped_by"] == "max_seconds"
+        assert step["low"] <= step["median"] <= step["high"]
+        assert step["confidence"] >= 0.95 or (len(kept) < 6 and not step["precise"])
+        assert step["precise"] == (step["stopped_by"] == "precision")
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / step["median"])
         assert r["tokens_per_s_per_device"] == pytest.approx(
             r["tokens_per_s"] / r["config"]["devices"]
@@ -68,6 +73,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
         assert 0 < r["mfu"] < 1
         memory = r["analysis"]["memory_per_device"]
         assert memory["peak_estimate_bytes"] > 0 and r["fits"]
+        assert r["allocator_peak_bytes"] is None  # the CPU reports none: null, not zero
         assert r["analysis"]["model_state_per_device"]["zero_formula_bytes"]["total"] > 0
         assert r["analysis"]["compile_time_s"] > 0
         assert r["gin_bindings"] and r["machine"]["backend"] == "cpu"
@@ -76,15 +82,29 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     assert "all-reduce" in by_stage[0]["analysis"]["collectives"]
     assert {"all-gather", "reduce-scatter"} <= set(by_stage[3]["analysis"]["collectives"])
 
-    # The funnel: both stages timed on 2 devices, only the faster per device goes on to 4.
-    faster = max(by_stage.values(), key=lambda r: r["tokens_per_s_per_device"])
+    # The funnel: on 2 devices, a stage is dropped only on the evidence; the rest go on to 4.
+    dropped = {d.configuration.stage for d in funnel.prune_on_evidence(by_stage.values(), OBJ)}
     on_four = [r for r in timed if r["config"]["devices"] == 4]
-    assert [r["config"]["stage"] for r in on_four] == [faster["config"]["stage"]]
+    assert {r["config"]["stage"] for r in on_four} == {0, 3} - dropped
+    assert len(dropped) < 2  # never the best
     text = (study_dir / "funnel.md").read_text()
     assert "| 1: 2 devices, compile only | 2 | 2 | - | 0 | 2 |" in text
-    assert "| 2: 2 devices, timed | 2 | 2 | - | 1 | 1 |" in text
-    assert "| 3: 4 devices, compile only | 1 | 1 | - | 0 | 1 |" in text
-    assert f"ZeRO stage {faster['config']['stage']}" in text and "saved" in text
+    assert f"| 2: 2 devices, timed | 2 | 2 | - | {len(dropped)} | {2 - len(dropped)} |" in text
+    assert f"| 3: 4 devices, compile only | {2 - len(dropped)} |" in text
+    assert ("Dropped in round" in text) == bool(dropped)
+    winner = funnel.winners(timed, OBJ)["mt5_tiny"].record
+    assert winner in on_four
+    assert f"ZeRO stage {winner['config']['stage']}" in text and "saved" in text
+    assert len(compiled) == 2 + len(on_four) and all(r["status"] == "ok" for r in compiled)
+
+    # TensorBoard: one run per timed trial, its steps' losses and times readable by TensorBoard.
+    runs = sorted(p.parent for p in (study_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert len(runs) == len(timed)
+    scalars = read_scalars(runs[0])
+    assert len(scalars["loss"]) == len(
+        next(r for r in timed if Path(r["tensorboard_dir"]) == runs[0])["losses"]
+    )
+    assert {"step_time_s", "tokens_per_s_per_device", "step_time_s/low"} <= set(scalars)
 
     # The report: tables and four PNG plots.
     report = (study_dir / "report.md").read_text()
@@ -106,7 +126,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
 def _spec(point: Point, kind: str = "compile", budget: int | None = None) -> dict:
     return {"kind": kind, "point": point.__dict__, "memory_budget_bytes": budget,
             "devices_per_process": point.devices,
-            "warmup_steps": 1, "timed_steps": 1, "token_budget": 0, "peak_flops_per_s": 1e11}  # fmt: skip
+            "timing": {"max_samples": 6}, "token_budget": 0, "peak_flops_per_s": 1e11}  # fmt: skip
 
 
 def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
@@ -130,27 +150,53 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, sync="diloco/2", replicas=2,
                   input_length=32, target_length=8)  # fmt: skip
     assert {"ParallelConfig.replica=2", "ReplicaSyncConfig.every=2"} <= set(point.gin_bindings())
-    result = run_trial(_spec(point, "timed") | {"timed_steps": 3}, tmp_path, "diloco", 240)
+    result = run_trial(_spec(point, "timed"), tmp_path, "diloco", 240)
     assert result["status"] == "ok", result
     assert result["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
     assert result["analysis"]["replica_sync"]["inner_step"]["bytes_over_replica"] == 0
-    timing = result["step_time_s"]  # 3 asked, 4 timed: two rounds, each with its outer step
-    assert timing["statistic"] == "mean over whole rounds" and timing["timed_steps"] == 4
+    timing = result["step_time_s"]  # each sample a round of 2 steps with its outer step
+    assert timing["statistic"] == "median of rounds' mean step times"
+    assert timing["steps_per_sample"] == 2 and len(result["losses"]) == 12  # 6 rounds
     assert np.isfinite(result["final_loss"])
 
 
-def test_keep_best_by_throughput_or_by_loss():
-    def record(stage: int, per_device: float, loss: float) -> dict:
+def test_pruning_drops_only_what_the_evidence_shows_worse():
+    def record(stage: int, step_times: list[float], losses: list[float]) -> dict:
         point = Point("m", stage, 1, "none", 1e-3, devices=2)
-        return {"status": "ok", "config": point.as_dict(), "tokens_per_s_per_device": per_device,
-                "final_loss": loss}  # fmt: skip
+        return {"status": "ok", "config": point.as_dict(), "tokens_per_step": 200,
+                "step_time_s": {"warmup_samples": 1}, "step_times_s": [9.0, *step_times],
+                "loss_samples": losses}  # fmt: skip
 
-    runs = [record(0, 100, 5.0), record(1, 300, 6.0), record(2, 200, 4.0), record(3, 50, 7.0)]
-    runs.append({**record(3, 0, 0), "status": "timeout"})
-    by_speed = {c.stage for c in funnel.keep_best(runs, "tokens_per_s_per_device", 0.5)}
-    by_loss = {c.stage for c in funnel.keep_best(runs, "loss", 0.5)}
-    assert by_speed == {1, 2} and by_loss == {2, 0}
-    assert len(funnel.keep_best(runs, "loss", 0.01)) == 1  # at least one survives
+    rng = np.random.default_rng(0)
+    noisy = lambda centre, n=30: list(centre * rng.lognormal(0, 0.05, n))  # noqa: E731
+    runs = [
+        record(0, noisy(1.0), noisy(5.0)),  # fastest
+        record(1, noisy(1.02), noisy(4.0)),  # 2% slower: a tie; the lowest loss, or tied
+        record(2, noisy(1.5), noisy(4.01)),  # 50% slower: dropped by speed; tied on loss
+        record(3, noisy(1.0, 3), noisy(9.0, 3)),  # too few samples to say anything: kept
+    ]
+    runs.append({**record(3, [1.0], [1.0]), "status": "timeout"})
+    by_speed = funnel.prune_on_evidence(runs, "tokens_per_s_per_device")
+    assert [(d.configuration.stage, d.best.stage) for d in by_speed] == [(2, 0)]
+    assert by_speed[0].interval.high < by_speed[0].best_interval.low
+    # the round's 4 intervals at 1 - 0.05/4 each (Bonferroni): all hold at once with 95%
+    assert by_speed[0].interval.confidence >= 1 - 0.05 / 4
+    by_loss = funnel.prune_on_evidence(runs, "loss")
+    # 4.0 and 4.01 tie: either is the best, and stage 0's 5.0 is worse than both
+    assert [d.configuration.stage for d in by_loss] == [0] and by_loss[0].best.stage in (1, 2)
+    assert "wholly above" in by_loss[0].evidence("loss")
+    (winner,) = funnel.winners(runs, "tokens_per_s_per_device").values()
+    assert winner.record is runs[0] and {r["config"]["stage"] for r, _ in winner.tied} == {1, 3}
+
+
+def test_the_simulated_funnel_keeps_the_best_and_saves_device_time():
+    """Known true speeds, log-normal noise, 100-300 seeded funnels per noise level, no JAX."""
+    for noise, runs in ((0.05, 100), (0.2, 300), (0.5, 100)):
+        found = simulated.survival_and_saving(noise, runs)
+        assert found["best_survived"] >= 0.99, found
+        assert found["saving_mean"] > 0.3, found
+        if noise == 0.2:
+            assert found["saving_min"] > 0.4, found
 
 
 def test_study_config_errors_are_one_line(tmp_path):
@@ -232,7 +278,7 @@ def test_colab_notebook_runs_headless(finished_study, tmp_path):
     )
     reduced = nbformat.v4.new_code_cell(
         f"STUDY_DIR = {str(study_dir)!r}\nMODELS = ['mt5_tiny']\n"
-        "STAGES = [0, 3]\nDEVICES = [2, 4]\nINPUT_LENGTH, TARGET_LENGTH = 32, 8\nTIMED_STEPS = 2"
+        "STAGES = [0, 3]\nDEVICES = [2, 4]\nINPUT_LENGTH, TARGET_LENGTH = 32, 8\nMAX_TIMED_STEPS = 8"
     )
     notebook.cells.insert(index + 1, reduced)  # as papermill injects parameters
     nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
@@ -290,7 +336,7 @@ def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_p
         "study", *GRID, "--gin.StudyConfig.stages=[2]", "--gin.StudyConfig.objective='loss'",
         "--gin.StudyConfig.replica_syncs=['every_step', 'diloco/4']",
         "--gin.StudyConfig.token_budget=2000", "--gin.StudyConfig.learning_rates=[3e-3]",
-        "--gin.StudyConfig.keep_fraction=1.0",  # both go on to 4 devices, whichever learns worse
+        "--gin.StudyConfig.devices=[4]",  # one round: both are timed, whichever learns worse
         "--gin.StudyConfig.extra_bindings=['OptimizerConfig.warmup_steps=1']",
         f"--gin.StudyConfig.study_dir={study_dir}",
     )  # fmt: skip
@@ -301,7 +347,7 @@ def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_p
     sync, diloco = on_four["every_step"], on_four["diloco/4"]
     assert sync["tokens_seen"] == diloco["tokens_seen"] >= 2000
     assert diloco["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
-    assert diloco["step_time_s"]["statistic"] == "mean over whole rounds"
+    assert diloco["step_time_s"]["statistic"] == "median of rounds' mean step times"
     winner = (study_dir / "funnel.md").read_text().split("## Winner")[1]
     best = min((sync, diloco), key=lambda r: r["final_loss"])
     words = {id(sync): "synchronised every step", id(diloco): "diloco every 4 steps over 2"}

@@ -20,9 +20,12 @@ class StudyConfig:
 
     The batch is weak-scaled, as DeepSpeed's `train_micro_batch_size_per_gpu`: the global batch
     is micro_batch_size × data-parallel devices × gradient_accumulation.
-    search: 'funnel' (round 1 compiles every point and drops what does not fit; then timed
-    rounds at growing device counts keep the best `keep_fraction` per model) or 'grid' (every
-    point timed).
+    search: 'funnel' (at each device count, smallest first, compile and drop what does not
+    fit, then time and drop what is worse than its model's best with the stated confidence:
+    t5scale/study/funnel.py) or 'grid' (every point timed).
+    Timing (t5scale/study/evidence.py): steps run until the median step time's `confidence`
+    interval is within ±timing_precision of it, or max_timed_steps or max_timing_s are spent;
+    the warm-up steps are found in the timings, not assumed.
     objective: 'tokens_per_s_per_device' (higher wins) or 'loss' (the loss after
     `token_budget` tokens, lower wins; for learning-rate and batch-size choices).
     device_memory_gb: the per-device budget; None → the GPU's own limit, or on the CPU this
@@ -50,12 +53,13 @@ class StudyConfig:
     precision: str = "auto"  # PrecisionConfig.mode: auto (mixed when dtype is bfloat16), ...
     optimizer: str = "adamw"
     data_source: str = "synthetic"
-    warmup_steps: int = 1
-    timed_steps: int = 3
+    timing_precision: float = 0.05
+    confidence: float = 0.95
+    max_timed_steps: int = 100
+    max_timing_s: float = 30.0
     token_budget: int = 0
     search: str = "funnel"
     objective: str = "tokens_per_s_per_device"
-    keep_fraction: float = 0.5
     device_memory_gb: float | None = None
     trial_timeout_s: float = 300.0
     compile_workers: int = 0  # parallel compile-only trials; 0: one per CPU core
@@ -98,8 +102,10 @@ class StudyConfig:
             )
         if self.objective == "loss" and self.token_budget <= 0:
             raise ConfigError("StudyConfig.objective='loss' needs a token_budget > 0")
-        if not 0 < self.keep_fraction <= 1:
-            raise ConfigError("StudyConfig.keep_fraction must be in (0, 1]")
+        if not (0 < self.timing_precision < 1 and 0.5 < self.confidence < 1):
+            raise ConfigError(
+                "StudyConfig.timing_precision must be in (0, 1) and confidence in (0.5, 1)"
+            )
         if self.devices_per_host < 1:
             raise ConfigError("StudyConfig.devices_per_host must be >= 1")
         if self.trial_launcher and any(
@@ -109,8 +115,9 @@ class StudyConfig:
                 f"StudyConfig.devices: counts above devices_per_host={self.devices_per_host} "
                 "must be whole hosts"
             )
-        if self.timed_steps < 1 or self.warmup_steps < 0 or self.trial_timeout_s <= 0:
-            raise ConfigError("timed_steps >= 1, warmup_steps >= 0, trial_timeout_s > 0")
+        if self.max_timed_steps < 1 or self.max_timing_s <= 0 or self.trial_timeout_s <= 0:
+            raise ConfigError("StudyConfig: max_timed_steps >= 1, max_timing_s > 0 and "
+                              "trial_timeout_s > 0")  # fmt: skip
 
     def configurations(self) -> list[Configuration]:
         """Every configuration of the grid, device count aside (the funnel's unit)."""
@@ -216,6 +223,14 @@ class Point:
             f"TARGET_LENGTH={self.target_length}",
             f"DATA_SOURCE='{self.data_source}'",
         ]
+
+    def run_name(self) -> str:
+        """A path that names the point, e.g. mt5_tiny/stage2_mb1_none_lr0.001/4dev."""
+        sync = "" if self.sync == "every_step" else "_" + self.sync.replace("/", "")
+        return (
+            f"{self.model}/stage{self.stage}_mb{self.micro_batch_size}_{self.remat}"
+            f"_lr{self.learning_rate:g}{sync}/{self.devices}dev"
+        )
 
     def key(self, kind: str) -> str:
         """Identifies a finished trial in results.jsonl, so a restarted study skips it."""

@@ -6,33 +6,145 @@ import dataclasses
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from t5scale.study.config import Configuration, Point
+from t5scale.study.evidence import Interval, median_interval, samples_needed
+
+
+def objective_interval(
+    record: dict[str, Any], objective: str, confidence: float | None = None
+) -> Interval:
+    """The record's objective and its interval, higher is better: tokens/s per device (from
+    the step time's interval), or the negated loss over the last window of steps. With a
+    `confidence`, the interval is computed again from the record's samples at that level."""
+    if objective == "loss":
+        stored, samples = record.get("loss_interval", {}), record.get("loss_samples")
+    else:
+        stored = record["step_time_s"]
+        samples = record.get("step_times_s", [])[stored.get("warmup_samples", 0) :]
+    if samples:
+        interval = median_interval(samples, confidence or stored.get("confidence", 0.95))
+    else:
+        interval = Interval(**{f.name: stored[f.name] for f in dataclasses.fields(Interval)})
+    if objective == "loss":
+        return interval.map(lambda loss: -loss)
+    per_device = record["tokens_per_step"] / record["config"]["devices"]
+    return interval.map(lambda t: per_device / t)
 
 
 def score(record: dict[str, Any], objective: str) -> float:
-    """Higher is better: tokens/s per device, or the negated loss after the token budget."""
-    if objective == "loss":
-        return -record["final_loss"]
-    return record["tokens_per_s_per_device"]
+    """Higher is better: the objective's median."""
+    return objective_interval(record, objective).median
 
 
-def keep_best(
-    records: Sequence[dict[str, Any]], objective: str, keep_fraction: float
-) -> set[Configuration]:
-    """Per model, the best ceil(keep_fraction · n) configurations of n timed ok (at least one)."""
+def _compared(
+    records: Sequence[dict[str, Any]], objective: str, confidence: float
+) -> dict[str, tuple[dict[str, Any], Interval, list[tuple[dict[str, Any], Interval]]]]:
+    """Per model: its best record, the best's interval and every record's, each interval at
+    1 − (1 − confidence)/m for the model's m records (Bonferroni): all m hold at once with
+    probability ≥ confidence, so every conclusion drawn from them together holds with it."""
     by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
-        if record["status"] == "ok":
-            by_model[record["config"]["model"]].append(record)
-    kept = set()
-    for group in by_model.values():
-        group.sort(key=lambda r: score(r, objective), reverse=True)
-        kept |= {
-            configuration_of(r) for r in group[: max(1, math.ceil(keep_fraction * len(group)))]
-        }
-    return kept
+        by_model[record["config"]["model"]].append(record)
+    result = {}
+    for model, group in by_model.items():
+        level = 1 - (1 - confidence) / len(group)
+        intervals = [
+            (r, _conclusive(objective_interval(r, objective, level), level)) for r in group
+        ]
+        # the best among those measured well enough to say anything (else among all)
+        candidates = [pair for pair in intervals if math.isfinite(pair[1].low)] or intervals
+        best, top = max(candidates, key=lambda pair: pair[1].median)
+        result[model] = (best, top, [(r, i) for r, i in intervals if r is not best])
+    return result
+
+
+def samples_to_compare(confidence: float, configurations: Sequence[Configuration]) -> int:
+    """The fewest samples a trial needs for its interval to take part in a round of these
+    configurations (see `_compared`): fewer can never be dropped nor drop another."""
+    per_model = Counter(c.model for c in configurations)
+    return samples_needed(1 - (1 - confidence) / max(per_model.values(), default=1))
+
+
+def _conclusive(interval: Interval, level: float) -> Interval:
+    """Too few samples to reach `level`: an interval that says nothing (−inf, +inf)."""
+    if interval.confidence >= level:
+        return interval
+    return dataclasses.replace(interval, low=-math.inf, high=math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """A configuration worse than its model's best with the stated confidence, and why."""
+
+    configuration: Configuration
+    interval: Interval
+    best: Configuration
+    best_interval: Interval
+
+    def evidence(self, objective: str) -> str:
+        unit = "loss" if objective == "loss" else "tokens/s/device"
+        sign = -1 if objective == "loss" else 1
+        return (
+            f"{self.configuration.label()}: {_show(self.interval, sign)} {unit}, wholly "
+            f"{'above' if sign < 0 else 'below'} {self.best.label()}: "
+            f"{_show(self.best_interval, sign)}"
+        )
+
+
+def _show(interval: Interval, sign: int) -> str:
+    shown = interval.map(lambda v: sign * v)
+    return (
+        f"{shown.median:,.4g} [{shown.low:,.4g}, {shown.high:,.4g}] "
+        f"({100 * interval.confidence:.4g}%, n={interval.samples})"
+    )
+
+
+def prune_on_evidence(
+    records: Sequence[dict[str, Any]], objective: str, confidence: float = 0.95
+) -> list[Dropped]:
+    """The ok records, per model, whose interval lies wholly below the best's: worse than the
+    best, every such conclusion of the round holding together with probability ≥
+    `confidence` (see `_compared`). The rest go on, ties included."""
+    ok = [r for r in records if r["status"] == "ok"]
+    dropped = []
+    for best, top, others in _compared(ok, objective, confidence).values():
+        for record, interval in others:
+            if interval.below(top):
+                dropped.append(Dropped(
+                    configuration_of(record), interval, configuration_of(best), top
+                ))  # fmt: skip
+    return dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class Winner:
+    """A model's best trial, and those it does not beat with the stated confidence."""
+
+    record: dict[str, Any]
+    interval: Interval
+    tied: list[tuple[dict[str, Any], Interval]]  # best first
+
+
+def winners(
+    timed: Sequence[dict[str, Any]], objective: str, confidence: float = 0.95
+) -> dict[str, Winner]:
+    """Per model, the best ok trial at the largest device count any of its trials reached,
+    with the others there whose interval is not wholly below its own: tied within the
+    evidence."""
+    ok = [r for r in timed if r["status"] == "ok"]
+    largest: dict[str, int] = {}
+    for record in ok:
+        model = record["config"]["model"]
+        largest[model] = max(largest.get(model, 0), record["config"]["devices"])
+    final = [r for r in ok if r["config"]["devices"] == largest[r["config"]["model"]]]
+    result = {}
+    for model, (best, top, others) in _compared(final, objective, confidence).items():
+        tied = [(r, interval) for r, interval in others if not interval.below(top)]
+        tied.sort(key=lambda pair: pair[1].median, reverse=True)
+        result[model] = Winner(best, top, tied)
+    return result
 
 
 def _synchronised(config: dict[str, Any]) -> str:
@@ -60,8 +172,12 @@ class Round:
     entered: int
     records: list[dict[str, Any]]
     left: int = 0
-    pruned: int = 0  # ranked below the cut
+    dropped: list[Dropped] = dataclasses.field(default_factory=list)  # worse, with evidence
     note: str = ""
+
+    @property
+    def pruned(self) -> int:
+        return len(self.dropped)
 
     def reasons(self) -> Counter:
         return Counter(r["status"] for r in self.records if r["status"] != "ok")
@@ -71,6 +187,85 @@ class Round:
 
     def device_s(self) -> float:
         return sum(r["wall_s"] * r["config"]["devices"] for r in self.records)
+
+
+class Trials(Protocol):
+    """What runs the funnel's trials: real processes (runner.py) or a simulation."""
+
+    def compile(self, configurations: list[Configuration], devices: int, name: str) -> list[dict]:
+        """Compile-only trials: a record each, status 'ok' where the point fits."""
+
+    def time(self, configurations: list[Configuration], devices: int, name: str) -> list[dict]:
+        """Timed trials: a record each, with the objective's interval where status is 'ok'."""
+
+    def ahead(self, alive: int, devices: Sequence[int]) -> None:
+        """Told after each round how many configurations go on to which device counts."""
+
+
+@dataclasses.dataclass
+class Search:
+    rounds: list[Round]
+    compile_records: list[dict[str, Any]]
+    timed_records: list[dict[str, Any]]
+
+
+def search(
+    configurations: Sequence[Configuration],
+    devices: Sequence[int],
+    trials: Trials,
+    objective: str,
+    funnel: bool = True,
+    confidence: float = 0.95,
+) -> Search:
+    """The funnel (or, with funnel=False, the grid: every point timed).
+
+    At each device count, smallest first, the configurations still in are compiled (no step
+    runs) and those that do not fit are not timed there; the rest are timed, and a
+    configuration is dropped only when its interval lies wholly below its model's best (see
+    `prune_on_evidence`). Not on 1 device (every ZeRO stage is the same program there) and not
+    in the last round (nothing is left to save)."""
+    devices = sorted(devices)
+    result = Search([], [], [])
+    alive = set(configurations)
+    for index, d in enumerate(devices):
+        per = f"{d} device{'s' if d > 1 else ''}"
+        # Stage-major, models interleaved: on one device every stage is the same program, and
+        # a stage's twin then starts after it has compiled (and loads it from the cache).
+        todo = sorted(alive, key=lambda c: (c.stage, c.model, c))
+        if funnel:
+            records = trials.compile(todo, d, f"{per}, compile")
+            result.compile_records += records
+            todo = [configuration_of(r) for r in records if r["status"] == "ok"]
+            # A crash or timeout is no matter of device count: that configuration is out. One
+            # that does not fit, or does not divide this mesh, may still run on another count.
+            alive -= {configuration_of(r) for r in records if r["status"] in ("crash", "timeout")}
+            result.rounds.append(Round(
+                f"{len(result.rounds) + 1}: {per}, compile only", len(records), records,
+                left=len(todo), note="XLA's per-device memory estimate against the budget",
+            ))  # fmt: skip
+        entered = len(todo)
+        records = trials.time(todo, d, f"{per}, timed")
+        result.timed_records += records
+        alive -= {configuration_of(r) for r in records if r["status"] != "ok"}
+        ok = [r for r in records if r["status"] == "ok"]
+        note, dropped = "", []
+        last = index == len(devices) - 1
+        if funnel and not last and d > 1 and ok:
+            dropped = prune_on_evidence(ok, objective, confidence)
+            alive -= {drop.configuration for drop in dropped}
+            note = (
+                f"dropped what is worse than its model's best by {objective} with the stated "
+                "confidence (its interval wholly below the best's); ties go on"
+            )
+        elif funnel and d == 1 and not last:
+            note = "no pruning on 1 device: every ZeRO stage is the same program there"
+        result.rounds.append(Round(
+            f"{len(result.rounds) + 1}: {per}, timed", entered, records,
+            left=len([r for r in ok if configuration_of(r) in alive]), dropped=dropped,
+            note=note,
+        ))  # fmt: skip
+        trials.ahead(len(alive), devices[index + 1 :])
+    return result
 
 
 def full_grid_estimate(
@@ -115,12 +310,13 @@ def full_grid_estimate(
 
 def render(
     rounds: Sequence[Round],
-    winners: dict[str, dict[str, Any]],
+    best: dict[str, Winner],
     objective: str,
     spent: tuple[float, float],
     full_grid: tuple[float, float] | None,
 ) -> str:
-    """funnel.md: rounds, reasons, winners, and the device-time spent against the full grid."""
+    """funnel.md: rounds, what each dropped and on what evidence, the winners and their ties,
+    and the device-time spent against the full grid."""
     lines = [
         "# Funnel",
         "",
@@ -128,9 +324,11 @@ def render(
         "after the token budget). Each round's configurations are grid points without their "
         "device count. At each device count the configurations still in are first compiled "
         "(no step runs) and those that do not fit the memory budget are not timed there; the "
-        "rest are timed, and the best fraction per model goes on to the next device count.",
+        "rest are timed until the median step time is known to the stated precision (or the "
+        "budget is spent), and a configuration is dropped only when its interval lies wholly "
+        "below its model's best. Intervals: median [low, high] (confidence, samples).",
         "",
-        "| round | entered | trials | failed (why) | pruned | left | trial wall s | device·s |",
+        "| round | entered | trials | failed (why) | dropped | left | trial wall s | device·s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for round_ in rounds:
@@ -142,18 +340,32 @@ def render(
     notes = [f"- {round_.name}: {round_.note}" for round_ in rounds if round_.note]
     if notes:
         lines += ["", *notes]
+    for round_ in rounds:
+        if round_.dropped:
+            lines += ["", f"Dropped in round {round_.name}:", ""]
+            lines += [f"- {drop.evidence(objective)}" for drop in round_.dropped]
     lines += ["", "## Winner", ""]
-    if not winners:
+    if not best:
         lines.append("No configuration ran to the end.")
-    for model, record in sorted(winners.items()):
-        config = record["config"]
+    sign = -1 if objective == "loss" else 1
+    unit = "loss" if objective == "loss" else "tokens/s/device"
+    for model, winner in sorted(best.items()):
+        config = winner.record["config"]
         lines.append(
             f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
             f"{config['remat']}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
-            f"{config['devices']} devices: "
-            f"{record['tokens_per_s_per_device']:,.0f} tokens/s per device, step "
-            f"{record['step_time_s']['median']:.3g} s, final loss {record['final_loss']:.4f}"
+            f"{config['devices']} devices: {_show(winner.interval, sign)} {unit}, step "
+            f"{winner.record['step_time_s']['median']:.3g} s, final loss "
+            f"{winner.record['final_loss']:.4f}"
         )
+        if winner.tied:
+            lines.append(f"  - tied within the evidence (intervals overlap): {len(winner.tied)}")
+            lines += [
+                f"    - {configuration_of(r).label()}: {_show(interval, sign)}"
+                for r, interval in winner.tied
+            ]
+        else:
+            lines.append("  - ahead of every other configuration with the stated confidence")
     wall, device = spent
     lines += ["", "## Device time", "", f"Spent: {wall:.0f} s of trials, {device:.0f} device·s "
               "(trial wall time × its device count)."]  # fmt: skip

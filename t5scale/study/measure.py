@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 import time
 from typing import Any
 
@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5scale.data.loader import host_batches
+from t5scale.study.evidence import TimingRule, measure
 from t5scale.train.config import ConfigError, RunConfig
 from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.setup import CompiledStep, build_setup
@@ -23,23 +24,32 @@ def model_state_per_device(run: RunConfig, devices=None) -> float:
     return setup.model_state_bytes().per_device(setup.layout.stage, setup.layout.zero_size)["total"]
 
 
-def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
-    """Run `warmup` then `timed` executions on synthetic batches, each timed to
-    block_until_ready; with k steps per execution each gives its time over k as the step time.
+def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict[str, Any]:
+    """Run the compiled step on synthetic batches until `rule` is met (evidence.measure): the
+    median step time's interval within the rule's precision, or its budget spent; at least
+    `min_steps` steps. Each sample is timed to block_until_ready and the warm-up samples are
+    found in the timings, not assumed.
 
-    With local SGD or DiLoCo the outer step runs where it is due, inside the time of the step
-    it follows; the timed steps are a multiple of H and the step time is their mean, so that
-    each step carries its 1/H of the synchronisation."""
+    A sample is one execution (with k steps per execution, its time over k) or, with local SGD
+    or DiLoCo, one round of H steps with its outer step (its mean step time): each step then
+    carries its 1/H of the synchronisation."""
     setup, k = step.setup, step.steps_per_execution
     run = setup.run
     local = setup.outer_tx is not None
+    executions_per_sample = 1
     if local:
         every = run.sync.every
         if every % k:
             raise ConfigError(
                 f"steps_per_execution={k} must divide ReplicaSyncConfig.every={every}"
             )
-        timed = -(-timed * k // every) * every // k  # any H steps in a row hold one outer step
+        executions_per_sample = every // k
+    steps_per_sample = k * executions_per_sample
+    rule = dataclasses.replace(
+        rule,
+        min_samples=max(rule.min_samples, -(-min_steps // steps_per_sample)),
+        max_samples=max(-(-rule.max_samples // steps_per_sample), rule.floor),
+    )
     stream = host_batches(run.data, run.train.batch_size, run.train.seed, run.model.vocab_size)
 
     def next_batch():
@@ -50,34 +60,40 @@ def time_steps(step: CompiledStep, warmup: int, timed: int) -> dict[str, Any]:
         return batches[0] if k == 1 else setup.stack(batches)
 
     state = setup.create_state()
-    times, losses = [], []
-    for index in range(warmup + timed):
-        batch = next_batch()
-        started = time.perf_counter()
-        state, metrics = step.compiled(state, batch)
-        if local:
-            if run.sync.due((index + 1) * k):
-                state = setup.compiled_outer.compiled(state)
-            metrics = combine_replica_metrics(multihost_utils.process_allgather(metrics, True))
-        jax.block_until_ready((state, metrics))
-        if index >= warmup:
-            times.extend([(time.perf_counter() - started) / k] * k)
-        losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
+    losses: list[float] = []
+
+    def sample() -> float:
+        nonlocal state
+        elapsed = 0.0
+        for _ in range(executions_per_sample):
+            batch = next_batch()
+            started = time.perf_counter()
+            state, metrics = step.compiled(state, batch)
+            if local:
+                if run.sync.due(len(losses) + k):
+                    state = setup.compiled_outer.compiled(state)
+                metrics = combine_replica_metrics(multihost_utils.process_allgather(metrics, True))
+            jax.block_until_ready((state, metrics))
+            elapsed += time.perf_counter() - started
+            losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
+        return elapsed / steps_per_sample
+
+    found = measure(sample, rule)
     del state
-    median = statistics.fmean(times) if local else statistics.median(times)
+    timed = found.samples[found.warmup :]
     return {
-        "step_time_s": {
-            "median": median,  # with local SGD or DiLoCo: the mean over whole rounds
-            "statistic": "mean over whole rounds" if local else "median",
-            "min": min(times),
-            "max": max(times),
-            # spread: (max - min) / median over the timed steps
-            "spread": (max(times) - min(times)) / median,
-            "timed_steps": len(times),
-            "warmup_steps": warmup * k,
-            "steps_per_execution": k,
+        "step_time_s": found.summary()
+        | {
+            "statistic": "median of rounds' mean step times" if local else "median",
+            "steps_per_sample": steps_per_sample,
+            "timed_steps": len(timed) * steps_per_sample,
+            "warmup_steps": found.warmup * steps_per_sample,
+            "min": min(timed),
+            "max": max(timed),
+            "spread": (max(timed) - min(timed)) / found.interval.median,  # (max - min) / median
+            "precision_asked": rule.precision,
         },
-        "step_times_s": times,
+        "step_times_s": found.samples,  # per sample, the warm-up included
         "losses": losses,
         "allocator_peak_bytes": allocator_peak(setup.mesh),
     }

@@ -91,73 +91,34 @@ def run_study(
         f"on {machine['device_kind']} ({machine['backend']}); peak "
         f"{machine['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({machine['peak_source']})"
     )
-    runner = _TrialRunner(config, study_dir, results, machine)
     configurations = config.configurations()
     devices = sorted(config.devices)
-    funnel_mode = config.search == "funnel"
     progress = Progress(_planned(len(configurations), devices, config), show)
-    rounds: list[funnel.Round] = []
-    compile_records: list[dict[str, Any]] = []
-    timed_records: list[dict[str, Any]] = []
-    alive = set(configurations)
-    for index, d in enumerate(devices):
-        per = f"{d} device{'s' if d > 1 else ''}"
-        # Stage-major, models interleaved: on one device every stage is the same program, and
-        # a stage's twin then starts after it has compiled (and loads it from the cache).
-        todo = sorted(alive, key=lambda c: (c.stage, c.model, c))
-        if funnel_mode:
-            # Compile only: drop, at this device count, what does not fit. A configuration that
-            # does not fit here stays in for the others.
-            records = runner.run_all(
-                [config.point(c, d) for c in todo], "compile", f"{per}, compile", progress
-            )
-            compile_records += records
-            todo = [funnel.configuration_of(r) for r in records if r["status"] == "ok"]
-            # A crash or timeout is no matter of device count: that configuration is out. One
-            # that does not fit, or does not divide this mesh, may still run on another count.
-            alive -= {
-                funnel.configuration_of(r) for r in records if r["status"] in ("crash", "timeout")
-            }
-            rounds.append(funnel.Round(
-                f"{len(rounds) + 1}: {per}, compile only", len(records), records,
-                left=len(todo), note="XLA's per-device memory estimate against the budget",
-            ))  # fmt: skip
-        entered = len(todo)
-        records = runner.run_all(
-            [config.point(c, d) for c in todo], "timed", f"{per}, timed", progress
-        )
-        timed_records += records
-        alive -= {funnel.configuration_of(r) for r in records if r["status"] != "ok"}
-        ok = [r for r in records if r["status"] == "ok"]
-        note, pruned = "", 0
-        last = index == len(devices) - 1
-        if funnel_mode and not last and d > 1 and ok:
-            ranked = {funnel.configuration_of(r) for r in ok}
-            kept = funnel.keep_best(ok, config.objective, config.keep_fraction)
-            pruned = len(ranked - kept)
-            alive -= ranked - kept
-            note = f"kept the best {config.keep_fraction:.0%} per model by {config.objective}"
-        elif funnel_mode and d == 1 and not last:
-            note = "no pruning on 1 device: every ZeRO stage is the same program there"
-        rounds.append(funnel.Round(
-            f"{len(rounds) + 1}: {per}, timed", entered, records,
-            left=len([r for r in ok if funnel.configuration_of(r) in alive]), pruned=pruned,
-            note=note,
-        ))  # fmt: skip
-        progress.replan(progress.done + _planned(len(alive), devices[index + 1 :], config))
-
-    winners = _winners(timed_records, config.objective)
+    runner = _TrialRunner(config, study_dir, results, machine, progress)
+    found = funnel.search(
+        configurations,
+        devices,
+        runner,
+        config.objective,
+        config.search == "funnel",
+        config.confidence,
+    )
+    compile_records, timed_records = found.compile_records, found.timed_records
+    best = funnel.winners(timed_records, config.objective, config.confidence)
     spent_wall = sum(r["wall_s"] for r in compile_records + timed_records)
     spent_device = sum(
         r["wall_s"] * r["config"]["devices"] for r in compile_records + timed_records
     )
-    grid = [config.point(c, d) for c in configurations for d in devices]
-    full = funnel.full_grid_estimate(grid, compile_records, timed_records) if funnel_mode else None
-    text = funnel.render(rounds, winners, config.objective, (spent_wall, spent_device), full)
+    full = None
+    if config.search == "funnel":
+        grid = [config.point(c, d) for c in configurations for d in devices]
+        full = funnel.full_grid_estimate(grid, compile_records, timed_records)
+    text = funnel.render(found.rounds, best, config.objective, (spent_wall, spent_device), full)
     (study_dir / "funnel.md").write_text(text, encoding="utf-8")
     return {
-        "rounds": rounds,
-        "winners": winners,
+        "rounds": found.rounds,
+        "winners": {model: winner.record for model, winner in best.items()},
+        "tied": {model: [r for r, _ in winner.tied] for model, winner in best.items()},
         "spent": (spent_wall, spent_device),
         "full_grid": full,
         "trials": len(compile_records) + len(timed_records),
@@ -166,34 +127,9 @@ def run_study(
 
 
 def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
-    """Trials still ahead if each later round kept keep_fraction (for the ETA, not a promise)."""
-    total, share = 0.0, float(alive)
-    per_point = 2 if config.search == "funnel" else 1
-    for count in devices:
-        total += per_point * share
-        if count > 1 and config.search == "funnel":
-            share = max(1.0, share * config.keep_fraction)
-    return round(total)
-
-
-def _winners(timed: Sequence[dict[str, Any]], objective: str) -> dict[str, dict[str, Any]]:
-    """Per model, the best ok trial at the largest device count any of its trials reached."""
-    best: dict[str, dict[str, Any]] = {}
-    for record in timed:
-        if record["status"] != "ok":
-            continue
-        model, devices = record["config"]["model"], record["config"]["devices"]
-        current = best.get(model)
-        if (
-            current is None
-            or devices > current["config"]["devices"]
-            or (
-                devices == current["config"]["devices"]
-                and funnel.score(record, objective) > funnel.score(current, objective)
-            )
-        ):
-            best[model] = record
-    return best
+    """Trials still ahead if every configuration still in went on (an upper bound, for the
+    ETA: the funnel drops what the evidence shows worse)."""
+    return alive * len(devices) * (2 if config.search == "funnel" else 1)
 
 
 def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
@@ -212,13 +148,15 @@ def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
 
 
 class _TrialRunner:
-    def __init__(self, config: StudyConfig, study_dir: Path, results: Results, machine: dict):
-        self.config, self.study_dir, self.results, self.machine = (
-            config,
-            study_dir,
-            results,
-            machine,
-        )
+    """funnel.Trials as isolated processes, recorded in results.jsonl."""
+
+    def __init__(
+        self, config: StudyConfig, study_dir: Path, results: Results, machine: dict,
+        progress: Progress,
+    ):  # fmt: skip
+        self.config, self.study_dir, self.results = config, study_dir, results
+        self.machine, self.progress = machine, progress
+        self.min_samples = 0
         # numbered after every trial this study dir has seen, so that no log is overwritten
         self.counter = len(list((study_dir / "trials").glob("0*.spec.json")))
 
@@ -247,12 +185,16 @@ class _TrialRunner:
             "devices_per_process": point.devices // self.hosts(point.devices),
             "point": point.__dict__,
             "memory_budget_bytes": self.budget(point.devices),
-            "warmup_steps": study.warmup_steps,
-            "timed_steps": study.timed_steps,
+            "timing": {"precision": study.timing_precision, "confidence": study.confidence,
+                       "min_samples": self.min_samples, "max_samples": study.max_timed_steps,
+                       "max_seconds": study.max_timing_s},
             "token_budget": study.token_budget if study.objective == "loss" else 0,
             "peak_flops_per_s": self.machine["peak_flops_per_s"],
             "extra_bindings": list(study.extra_bindings),
-        }
+            # one TensorBoard run per timed trial, so that trials compare in one TensorBoard
+            "tensorboard_dir": str(self.study_dir / "tensorboard" / point.run_name())
+            if kind == "timed" else None,
+        }  # fmt: skip
 
     def run_one(self, point: Point, kind: str, round_name: str) -> tuple[dict[str, Any], bool]:
         """(record, whether it ran now): a trial found in results.jsonl is not run again."""
@@ -268,8 +210,9 @@ class _TrialRunner:
             self.results.add(record)
             return record, False
         self.counter += 1
+        spec = self.spec(point, kind)
         result = run_trial(
-            self.spec(point, kind), self.study_dir / "trials", f"{self.counter:04d}-{kind}",
+            spec, self.study_dir / "trials", f"{self.counter:04d}-{kind}",
             self.config.trial_timeout_s, self.launcher(point.devices),
         )  # fmt: skip
         record = {
@@ -282,6 +225,7 @@ class _TrialRunner:
             "machine": {k: self.machine[k] for k in ("backend", "device_kind", "peak_source")},
             "peak_flops_per_s": self.machine["peak_flops_per_s"],
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "tensorboard_dir": spec["tensorboard_dir"],
         } | result
         self.results.add(record)
         return record, True
@@ -305,7 +249,18 @@ class _TrialRunner:
         compiled = self.results.records.get(point.key("compile"), {})
         return compiled.get("program_fingerprint")
 
-    def run_all(self, points: list[Point], kind: str, round_name: str, progress: Progress):
+    def compile(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+        return self.run_all(
+            [self.config.point(c, devices) for c in configurations], "compile", name
+        )
+
+    def time(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+        return self.run_all([self.config.point(c, devices) for c in configurations], "timed", name)
+
+    def ahead(self, alive: int, devices: Sequence[int]) -> None:
+        self.progress.replan(self.progress.done + _planned(alive, devices, self.config))
+
+    def run_all(self, points: list[Point], kind: str, round_name: str) -> list[dict[str, Any]]:
         """Compile-only trials run `compile_workers` at a time; timed trials one by one."""
         workers = 1
         if kind == "compile":
@@ -318,7 +273,7 @@ class _TrialRunner:
             for point, future in zip(points, futures, strict=True):
                 record, ran = future.result()
                 records.append(record)
-                progress.report(
+                self.progress.report(
                     f"{round_name}: {point.configuration.label()} × {point.devices}: "
                     f"{_outcome(record)}",
                     ran,

@@ -10,6 +10,7 @@ device kind and memory), so that the study's own process never starts an acceler
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,10 +30,12 @@ from t5scale.config import build_run_config, parse_gin
 from t5scale.parallel.cluster import DistributedConfig, start_cluster
 from t5scale.parallel.mesh import MeshError
 from t5scale.study.config import Point
+from t5scale.study.evidence import TimingRule, median_interval, samples_needed
 from t5scale.study.measure import model_state_per_device, time_steps
 from t5scale.study.peak import device_peak
 from t5scale.train.config import ConfigError
 from t5scale.train.setup import build_setup
+from t5scale.train.tensorboard import ScalarWriter
 
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
@@ -173,32 +176,65 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
 
 
 def _time(spec: dict[str, Any], point, step) -> dict[str, Any]:
-    """Warm-up and timed steps; with a token budget (the loss objective), as many as it takes.
-    With TrainConfig.steps_per_execution k > 1 the k-step program is compiled and timed (the
-    one-step program's memory decided whether the point fits)."""
+    """Time the step until its median is known to the spec's precision (or the budget is
+    spent); with a token budget (the loss objective), at least the steps it takes, and the
+    loss is read there. With TrainConfig.steps_per_execution k > 1 the k-step program is
+    compiled and timed (the one-step program's memory decided whether the point fits)."""
     run = step.setup.run
     tokens_per_step = run.tokens_per_step
-    steps_per_execution = run.train.steps_per_execution
-    timed = spec["timed_steps"]
-    if spec.get("token_budget"):
-        timed = max(timed, math.ceil(spec["token_budget"] / tokens_per_step) - spec["warmup_steps"])
+    rule = TimingRule(**spec["timing"])
+    budget_steps = (
+        math.ceil(spec["token_budget"] / tokens_per_step) if spec.get("token_budget") else 0
+    )
+    if budget_steps:
+        rule = dataclasses.replace(rule, max_samples=max(rule.max_samples, budget_steps))
     try:
-        program = step if steps_per_execution == 1 else step.setup.compile(steps_per_execution)
-        timing = time_steps(program, spec["warmup_steps"], math.ceil(timed / steps_per_execution))
+        program = step
+        if run.train.steps_per_execution > 1:
+            program = step.setup.compile(run.train.steps_per_execution)
+        timing = time_steps(program, rule, min_steps=budget_steps)
     except Exception as error:
         return {"status": _failure_status(error, "crash"), "error": _one_line(error)}
     median = timing["step_time_s"]["median"]
     # Emulated CPU devices share one machine, so they share its one measured peak.
     peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
     model_flops = step.analysis["flops_per_step"]["model"]
-    return timing | {
+    losses = timing["losses"][: budget_steps or None]
+    # The loss's evidence: its median over the last quarter of the steps (at least as many as
+    # an interval needs), with that median's interval.
+    window = min(len(losses), max(samples_needed(rule.confidence), len(losses) // 4))
+    result = timing | {
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / median,
         "tokens_per_s_per_device": tokens_per_step / median / point.devices,
         "mfu": mfu(model_flops, median, spec["peak_flops_per_s"], peak_devices),
-        "final_loss": timing["losses"][-1],
-        "tokens_seen": tokens_per_step * len(timing["losses"]),
+        "final_loss": losses[-1],
+        "loss_interval": median_interval(losses[-window:], rule.confidence).as_dict(),
+        "loss_samples": losses[-window:],
+        "tokens_seen": tokens_per_step * len(losses),
     }
+    if spec.get("tensorboard_dir"):
+        _write_events(spec["tensorboard_dir"], result)
+    return result
+
+
+def _write_events(logdir: str, result: dict[str, Any]) -> None:
+    """The trial's steps as one TensorBoard run: loss per step, step time per sample."""
+    with ScalarWriter(logdir) as writer:
+        for index, loss in enumerate(result["losses"], 1):
+            writer.write(index, {"loss": loss})
+        per_sample = result["step_time_s"]["steps_per_sample"]
+        for index, seconds in enumerate(result["step_times_s"], 1):
+            writer.write(index * per_sample, {"step_time_s": seconds})
+        last = len(result["losses"])
+        writer.write(last, {
+            "tokens_per_s_per_device": result["tokens_per_s_per_device"], "mfu": result["mfu"],
+            "step_time_s/median": result["step_time_s"]["median"],
+            "step_time_s/low": result["step_time_s"]["low"],
+            "step_time_s/high": result["step_time_s"]["high"],
+        })  # fmt: skip
+        if result.get("allocator_peak_bytes") is not None:
+            writer.write(last, {"memory/allocator_peak_bytes": result["allocator_peak_bytes"]})
 
 
 def _failure_status(error: BaseException, otherwise: str) -> str:
