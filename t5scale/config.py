@@ -7,6 +7,7 @@ arguments, so the Python API needs no gin at all.
 from __future__ import annotations
 
 import ast
+import difflib
 import logging
 import os
 from collections.abc import Sequence
@@ -87,6 +88,25 @@ def parse_gin(
         raise ConfigError(f"gin: {' '.join(str(error).split())}") from None
     finally:
         root_logger.setLevel(level)
+    check_macros_read()
+
+
+def check_macros_read() -> None:
+    """A macro that no binding reads is an error: gin takes any unknown upper-case name as a
+    new macro, so `--gin.TRAIN_STEP=100` (S missing) would otherwise train the default steps."""
+    # gin has no public list of what is bound: its own (private) table of bindings is read.
+    bound = {scope for scope, selector in gin.config._CONFIG if selector == "gin.macro"}
+    read = {
+        reference.scoped_selector.split("/")[0]
+        for reference in gin.config.iterate_references(gin.config._CONFIG)
+        if reference.selector == "gin.macro"
+    }
+    unread = sorted(bound - read)
+    if unread:
+        name = unread[0]
+        near = difflib.get_close_matches(name, sorted(read), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]}?" if near else f"; the macros read are {sorted(read)}"
+        raise ConfigError(f"gin: the macro {name} is bound but no configuration reads it{hint}")
 
 
 def build_study_config(name: str = "study"):

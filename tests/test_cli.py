@@ -61,6 +61,9 @@ def test_params_prints_the_count_without_allocating():
         (["--gin.STEPS_PER_EXECUTION=0"], "steps_per_execution must be >= 1"),
         (["--gin.PrecisionConfig.mode='half'"], "PrecisionConfig.mode must be one of"),
         (["--gin.PrecisionConfig.mode='mixed'"], "set ModelConfig.dtype='bfloat16'"),
+        # gin would take it as a new macro and train the default 20 steps
+        (["--gin.TRAIN_STEP=100"], "macro TRAIN_STEP is bound but no configuration reads it; "
+         "did you mean TRAIN_STEPS?"),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
@@ -95,3 +98,15 @@ def test_an_xla_abort_in_plan_is_one_line_and_exit_code_5():
     lines = err.strip().splitlines()
     assert lines[-1].startswith("t5scale: error: the XLA compiler aborted (SIGABRT)"), err
     assert "Traceback" not in err
+
+
+def test_a_macro_no_configuration_reads_in_a_gin_file_is_an_error(tmp_path):
+    from t5scale.config import parse_gin
+    from t5scale.train.config import ConfigError
+
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'gin/models/mt5_tiny.gin'\nBATCH_SIZ = 16\nTRAIN_STEPS = 5\n")
+    with pytest.raises(ConfigError, match="macro BATCH_SIZ is bound .* did you mean BATCH_SIZE"):
+        parse_gin([str(mine)], [])
+    mine.write_text("MY_STEPS = 5\nTRAIN_STEPS = %MY_STEPS\n")  # a macro read by a macro
+    parse_gin([str(mine)], [])
