@@ -1,5 +1,6 @@
 """The `t5scale` command, run as a user runs it: real processes, real files."""
 
+import gzip
 import json
 import os
 import signal
@@ -9,25 +10,46 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_ARGS, run_cli
+from conftest import REPO, TINY_ARGS, read_scalars, run_cli
 
 
-def test_train_writes_metrics_config_and_step_analysis(tmp_path):
+def test_train_writes_metrics_tensorboard_profile_config_and_step_analysis(tmp_path):
     model_dir = tmp_path / "run"
     done = run_cli(
-        "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=3",
-        f"--gin.MODEL_DIR={model_dir}",
+        "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=4",
+        f"--gin.MODEL_DIR={model_dir}", "--gin.TrainConfig.profile_steps=(2, 3)",
+        "--gin.DataConfig.validation_every=2", "--gin.DataConfig.validation_batches=1",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "step 3/3" in done.stdout and "ETA" in done.stdout and "tokens/s" in done.stdout
+    assert "step 4/4" in done.stdout and "ETA" in done.stdout and "tokens/s" in done.stdout
 
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert record["loss"] > 0 and record["step_time_s"] > 0 and record["tokens_per_s"] > 0
+        # the CPU reports no allocator peak and has no datasheet peak: null, not zero
+        assert record["memory_peak_bytes"] is None and record["mfu"] is None
+        assert record["memory_xla_estimate_bytes"] > 0
+
+    # TensorBoard, read back by TensorBoard's own reader: the same values as metrics.jsonl.
+    train = read_scalars(model_dir / "train")
+    assert train["loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
+    for tag in ("learning_rate", "grad_norm", "tokens_per_s", "memory/xla_estimate_bytes"):
+        assert [step for step, _ in train[tag]] == [1, 2, 3, 4]
+    assert "mfu" not in train and "memory/peak_bytes" not in train  # not known here
+    validation = read_scalars(model_dir / "validation")
+    assert [step for step, _ in validation["loss"]] == [2, 4]
+    assert validation["loss"][0][1] == pytest.approx(records[1]["validation_loss"])
+
+    # The profile: a trace of steps 2 and 3, each an execution of the compiled step.
+    (trace,) = (model_dir / "profile").rglob("perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = [e.get("name", "") for e in events if e.get("ph") == "X"]
+    assert sum(name.endswith("Execute (jit_step)") for name in names) >= 2  # also per device
+    assert names.count("train") == 2  # jax.profiler.StepTraceAnnotation, one per step
 
     config = (model_dir / "config.gin").read_text()
-    assert "ParallelConfig.zero_stage = 2" in config and "TRAIN_STEPS = 3" in config
+    assert "ParallelConfig.zero_stage = 2" in config and "TRAIN_STEPS = 4" in config
 
     analysis = json.loads((model_dir / "step_analysis.json").read_text())
     memory = analysis["memory_per_device"]
@@ -59,11 +81,15 @@ def test_params_prints_the_count_without_allocating():
         (["--gin.BATCH_SIZE=12"], "not divisible by data-parallel size 8"),
         (["--gin.MICRO_BATCHES=3"], "micro_batches 3"),
         (["--gin.STEPS_PER_EXECUTION=0"], "steps_per_execution must be >= 1"),
+        (["--gin.TrainConfig.profile_steps=(3, 2)"], "profile_steps must be (first, last)"),
+        (["--gin.TrainConfig.profile_steps=(1, 2)"], "profile_steps writes into MODEL_DIR"),
         (["--gin.PrecisionConfig.mode='half'"], "PrecisionConfig.mode must be one of"),
         (["--gin.PrecisionConfig.mode='mixed'"], "set ModelConfig.dtype='bfloat16'"),
         # gin would take it as a new macro and train the default 20 steps
-        (["--gin.TRAIN_STEP=100"], "macro TRAIN_STEP is bound but no configuration reads it; "
-         "did you mean TRAIN_STEPS?"),  # fmt: skip
+        (
+            ["--gin.TRAIN_STEP=100"],
+            "macro TRAIN_STEP is bound but no configuration reads it; did you mean TRAIN_STEPS?",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, message):

@@ -9,6 +9,7 @@ programs once.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 from pathlib import Path
@@ -144,6 +145,18 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
     missing = dataclasses.replace(tiny, model="mt5_missing")  # its gin file does not exist
     crash = run_trial(_spec(missing), tmp_path, "crash", timeout_s=180)
     assert crash["status"] == "crash" and "mt5_missing.gin" in crash["error"]
+
+
+def test_a_profile_trial_traces_the_step(tmp_path):
+    """StudyConfig.profile_winner runs this trial for each winner after the search."""
+    point = Point("mt5_tiny", 1, 1, "none", 1e-3, devices=2, input_length=32, target_length=8)
+    spec = _spec(point, "profile") | {"profile_dir": str(tmp_path / "profile")}
+    result = run_trial(spec, tmp_path, "profile", timeout_s=180)
+    assert result["status"] == "ok", result
+    (trace,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = [e.get("name", "") for e in events if e.get("ph") == "X"]
+    assert names.count("train") == 3 and any(n.endswith("(jit_step)") for n in names)
 
 
 def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):

@@ -28,6 +28,17 @@ def cpu_memory_budget(host_memory_bytes: int, devices: int) -> int:
     return int(CPU_MEMORY_SHARE * host_memory_bytes / devices)
 
 
+def allocator_peak(mesh) -> int | None:
+    """The largest allocator peak (bytes in use) over this process's devices of the mesh, where
+    the backend reports one (GPUs and TPUs do; the CPU does not): None, not zero, elsewhere."""
+    peaks = []
+    for device in mesh.devices.flat:
+        stats = device.memory_stats() if device.process_index == jax.process_index() else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
 def tree_bytes(tree: Any) -> int:
     """Total bytes of a tree of arrays or ShapeDtypeStructs (global, not per device)."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))

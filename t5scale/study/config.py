@@ -69,6 +69,9 @@ class StudyConfig:
     trial_launcher: str = ""
     devices_per_host: int = 8
     extra_bindings: tuple[str, ...] = ()  # NAME=VALUE gin bindings for every trial
+    # After the search: a jax.profiler trace of 3 steps of each model's winner, in
+    # STUDY_DIR/profile (TensorBoard's profile plugin, or ui.perfetto.dev).
+    profile_winner: bool = False
 
     def __post_init__(self) -> None:
         for field in ("models", "stages", "devices", "micro_batch_sizes", "remats",

@@ -109,7 +109,8 @@ def warmup_length(values: list[float], confidence: float = 0.95) -> int:
 @dataclasses.dataclass(frozen=True)
 class TimingRule:
     """Time until the median's interval is within ±precision of it (at `confidence`), or until
-    max_samples or max_seconds are spent; never fewer than min_samples after the warm-up."""
+    max_samples are taken, or max_seconds are spent once there are `floor` samples after the
+    warm-up (min_samples, and at least the fewest that can reach `confidence`)."""
 
     precision: float = 0.05
     confidence: float = 0.95
@@ -159,10 +160,8 @@ def measure(
     next_check = rule.floor
     while True:
         samples.append(sample())
-        spent = clock() - started
         n = len(samples)
-        out_of_budget = n >= rule.max_samples or spent >= rule.max_seconds
-        if n < next_check and not out_of_budget:
+        if n < next_check and n < rule.max_samples:
             continue
         next_check = n + max(1, n // 8)
         warmup = warmup_length(samples, rule.confidence)
@@ -170,12 +169,12 @@ def measure(
         interval = median_interval(kept, rule.confidence)
         enough = len(kept) >= rule.floor
         precise = enough and interval.half_width() <= rule.precision
-        if precise or out_of_budget:
-            stopped_by = (
-                "precision"
-                if precise
-                else "max_samples"
-                if n >= rule.max_samples
-                else "max_seconds"
-            )
+        # the time budget stops only a measurement that has its floor of samples
+        stopped_by = (
+            "precision" if precise
+            else "max_samples" if n >= rule.max_samples
+            else "max_seconds" if enough and clock() - started >= rule.max_seconds
+            else None
+        )  # fmt: skip
+        if stopped_by:
             return Measurement(samples, warmup, interval, precise, stopped_by)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -38,25 +37,41 @@ def score(record: dict[str, Any], objective: str) -> float:
     return objective_interval(record, objective).median
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A model's records in one round, each interval at the round's `level`."""
+
+    level: float
+    best: dict[str, Any]
+    top: Interval
+    others: list[tuple[dict[str, Any], Interval]]
+
+    def conclusive(self, interval: Interval) -> bool:
+        """Enough samples for the interval to reach the level: else it proves nothing."""
+        return interval.confidence >= self.level
+
+    def worse(self, interval: Interval) -> bool:
+        """Wholly below the best's interval, both conclusive."""
+        return self.conclusive(interval) and self.conclusive(self.top) and interval.below(self.top)
+
+
 def _compared(
     records: Sequence[dict[str, Any]], objective: str, confidence: float
-) -> dict[str, tuple[dict[str, Any], Interval, list[tuple[dict[str, Any], Interval]]]]:
-    """Per model: its best record, the best's interval and every record's, each interval at
-    1 − (1 − confidence)/m for the model's m records (Bonferroni): all m hold at once with
-    probability ≥ confidence, so every conclusion drawn from them together holds with it."""
+) -> dict[str, Comparison]:
+    """Per model, its records' intervals at 1 − (1 − confidence)/m for its m records
+    (Bonferroni): all m hold at once with probability ≥ confidence, so every conclusion drawn
+    from them together holds with it. The best: the highest median among the conclusive."""
     by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         by_model[record["config"]["model"]].append(record)
     result = {}
     for model, group in by_model.items():
         level = 1 - (1 - confidence) / len(group)
-        intervals = [
-            (r, _conclusive(objective_interval(r, objective, level), level)) for r in group
-        ]
-        # the best among those measured well enough to say anything (else among all)
-        candidates = [pair for pair in intervals if math.isfinite(pair[1].low)] or intervals
+        intervals = [(r, objective_interval(r, objective, level)) for r in group]
+        candidates = [pair for pair in intervals if pair[1].confidence >= level] or intervals
         best, top = max(candidates, key=lambda pair: pair[1].median)
-        result[model] = (best, top, [(r, i) for r, i in intervals if r is not best])
+        others = [(r, i) for r, i in intervals if r is not best]
+        result[model] = Comparison(level, best, top, others)
     return result
 
 
@@ -65,13 +80,6 @@ def samples_to_compare(confidence: float, configurations: Sequence[Configuration
     configurations (see `_compared`): fewer can never be dropped nor drop another."""
     per_model = Counter(c.model for c in configurations)
     return samples_needed(1 - (1 - confidence) / max(per_model.values(), default=1))
-
-
-def _conclusive(interval: Interval, level: float) -> Interval:
-    """Too few samples to reach `level`: an interval that says nothing (−inf, +inf)."""
-    if interval.confidence >= level:
-        return interval
-    return dataclasses.replace(interval, low=-math.inf, high=math.inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +101,12 @@ class Dropped:
         )
 
 
-def _show(interval: Interval, sign: int) -> str:
+def _show(interval: Interval, sign: int, level: float = 0.0) -> str:
     shown = interval.map(lambda v: sign * v)
+    short = f"; too few samples for {100 * level:.4g}%" if interval.confidence < level else ""
     return (
         f"{shown.median:,.4g} [{shown.low:,.4g}, {shown.high:,.4g}] "
-        f"({100 * interval.confidence:.4g}%, n={interval.samples})"
+        f"({100 * interval.confidence:.4g}%, n={interval.samples}{short})"
     )
 
 
@@ -109,11 +118,12 @@ def prune_on_evidence(
     `confidence` (see `_compared`). The rest go on, ties included."""
     ok = [r for r in records if r["status"] == "ok"]
     dropped = []
-    for best, top, others in _compared(ok, objective, confidence).values():
-        for record, interval in others:
-            if interval.below(top):
+    for comparison in _compared(ok, objective, confidence).values():
+        for record, interval in comparison.others:
+            if comparison.worse(interval):
                 dropped.append(Dropped(
-                    configuration_of(record), interval, configuration_of(best), top
+                    configuration_of(record), interval, configuration_of(comparison.best),
+                    comparison.top,
                 ))  # fmt: skip
     return dropped
 
@@ -125,6 +135,7 @@ class Winner:
     record: dict[str, Any]
     interval: Interval
     tied: list[tuple[dict[str, Any], Interval]]  # best first
+    level: float  # each interval's confidence (Bonferroni over the final round)
 
 
 def winners(
@@ -140,10 +151,12 @@ def winners(
         largest[model] = max(largest.get(model, 0), record["config"]["devices"])
     final = [r for r in ok if r["config"]["devices"] == largest[r["config"]["model"]]]
     result = {}
-    for model, (best, top, others) in _compared(final, objective, confidence).items():
-        tied = [(r, interval) for r, interval in others if not interval.below(top)]
+    for model, comparison in _compared(final, objective, confidence).items():
+        tied = [
+            (r, interval) for r, interval in comparison.others if not comparison.worse(interval)
+        ]
         tied.sort(key=lambda pair: pair[1].median, reverse=True)
-        result[model] = Winner(best, top, tied)
+        result[model] = Winner(comparison.best, comparison.top, tied, comparison.level)
     return result
 
 
@@ -354,14 +367,14 @@ def render(
         lines.append(
             f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
             f"{config['remat']}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
-            f"{config['devices']} devices: {_show(winner.interval, sign)} {unit}, step "
+            f"{config['devices']} devices: {_show(winner.interval, sign, winner.level)} {unit}, step "
             f"{winner.record['step_time_s']['median']:.3g} s, final loss "
             f"{winner.record['final_loss']:.4f}"
         )
         if winner.tied:
             lines.append(f"  - tied within the evidence (intervals overlap): {len(winner.tied)}")
             lines += [
-                f"    - {configuration_of(r).label()}: {_show(interval, sign)}"
+                f"    - {configuration_of(r).label()}: {_show(interval, sign, winner.level)}"
                 for r, interval in winner.tied
             ]
         else:

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
 from t5scale.study.evidence import TimingRule, measure
 from t5scale.train.config import ConfigError, RunConfig
@@ -99,11 +100,26 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
     }
 
 
-def allocator_peak(mesh) -> int | None:
-    """The largest allocator peak over the mesh's devices, where the backend reports one."""
-    peaks = []
-    for device in mesh.devices.flat:
-        stats = device.memory_stats() if device.process_index == jax.process_index() else None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
+def profile_steps(step: CompiledStep, logdir: str, steps: int = 3) -> None:
+    """A jax.profiler trace of `steps` executions (after one untraced warm-up) into `logdir`,
+    for TensorBoard's profile plugin or ui.perfetto.dev; each step annotated as in training."""
+    setup = step.setup
+    run = setup.run
+    stream = host_batches(run.data, run.train.batch_size, run.train.seed, run.model.vocab_size)
+    batches = [
+        jax.make_array_from_process_local_data(setup.batch_sharding(), next(stream))
+        for _ in range(steps + 1)
+    ]
+    if step.steps_per_execution > 1:
+        raise ConfigError("profile the one-step program (steps_per_execution = 1)")
+    state = setup.create_state()
+    state, metrics = step.compiled(state, batches[0])
+    jax.block_until_ready((state, metrics))
+    jax.profiler.start_trace(logdir, create_perfetto_trace=True)
+    try:
+        for index, batch in enumerate(batches[1:], 1):
+            with jax.profiler.StepTraceAnnotation("train", step_num=index):
+                state, metrics = step.compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+    finally:
+        jax.profiler.stop_trace()

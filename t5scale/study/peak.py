@@ -44,6 +44,16 @@ def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     return inner * 2 * size**3 / statistics.median(times)
 
 
+def datasheet_peak(dtype: str) -> float | None:
+    """One device's datasheet peak FLOP/s in `dtype`, where it has one (the GPUs above)."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        for prefix, peaks in GPU_DATASHEET.items():
+            if device.device_kind.startswith(prefix):
+                return peaks[dtype]
+    return None
+
+
 def device_peak(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
     device = jax.devices()[0]

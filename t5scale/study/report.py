@@ -102,6 +102,21 @@ def _value(record: dict[str, Any], what: str) -> float:
     return 100 * record["mfu"]
 
 
+def _bounds(record: dict[str, Any], what: str) -> tuple[float, float]:
+    """The interval of the step time's median (min and max in a study before intervals), or of
+    tokens/s per device derived from it."""
+    step = record["step_time_s"]
+    low, high = step.get("low", step["min"]), step.get("high", step["max"])
+    if what == "step":
+        return low, high
+    per_device = record["tokens_per_s_per_device"] * step["median"]
+    return per_device / high, per_device / low
+
+
+def _gib(value: float | None) -> str:
+    return "—" if value is None else f"{value / GIB:.2f}"
+
+
 def _figure(models: Sequence[str]):
     # Here, not at the top: the headless backend must be chosen before pyplot is imported, and
     # only `t5scale report` draws.
@@ -124,10 +139,12 @@ def _plot_lines(best, models, what: str, ylabel: str, title: str):
             xs = [d for d, _ in points]
             ys = [_value(r, what) for _, r in points]
             ax.plot(xs, ys, marker="o", color=STAGE_COLOURS[stage], label=f"ZeRO {stage}")
-            if what == "step":  # the spread of the timed steps
-                lows = [r["step_time_s"]["min"] for _, r in points]
-                highs = [r["step_time_s"]["max"] for _, r in points]
-                ax.fill_between(xs, lows, highs, color=STAGE_COLOURS[stage], alpha=0.15)
+            if what in ("step", "per_device"):  # the median's interval, as error bars
+                bounds = [_bounds(r, what) for _, r in points]
+                below = [y - low for y, (low, _) in zip(ys, bounds, strict=True)]
+                above = [high - y for y, (_, high) in zip(ys, bounds, strict=True)]
+                ax.errorbar(xs, ys, yerr=[below, above], fmt="none", capsize=3,
+                            color=STAGE_COLOURS[stage])  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
         ax.set_ylabel(ylabel)
@@ -189,9 +206,12 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         lines.append(f"Precision: {said} (t5scale/train/precision.py).")
     if steps:
         lines.append(
-            f"Step time: median of {steps['timed_steps']} timed steps after "
-            f"{steps['warmup_steps']} warm-up, each to block_until_ready; spread = (max - min) / "
-            "median. Compile time from the compile-only round where there was one."
+            "Step time: the median of the timed steps, each to block_until_ready, after the "
+            "warm-up steps found in the timings (t5scale/study/evidence.py); [low, high]: the "
+            f"median's distribution-free interval ({100 * steps.get('confidence', 0.95):.0f}% or "
+            "more), n: the timed samples; the plots draw it as error bars. Compile time from "
+            "the compile-only round where there was one. Memory at run time: the allocator's "
+            "peak where the backend reports one (— where it does not, as on the CPU)."
         )
     if machine.get("backend") == "cpu":
         lines.append(
@@ -208,9 +228,10 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         "",
         "## Timed trials (best per model, stage and device count)",
         "",
-        "| model | stage | devices | batch | step s | spread | tokens/s | tokens/s/device | MFU | "
-        "XLA GiB/device | ZeRO formula GiB | compile s | collectives per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | stage | devices | batch | step s [low, high] | n | tokens/s | tokens/s/device "
+        "| MFU | XLA GiB/device | allocator peak GiB | ZeRO formula GiB | compile s "
+        "| collectives per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     compile_time = {
         record["key"].split(":", 1)[1]: record["analysis"]["compile_time_s"]
@@ -221,13 +242,15 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         best.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1:])
     ):
         analysis = record["analysis"]
+        low, high = _bounds(record, "step")
         compiled_s = compile_time.get(record["key"].split(":", 1)[1], analysis["compile_time_s"])
         lines.append(
             f"| {model} | {stage} | {devices} | {record['config']['batch_size']} | "
-            f"{record['step_time_s']['median']:.3g}{' †' if 'same_program_as' in record else ''} | "
-            f"{100 * record['step_time_s']['spread']:.0f}% | "
+            f"{record['step_time_s']['median']:.3g}{' †' if 'same_program_as' in record else ''} "
+            f"[{low:.3g}, {high:.3g}] | {record['step_time_s'].get('samples', '?')} | "
             f"{record['tokens_per_s']:,.0f} | {record['tokens_per_s_per_device']:,.0f} | "
             f"{100 * record['mfu']:.1f}% | {analysis['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
+            f"{_gib(record.get('allocator_peak_bytes'))} | "
             f"{analysis['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} "
             f"({analysis['model_state_per_device'].get('zero_formula', '?')}) | "
             f"{compiled_s:.1f} | {collective_summary(analysis['collectives'])} |"

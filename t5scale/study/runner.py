@@ -105,6 +105,11 @@ def run_study(
     )
     compile_records, timed_records = found.compile_records, found.timed_records
     best = funnel.winners(timed_records, config.objective, config.confidence)
+    if config.profile_winner:
+        for model, winner in sorted(best.items()):
+            point = Point(**winner.record["config_point"])
+            record, _ = runner.run_one(point, "profile", "profile of the winner")
+            show(f"profile of {model}'s winner: {record.get('profile_dir') or record['status']}")
     spent_wall = sum(r["wall_s"] for r in compile_records + timed_records)
     spent_device = sum(
         r["wall_s"] * r["config"]["devices"] for r in compile_records + timed_records
@@ -194,6 +199,7 @@ class _TrialRunner:
             # one TensorBoard run per timed trial, so that trials compare in one TensorBoard
             "tensorboard_dir": str(self.study_dir / "tensorboard" / point.run_name())
             if kind == "timed" else None,
+            "profile_dir": str(self.study_dir / "profile" / point.run_name()),
         }  # fmt: skip
 
     def run_one(self, point: Point, kind: str, round_name: str) -> tuple[dict[str, Any], bool]:
@@ -255,6 +261,8 @@ class _TrialRunner:
         )
 
     def time(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+        # enough samples that each trial's interval can take part in the round's comparison
+        self.min_samples = funnel.samples_to_compare(self.config.confidence, configurations)
         return self.run_all([self.config.point(c, devices) for c in configurations], "timed", name)
 
     def ahead(self, alive: int, devices: Sequence[int]) -> None:

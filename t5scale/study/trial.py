@@ -31,7 +31,7 @@ from t5scale.parallel.cluster import DistributedConfig, start_cluster
 from t5scale.parallel.mesh import MeshError
 from t5scale.study.config import Point
 from t5scale.study.evidence import TimingRule, median_interval, samples_needed
-from t5scale.study.measure import model_state_per_device, time_steps
+from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
 from t5scale.study.peak import device_peak
 from t5scale.train.config import ConfigError
 from t5scale.train.setup import build_setup
@@ -139,6 +139,9 @@ def _trial(spec: dict[str, Any]) -> dict[str, Any]:
     step, result = _compile(run, jax.devices()[: point.devices], spec.get("memory_budget_bytes"))
     if result["status"] != "ok":
         return result
+    if spec["kind"] == "profile":
+        profile_steps(step, spec["profile_dir"])
+        return result | {"profile_dir": spec["profile_dir"]}
     if spec["kind"] == "compile":
         # Identical programs (every stage on one device) are timed once: see runner.py.
         result["program_fingerprint"] = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()

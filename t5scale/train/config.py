@@ -28,10 +28,26 @@ class TrainConfig:
     log_every: int = 1
     z_loss: float = 1e-4
     model_dir: str | None = None
+    # TensorBoard event files in MODEL_DIR/train and MODEL_DIR/validation (process 0).
+    tensorboard: bool = True
+    # (first, last): a jax.profiler trace of steps first..last into MODEL_DIR/profile, for
+    # TensorBoard's profile plugin or Perfetto (ui.perfetto.dev). None: no trace.
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.micro_batches < 1:
             raise ConfigError("steps must be >= 0, batch_size and micro_batches >= 1")
+        if self.profile_steps is not None:
+            object.__setattr__(self, "profile_steps", tuple(self.profile_steps))  # gin: a list
+            first, last = self.profile_steps if len(self.profile_steps) == 2 else (0, -1)
+            if not 1 <= first <= last:
+                raise ConfigError(
+                    f"TrainConfig.profile_steps must be (first, last) with 1 <= first <= last, "
+                    f"got {self.profile_steps}"
+                )
+            if not self.model_dir:
+                raise ConfigError("TrainConfig.profile_steps writes into MODEL_DIR: give "
+                                  "--gin.MODEL_DIR=/path")  # fmt: skip
         if self.steps_per_execution < 1:
             raise ConfigError(
                 f"TrainConfig.steps_per_execution must be >= 1, got {self.steps_per_execution}"

@@ -22,6 +22,7 @@ from t5scale.data.loader import Batches
 from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
 from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.instruments import Instruments
 from t5scale.train.metrics import MetricsLog
 from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.setup import CompiledStep, Setup, build_setup
@@ -85,8 +86,11 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         if primary:
             _write_run_files(cfg.model_dir, operative_config, single_step.analysis)
         saver = _Saver(checkpoints, setup, operative_config)
+        instruments = Instruments(run, setup.mesh, single_step.analysis)
         with _Preemption() as preemption:
-            return _run_steps(run, state, start, programs, evaluate, batches, saver, preemption)
+            return _run_steps(
+                run, state, start, programs, evaluate, batches, saver, preemption, instruments
+            )
     finally:
         batches.close()
         if held_out:
@@ -236,7 +240,9 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption) -> list[dict]:
+def _run_steps(
+    run, state, start, programs, evaluate, batches, saver, preemption, instruments
+) -> list[dict]:
     cfg = run.train
     primary = jax.process_index() == 0
     log = MetricsLog(
@@ -247,13 +253,18 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
         while done < cfg.steps:
             executed = programs.steps_in_next_execution(done)
             chunk = [next(batches) for _ in range(executed)]  # the next prefetch
+            instruments.before(done + 1, done + executed)
             started = time.perf_counter()
-            state, metrics = programs.execute(state, chunk, done)
-            metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
+            with jax.profiler.StepTraceAnnotation("train", step_num=done + 1):
+                state, metrics = programs.execute(state, chunk, done)
+                metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
             # Steps of one execution share its time equally: it is all there is to measure.
             elapsed = (time.perf_counter() - started) / executed
+            instruments.after(done + executed)
+            measures = instruments.measures(elapsed)
             preempted = False
             for record in _step_records(run, done, metrics, elapsed):
+                record |= measures
                 if record["nonfinite"] and run.checkpoint.on_nonfinite == "stop":
                     log.write(record)
                     raise _nonfinite_error(record, saver.last_saved)
@@ -263,6 +274,7 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
                     # a chunk's last step (local SGD, DiLoCo: the last synchronised parameters)
                     record["validation_loss"] = evaluate(programs.setup.model_params(state))
                 log.write(record)
+                instruments.write(record)
                 history.append(record)
                 preempted = preemption.reached(record["step"]) or preempted  # asked every step
             done += executed
@@ -277,6 +289,7 @@ def _run_steps(run, state, start, programs, evaluate, batches, saver, preemption
                 break
     finally:
         log.close()
+        instruments.close()
     return history
 
 
