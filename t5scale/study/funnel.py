@@ -32,11 +32,6 @@ def objective_interval(
     return interval.map(lambda t: per_device / t)
 
 
-def score(record: dict[str, Any], objective: str) -> float:
-    """Higher is better: the objective's median."""
-    return objective_interval(record, objective).median
-
-
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """A model's records in one round, each interval at the round's `level`."""

@@ -30,7 +30,7 @@ from t5scale.config import build_run_config, parse_gin
 from t5scale.parallel.cluster import DistributedConfig, start_cluster
 from t5scale.parallel.mesh import MeshError
 from t5scale.study.config import Point
-from t5scale.study.evidence import TimingRule, median_interval, samples_needed
+from t5scale.study.evidence import TimingRule, median_interval
 from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
 from t5scale.study.peak import device_peak
 from t5scale.train.config import ConfigError
@@ -203,9 +203,9 @@ def _time(spec: dict[str, Any], point, step) -> dict[str, Any]:
     peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
     model_flops = step.analysis["flops_per_step"]["model"]
     losses = timing["losses"][: budget_steps or None]
-    # The loss's evidence: its median over the last quarter of the steps (at least as many as
-    # an interval needs), with that median's interval.
-    window = min(len(losses), max(samples_needed(rule.confidence), len(losses) // 4))
+    # The loss's evidence: its median over the last quarter of the steps (at least the samples
+    # the round's comparison needs), with that median's interval.
+    window = min(len(losses), max(rule.floor, len(losses) // 4))
     result = timing | {
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / median,
