@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOCAL_SH, REPO, cluster_env, finish, free_port
+from conftest import LOCAL_SH, REPO, cluster_env, finish, free_port, read_scalars
 
 from t5scale.parallel.cluster import (
     CLUSTER_FAILED,
@@ -249,6 +249,9 @@ def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
     ) in output
     assert took < 30
     print(f"survivor exited {took:.1f} s after process 1 was killed")
+    # TensorBoard's events come from process 0 alone (one writer, one file), its steps all there
+    (events,) = (tmp_path / "train").glob("events.out.tfevents.*")
+    assert [step for step, _ in read_scalars(events.parent)["loss"]][:2] == [1, 2]
 
 
 @pytest.mark.slow  # out of CI's budget: run with -m slow

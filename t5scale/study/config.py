@@ -53,8 +53,12 @@ class StudyConfig:
     precision: str = "auto"  # PrecisionConfig.mode: auto (mixed when dtype is bfloat16), ...
     optimizer: str = "adamw"
     data_source: str = "synthetic"
-    timing_precision: float = 0.05
-    confidence: float = 0.95
+    timing_precision: float = 0.05  # at 95%: each trial's own interval (evidence.py)
+    # The funnel keeps the truly best configuration with this probability (docs/funnel.md).
+    confidence: float = 0.99
+    # Trials per configuration and round, each a process of its own: with 2 or more the
+    # evidence includes how much a trial's process moves its median (docs/funnel.md).
+    repeats: int = 2
     max_timed_steps: int = 100
     max_timing_s: float = 30.0
     token_budget: int = 0
@@ -118,6 +122,8 @@ class StudyConfig:
                 f"StudyConfig.devices: counts above devices_per_host={self.devices_per_host} "
                 "must be whole hosts"
             )
+        if self.repeats < 1:
+            raise ConfigError("StudyConfig.repeats must be >= 1")
         if self.max_timed_steps < 1 or self.max_timing_s <= 0 or self.trial_timeout_s <= 0:
             raise ConfigError("StudyConfig: max_timed_steps >= 1, max_timing_s > 0 and "
                               "trial_timeout_s > 0")  # fmt: skip

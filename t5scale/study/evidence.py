@@ -28,6 +28,7 @@ class Interval:
     high: float
     confidence: float  # achieved, ≥ the requested one where there were enough samples
     samples: int
+    of: str = "steps"  # what the samples are: steps (one trial), or trials (their medians)
 
     def below(self, other: Interval) -> bool:
         """Wholly below `other`: lower with (at least) both intervals' confidence."""

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+import scipy.stats
+
 from t5scale.study.config import Configuration, Point
 from t5scale.study.evidence import Interval, median_interval, samples_needed
+
+# The study's default: the truly best configuration survives the funnel with this probability
+# (simulated: docs/funnel.md). Each trial's own timing interval is at 95% (evidence.py).
+CONFIDENCE = 0.99
 
 
 def objective_interval(
@@ -25,7 +33,8 @@ def objective_interval(
     if samples:
         interval = median_interval(samples, confidence or stored.get("confidence", 0.95))
     else:
-        interval = Interval(**{f.name: stored[f.name] for f in dataclasses.fields(Interval)})
+        fields = {f.name for f in dataclasses.fields(Interval)}
+        interval = Interval(**{name: value for name, value in stored.items() if name in fields})
     if objective == "loss":
         return interval.map(lambda loss: -loss)
     per_device = record["tokens_per_step"] / record["config"]["devices"]
@@ -34,40 +43,105 @@ def objective_interval(
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """A model's records in one round, each interval at the round's `level`."""
+    """A model's configurations in one round: the best, and each other with its interval at the
+    round's `level`.
+
+    From steps (one trial per configuration): a configuration is worse when its interval lies
+    wholly below the best's. From trials (two or more each, `pooled` = the standard deviation
+    of one trial's log median, pooled over the configurations, and its degrees of freedom):
+    when the best's lead over it, on the log scale, exceeds zero by a one-sided t bound at
+    (1 − confidence)/(m − 1) — the two-sample test, which needs a smaller gap than two
+    intervals apart. Either way every configuration compared with the best is tested at a
+    share of 1 − confidence, so the truly best is dropped with probability below it."""
 
     level: float
     best: dict[str, Any]
     top: Interval
     others: list[tuple[dict[str, Any], Interval]]
+    pooled: tuple[float, int] | None = None
+    confidence: float = CONFIDENCE
 
     def conclusive(self, interval: Interval) -> bool:
         """Enough samples for the interval to reach the level: else it proves nothing."""
         return interval.confidence >= self.level
 
+    def lead(self, interval: Interval) -> float | None:
+        """The best's lead over `interval`'s configuration that holds with the stated
+        confidence, as a fraction of the objective (> 0: worse; None: no evidence either way)."""
+        if self.pooled is None:
+            if not (self.conclusive(interval) and self.conclusive(self.top)):
+                return None
+            return (self.top.low - interval.high) / abs(self.top.median)
+        spread, freedom = self.pooled
+        compared = len(self.others)
+        t = float(scipy.stats.t.ppf(1 - (1 - self.confidence) / compared, freedom))
+        gap = abs(math.log(abs(self.top.median)) - math.log(abs(interval.median)))
+        bound = gap - t * spread * math.sqrt(1 / self.top.samples + 1 / interval.samples)
+        return math.expm1(bound)
+
     def worse(self, interval: Interval) -> bool:
-        """Wholly below the best's interval, both conclusive."""
-        return self.conclusive(interval) and self.conclusive(self.top) and interval.below(self.top)
+        lead = self.lead(interval)
+        return lead is not None and lead > 0
 
 
 def _compared(
     records: Sequence[dict[str, Any]], objective: str, confidence: float
 ) -> dict[str, Comparison]:
-    """Per model, its records' intervals at 1 − (1 − confidence)/m for its m records
-    (Bonferroni): all m hold at once with probability ≥ confidence, so every conclusion drawn
-    from them together holds with it. The best: the highest median among the conclusive."""
-    by_model: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    """Per model, an interval for each of its m configurations at 1 − (1 − confidence)/m
+    (Bonferroni: all m hold at once with probability ≥ confidence) and what `Comparison.worse`
+    needs. The best: the highest median among the conclusive.
+
+    Where every configuration was timed in two or more trials (separate processes: the
+    study's `repeats`), the evidence comes from the trials' medians, so that it includes how
+    much a trial's own process moves the median (`replicated_intervals`); otherwise from each
+    trial's step samples (`objective_interval`), which see only the noise within a trial."""
+    by_model: dict[str, dict[Configuration, list[dict[str, Any]]]] = defaultdict(dict)
     for record in records:
-        by_model[record["config"]["model"]].append(record)
+        by_model[record["config"]["model"]].setdefault(configuration_of(record), []).append(record)
     result = {}
-    for model, group in by_model.items():
-        level = 1 - (1 - confidence) / len(group)
-        intervals = [(r, objective_interval(r, objective, level)) for r in group]
+    for model, trials in by_model.items():
+        level = 1 - (1 - confidence) / len(trials)
+        pooled = None
+        if len(trials) > 1 and all(len(group) >= 2 for group in trials.values()):
+            intervals, pooled = replicated_intervals(trials, objective, level)
+        else:
+            intervals = [(group[0], objective_interval(group[0], objective, level))
+                         for group in trials.values()]  # fmt: skip
         candidates = [pair for pair in intervals if pair[1].confidence >= level] or intervals
         best, top = max(candidates, key=lambda pair: pair[1].median)
         others = [(r, i) for r, i in intervals if r is not best]
-        result[model] = Comparison(level, best, top, others)
+        result[model] = Comparison(level, best, top, others, pooled, confidence)
     return result
+
+
+def replicated_intervals(
+    trials: dict[Configuration, list[dict[str, Any]]], objective: str, level: float
+) -> tuple[list[tuple[dict[str, Any], Interval]], tuple[float, int]]:
+    """(first trial, interval) per configuration from its trials' medians — a t-interval on
+    the log of the objective, its `samples` trials, not steps — and (the pooled standard
+    deviation of one trial's log median, its degrees of freedom): one variance for all
+    configurations, on the log scale (noise in proportion to the value)."""
+    logs = {c: [math.log(_objective_value(r, objective)) for r in group]
+            for c, group in trials.items()}  # fmt: skip
+    freedom = sum(len(values) - 1 for values in logs.values())
+    squares = sum(
+        sum((v - statistics.fmean(values)) ** 2 for v in values) for values in logs.values()
+    )
+    spread = math.sqrt(squares / freedom)
+    t = float(scipy.stats.t.ppf(1 - (1 - level) / 2, freedom))
+    result = []
+    sign = -1 if objective == "loss" else 1  # higher is better
+    for c, values in logs.items():
+        centre, half = statistics.fmean(values), t * spread / math.sqrt(len(values))
+        interval = Interval(math.exp(centre - half), math.exp(centre), math.exp(centre + half),
+                            level, len(values), "trials")  # fmt: skip
+        result.append((trials[c][0], interval.map(lambda v: sign * v)))
+    return result, (spread, freedom)
+
+
+def _objective_value(record: dict[str, Any], objective: str) -> float:
+    """A trial's median of the objective, as a positive number (tokens/s per device, loss)."""
+    return abs(objective_interval(record, objective).median)
 
 
 def samples_to_compare(confidence: float, configurations: Sequence[Configuration]) -> int:
@@ -85,14 +159,15 @@ class Dropped:
     interval: Interval
     best: Configuration
     best_interval: Interval
+    lead: float  # the best's lead that holds with the stated confidence (a fraction)
 
     def evidence(self, objective: str) -> str:
         unit = "loss" if objective == "loss" else "tokens/s/device"
         sign = -1 if objective == "loss" else 1
         return (
-            f"{self.configuration.label()}: {_show(self.interval, sign)} {unit}, wholly "
-            f"{'above' if sign < 0 else 'below'} {self.best.label()}: "
-            f"{_show(self.best_interval, sign)}"
+            f"{self.configuration.label()}: {_show(self.interval, sign)} {unit}; "
+            f"{self.best.label()}: {_show(self.best_interval, sign)} is "
+            f"{'lower' if sign < 0 else 'higher'} by more than {100 * self.lead:.1f}%"
         )
 
 
@@ -101,16 +176,15 @@ def _show(interval: Interval, sign: int, level: float = 0.0) -> str:
     short = f"; too few samples for {100 * level:.4g}%" if interval.confidence < level else ""
     return (
         f"{shown.median:,.4g} [{shown.low:,.4g}, {shown.high:,.4g}] "
-        f"({100 * interval.confidence:.4g}%, n={interval.samples}{short})"
+        f"({100 * interval.confidence:.4g}%, {interval.samples} {interval.of}{short})"
     )
 
 
 def prune_on_evidence(
-    records: Sequence[dict[str, Any]], objective: str, confidence: float = 0.95
+    records: Sequence[dict[str, Any]], objective: str, confidence: float = CONFIDENCE
 ) -> list[Dropped]:
-    """The ok records, per model, whose interval lies wholly below the best's: worse than the
-    best, every such conclusion of the round holding together with probability ≥
-    `confidence` (see `_compared`). The rest go on, ties included."""
+    """The configurations, per model, worse than the best with the stated confidence (see
+    `Comparison`). The rest go on, ties included."""
     ok = [r for r in records if r["status"] == "ok"]
     dropped = []
     for comparison in _compared(ok, objective, confidence).values():
@@ -118,7 +192,7 @@ def prune_on_evidence(
             if comparison.worse(interval):
                 dropped.append(Dropped(
                     configuration_of(record), interval, configuration_of(comparison.best),
-                    comparison.top,
+                    comparison.top, comparison.lead(interval),
                 ))  # fmt: skip
     return dropped
 
@@ -131,13 +205,14 @@ class Winner:
     interval: Interval
     tied: list[tuple[dict[str, Any], Interval]]  # best first
     level: float  # each interval's confidence (Bonferroni over the final round)
+    rivals: int  # the other configurations of its model in that round
 
 
 def winners(
-    timed: Sequence[dict[str, Any]], objective: str, confidence: float = 0.95
+    timed: Sequence[dict[str, Any]], objective: str, confidence: float = CONFIDENCE
 ) -> dict[str, Winner]:
     """Per model, the best ok trial at the largest device count any of its trials reached,
-    with the others there whose interval is not wholly below its own: tied within the
+    with the others there that it does not beat with the stated confidence: tied within the
     evidence."""
     ok = [r for r in timed if r["status"] == "ok"]
     largest: dict[str, int] = {}
@@ -151,7 +226,9 @@ def winners(
             (r, interval) for r, interval in comparison.others if not comparison.worse(interval)
         ]
         tied.sort(key=lambda pair: pair[1].median, reverse=True)
-        result[model] = Winner(comparison.best, comparison.top, tied, comparison.level)
+        result[model] = Winner(
+            comparison.best, comparison.top, tied, comparison.level, len(comparison.others)
+        )
     return result
 
 
@@ -204,7 +281,8 @@ class Trials(Protocol):
         """Compile-only trials: a record each, status 'ok' where the point fits."""
 
     def time(self, configurations: list[Configuration], devices: int, name: str) -> list[dict]:
-        """Timed trials: a record each, with the objective's interval where status is 'ok'."""
+        """Timed trials: a record each (each of a configuration's repeats), with the objective's
+        samples where status is 'ok'."""
 
     def ahead(self, alive: int, devices: Sequence[int]) -> None:
         """Told after each round how many configurations go on to which device counts."""
@@ -223,18 +301,22 @@ def search(
     trials: Trials,
     objective: str,
     funnel: bool = True,
-    confidence: float = 0.95,
+    confidence: float = CONFIDENCE,
 ) -> Search:
     """The funnel (or, with funnel=False, the grid: every point timed).
 
     At each device count, smallest first, the configurations still in are compiled (no step
     runs) and those that do not fit are not timed there; the rest are timed, and a
-    configuration is dropped only when its interval lies wholly below its model's best (see
-    `prune_on_evidence`). Not on 1 device (every ZeRO stage is the same program there) and not
+    configuration is dropped only when it is worse than its model's best with the stated
+    confidence (see `Comparison`). Not on 1 device (every ZeRO stage is the same program there) and not
     in the last round (nothing is left to save)."""
     devices = sorted(devices)
     result = Search([], [], [])
     alive = set(configurations)
+    # Each pruning round at a share of 1 − confidence (Bonferroni over the rounds): the truly
+    # best survives the whole funnel with probability ≥ confidence.
+    pruning_rounds = max(1, len([d for d in devices[:-1] if d > 1]))
+    per_round = 1 - (1 - confidence) / pruning_rounds
     for index, d in enumerate(devices):
         per = f"{d} device{'s' if d > 1 else ''}"
         # Stage-major, models interleaved: on one device every stage is the same program, and
@@ -255,31 +337,38 @@ def search(
         records = trials.time(todo, d, f"{per}, timed")
         result.timed_records += records
         alive -= {configuration_of(r) for r in records if r["status"] != "ok"}
-        ok = [r for r in records if r["status"] == "ok"]
+        ok = [r for r in records if r["status"] == "ok" and configuration_of(r) in alive]
         note, dropped = "", []
         last = index == len(devices) - 1
         if funnel and not last and d > 1 and ok:
-            dropped = prune_on_evidence(ok, objective, confidence)
+            dropped = prune_on_evidence(ok, objective, per_round)
             alive -= {drop.configuration for drop in dropped}
             note = (
-                f"dropped what is worse than its model's best by {objective} with the stated "
-                "confidence (its interval wholly below the best's); ties go on"
+                f"dropped what is worse than its model's best by {objective} at "
+                f"{100 * per_round:.4g}% confidence (the study's {100 * confidence:.4g}% shared "
+                f"by {pruning_rounds} pruning rounds); ties go on"
             )
         elif funnel and d == 1 and not last:
             note = "no pruning on 1 device: every ZeRO stage is the same program there"
         result.rounds.append(Round(
             f"{len(result.rounds) + 1}: {per}, timed", entered, records,
-            left=len([r for r in ok if configuration_of(r) in alive]), dropped=dropped,
+            left=len({configuration_of(r) for r in ok} & alive), dropped=dropped,
             note=note,
         ))  # fmt: skip
         trials.ahead(len(alive), devices[index + 1 :])
     return result
 
 
+def timed_kind(repeat: int) -> str:
+    """The kind in a timed trial's key: 'timed' for the first, 'timed#2', … for repeats."""
+    return "timed" if repeat == 0 else f"timed#{repeat + 1}"
+
+
 def full_grid_estimate(
     grid: Sequence[Point],
     compile_records: Iterable[dict[str, Any]],
     timed_records: Iterable[dict[str, Any]],
+    repeats: int = 1,
 ) -> tuple[float, float]:
     """(wall s, device s) that timing every grid point would have cost, as estimated here.
 
@@ -309,8 +398,11 @@ def full_grid_estimate(
         if cost is None:
             cost = estimate("compile", point.model, point.devices)
         if status in (None, "ok"):  # a point that fit (or was never checked) is also timed
-            timed = measured.get(point.key("timed"), (None, None))[1]
-            cost += timed if timed is not None else estimate("timed", point.model, point.devices)
+            for repeat in range(repeats):
+                timed = measured.get(point.key(timed_kind(repeat)), (None, None))[1]
+                cost += (
+                    timed if timed is not None else estimate("timed", point.model, point.devices)
+                )
         wall += cost
         device += cost * point.devices
     return wall, device
@@ -333,8 +425,12 @@ def render(
         "device count. At each device count the configurations still in are first compiled "
         "(no step runs) and those that do not fit the memory budget are not timed there; the "
         "rest are timed until the median step time is known to the stated precision (or the "
-        "budget is spent), and a configuration is dropped only when its interval lies wholly "
-        "below its model's best. Intervals: median [low, high] (confidence, samples).",
+        "budget is spent), and a configuration is dropped only when it is worse than its "
+        "model's best with the stated confidence: with two or more trials per configuration, "
+        "the best's lead over it passes a one-sided two-sample t test on the trials' log "
+        "medians (the variance pooled over the round, Bonferroni over its comparisons); with one, "
+        "its interval lies wholly below the best's. Intervals: median [low, high] (confidence, "
+        "samples), each at the round's Bonferroni level (docs/funnel.md).",
         "",
         "| round | entered | trials | failed (why) | dropped | left | trial wall s | device·s |",
         "|---|---|---|---|---|---|---|---|",
@@ -367,13 +463,18 @@ def render(
             f"{winner.record['final_loss']:.4f}"
         )
         if winner.tied:
-            lines.append(f"  - tied within the evidence (intervals overlap): {len(winner.tied)}")
+            lines.append(f"  - tied within the evidence (not beaten with the stated confidence): "
+                         f"{len(winner.tied)}")  # fmt: skip
             lines += [
                 f"    - {configuration_of(r).label()}: {_show(interval, sign, winner.level)}"
                 for r, interval in winner.tied
             ]
+        elif winner.rivals:
+            lines.append(f"  - ahead of the {winner.rivals} other(s) of its last round with the "
+                         "stated confidence")  # fmt: skip
         else:
-            lines.append("  - ahead of every other configuration with the stated confidence")
+            lines.append("  - the only one of its model left in the last round (the earlier "
+                         "rounds dropped the others on the evidence above)")  # fmt: skip
     wall, device = spent
     lines += ["", "## Device time", "", f"Spent: {wall:.0f} s of trials, {device:.0f} device·s "
               "(trial wall time × its device count)."]  # fmt: skip

@@ -37,8 +37,8 @@ def best_timed(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], 
     """(model, stage, devices) → the ok timed trial with the most tokens/s per device."""
     best: dict[tuple[str, int, int], dict[str, Any]] = {}
     for record in records:
-        if record["kind"] != "timed" or record["status"] != "ok":
-            continue
+        if record["kind"] != "timed" or record["status"] != "ok" or record.get("repeat", 0):
+            continue  # a point's first trial (its repeats are in results.jsonl)
         key = (record["config"]["model"], record["config"]["stage"], record["config"]["devices"])
         if (
             key not in best

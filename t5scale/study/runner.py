@@ -117,7 +117,7 @@ def run_study(
     full = None
     if config.search == "funnel":
         grid = [config.point(c, d) for c in configurations for d in devices]
-        full = funnel.full_grid_estimate(grid, compile_records, timed_records)
+        full = funnel.full_grid_estimate(grid, compile_records, timed_records, config.repeats)
     text = funnel.render(found.rounds, best, config.objective, (spent_wall, spent_device), full)
     (study_dir / "funnel.md").write_text(text, encoding="utf-8")
     return {
@@ -134,7 +134,7 @@ def run_study(
 def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
     """Trials still ahead if every configuration still in went on (an upper bound, for the
     ETA: the funnel drops what the evidence shows worse)."""
-    return alive * len(devices) * (2 if config.search == "funnel" else 1)
+    return alive * len(devices) * (config.repeats + (config.search == "funnel"))
 
 
 def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
@@ -183,31 +183,34 @@ class _TrialRunner:
             return []
         return shlex.split(self.config.trial_launcher.format(hosts=hosts, devices=devices))
 
-    def spec(self, point: Point, kind: str) -> dict[str, Any]:
+    def spec(self, point: Point, kind: str, repeat: int = 0) -> dict[str, Any]:
         study = self.config
+        run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
         return {
             "kind": kind,
             "devices_per_process": point.devices // self.hosts(point.devices),
             "point": point.__dict__,
             "memory_budget_bytes": self.budget(point.devices),
-            "timing": {"precision": study.timing_precision, "confidence": study.confidence,
+            "timing": {"precision": study.timing_precision,
                        "min_samples": self.min_samples, "max_samples": study.max_timed_steps,
                        "max_seconds": study.max_timing_s},
             "token_budget": study.token_budget if study.objective == "loss" else 0,
             "peak_flops_per_s": self.machine["peak_flops_per_s"],
             "extra_bindings": list(study.extra_bindings),
             # one TensorBoard run per timed trial, so that trials compare in one TensorBoard
-            "tensorboard_dir": str(self.study_dir / "tensorboard" / point.run_name())
+            "tensorboard_dir": str(self.study_dir / "tensorboard" / run_name)
             if kind == "timed" else None,
             "profile_dir": str(self.study_dir / "profile" / point.run_name()),
         }  # fmt: skip
 
-    def run_one(self, point: Point, kind: str, round_name: str) -> tuple[dict[str, Any], bool]:
+    def run_one(
+        self, point: Point, kind: str, round_name: str, repeat: int = 0
+    ) -> tuple[dict[str, Any], bool]:
         """(record, whether it ran now): a trial found in results.jsonl is not run again."""
-        key = point.key(kind)
+        key = point.key(funnel.timed_kind(repeat) if kind == "timed" else kind)
         if key in self.results.records:
             return self.results.records[key], False
-        if kind == "timed" and (twin := self._timed_twin(point)):
+        if kind == "timed" and (twin := self._timed_twin(point, repeat)):
             # The same compiled program (e.g. every stage on one device) runs the same steps:
             # its timing is reused rather than measured again, and says so.
             record = twin | {"key": key, "round": round_name, "config": point.as_dict(),
@@ -216,7 +219,7 @@ class _TrialRunner:
             self.results.add(record)
             return record, False
         self.counter += 1
-        spec = self.spec(point, kind)
+        spec = self.spec(point, kind, repeat)
         result = run_trial(
             spec, self.study_dir / "trials", f"{self.counter:04d}-{kind}",
             self.config.trial_timeout_s, self.launcher(point.devices),
@@ -232,12 +235,14 @@ class _TrialRunner:
             "peak_flops_per_s": self.machine["peak_flops_per_s"],
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "tensorboard_dir": spec["tensorboard_dir"],
+            "repeat": repeat,
         } | result
         self.results.add(record)
         return record, True
 
-    def _timed_twin(self, point: Point) -> dict[str, Any] | None:
-        """A timed trial, already run, whose compile-only trial produced this point's program."""
+    def _timed_twin(self, point: Point, repeat: int) -> dict[str, Any] | None:
+        """A timed trial (the same repeat), already run, whose compile-only trial produced this
+        point's program."""
         fingerprint = self._fingerprint(point)
         if fingerprint is None:
             return None
@@ -245,6 +250,7 @@ class _TrialRunner:
             if (
                 record["kind"] == "timed"
                 and "same_program_as" not in record
+                and record.get("repeat", 0) == repeat
                 and record["status"] == "ok"
                 and self._fingerprint(Point(**record["config_point"])) == fingerprint
             ):
@@ -261,14 +267,24 @@ class _TrialRunner:
         )
 
     def time(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+        """Each configuration in `repeats` trials, the rounds of trials in alternating order
+        (forwards, backwards) so that a machine whose speed drifts favours none."""
         # enough samples that each trial's interval can take part in the round's comparison
         self.min_samples = funnel.samples_to_compare(self.config.confidence, configurations)
-        return self.run_all([self.config.point(c, devices) for c in configurations], "timed", name)
+        points = [self.config.point(c, devices) for c in configurations]
+        records, repeats = [], self.config.repeats
+        for repeat in range(repeats):
+            order = points if repeat % 2 == 0 else points[::-1]
+            label = f"{name} {repeat + 1}/{repeats}" if repeats > 1 else name
+            records += self.run_all(order, "timed", label, repeat)
+        return records
 
     def ahead(self, alive: int, devices: Sequence[int]) -> None:
         self.progress.replan(self.progress.done + _planned(alive, devices, self.config))
 
-    def run_all(self, points: list[Point], kind: str, round_name: str) -> list[dict[str, Any]]:
+    def run_all(
+        self, points: list[Point], kind: str, round_name: str, repeat: int = 0
+    ) -> list[dict[str, Any]]:
         """Compile-only trials run `compile_workers` at a time; timed trials one by one."""
         workers = 1
         if kind == "compile":
@@ -277,7 +293,7 @@ class _TrialRunner:
             )
         records: list[dict[str, Any]] = []
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self.run_one, p, kind, round_name) for p in points]
+            futures = [pool.submit(self.run_one, p, kind, round_name, repeat) for p in points]
             for point, future in zip(points, futures, strict=True):
                 record, ran = future.result()
                 records.append(record)
