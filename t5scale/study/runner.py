@@ -269,8 +269,11 @@ class _TrialRunner:
     def time(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
         """Each configuration in `repeats` trials, the rounds of trials in alternating order
         (forwards, backwards) so that a machine whose speed drifts favours none."""
-        # enough samples that each trial's interval can take part in the round's comparison
-        self.min_samples = funnel.samples_to_compare(self.config.confidence, configurations)
+        # With one trial each, enough steps that each trial's interval can take part in the
+        # round's comparison; with repeats, the comparison is of the trials' medians.
+        self.min_samples = 0
+        if self.config.repeats == 1:
+            self.min_samples = funnel.samples_to_compare(self.config.confidence, configurations)
         points = [self.config.point(c, devices) for c in configurations]
         records, repeats = [], self.config.repeats
         for repeat in range(repeats):

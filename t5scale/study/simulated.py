@@ -100,8 +100,10 @@ class SimulatedTrials:
 
     def time(self, configurations, devices: int, name: str, compile_first: bool = False):
         records = []
-        floor = funnel.samples_to_compare(self.rule.confidence, configurations)
-        rule = dataclasses.replace(self.rule, min_samples=max(self.rule.min_samples, floor))
+        rule = self.rule  # as the study's runner: a floor of steps only for one trial each
+        if self.repeats == 1:
+            floor = funnel.samples_to_compare(self.rule.confidence, configurations)
+            rule = dataclasses.replace(self.rule, min_samples=max(self.rule.min_samples, floor))
         for repeat in range(self.repeats):
             for c in configurations:
                 drawn: list[float] = []
