@@ -42,7 +42,7 @@ from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import parameter_breakdown
 from t5scale.parallel.cluster import CLUSTER_FAILED, JoinError, PeerWatch, start_cluster
 from t5scale.parallel.mesh import AXES, MeshError, describe_mesh, make_mesh
-from t5scale.study import plan, simulate
+from t5scale.study import funnel, plan, simulate
 from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
 from t5scale.train.config import ConfigError, RunConfig
@@ -191,6 +191,11 @@ def study_command(call: Invocation) -> None:
         f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
         f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"
     )
+    for model, record in sorted(summary["winners"].items()):
+        tied = summary["tied"][model]
+        ties = f", tied within the evidence with {len(tied)}" if tied else ""
+        print(f"winner for {model}: {funnel.configuration_of(record).label()} at "
+              f"{record['config']['devices']} devices{ties} (funnel.md)")  # fmt: skip
     print(f"report: {write_report(study.study_dir)}")
 
 

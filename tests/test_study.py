@@ -55,6 +55,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     study_dir, done = finished_study
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ETA" in done.stdout and "study done" in done.stdout
+    assert "winner for mt5_tiny: mt5_tiny stage" in done.stdout
 
     found = records(study_dir)
     compiled = [r for r in found if r["kind"] == "compile"]
