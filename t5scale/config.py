@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,7 +95,9 @@ def parse_gin(
 
 def check_macros_read() -> None:
     """A macro that no binding reads is an error: gin takes any unknown upper-case name as a
-    new macro, so `--gin.TRAIN_STEP=100` (S missing) would otherwise train the default steps."""
+    new macro, so `--gin.TRAIN_STEP=100` (S missing) would otherwise train the default steps.
+    The shipped files' own macros are exempt: a run may bind the parameter that reads one
+    directly (`--gin.StudyConfig.study_dir=…` leaves STUDY_DIR unread)."""
     # gin has no public list of what is bound: its own (private) table of bindings is read.
     bound = {scope for scope, selector in gin.config._CONFIG if selector == "gin.macro"}
     read = {
@@ -101,12 +105,22 @@ def check_macros_read() -> None:
         for reference in gin.config.iterate_references(gin.config._CONFIG)
         if reference.selector == "gin.macro"
     }
-    unread = sorted(bound - read)
+    shipped = shipped_macros()
+    unread = sorted(bound - read - shipped)
     if unread:
         name = unread[0]
-        near = difflib.get_close_matches(name, sorted(read), n=1, cutoff=0.5)
+        near = difflib.get_close_matches(name, sorted(read | shipped), n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]}?" if near else f"; the macros read are {sorted(read)}"
         raise ConfigError(f"gin: the macro {name} is bound but no configuration reads it{hint}")
+
+
+@functools.cache
+def shipped_macros() -> frozenset[str]:
+    """The macros the repository's gin files define (`NAME = value` at the start of a line)."""
+    names = set()
+    for path in (REPO_ROOT / "gin").rglob("*.gin"):
+        names.update(re.findall(r"^([A-Z][A-Z0-9_]*)\s*=", path.read_text(), re.MULTILINE))
+    return frozenset(names)
 
 
 def build_study_config(name: str = "study"):

@@ -136,3 +136,5 @@ def test_a_macro_no_configuration_reads_in_a_gin_file_is_an_error(tmp_path):
         parse_gin([str(mine)], [])
     mine.write_text("MY_STEPS = 5\nTRAIN_STEPS = %MY_STEPS\n")  # a macro read by a macro
     parse_gin([str(mine)], [])
+    # a shipped macro left unread by binding its parameter directly is no mistake
+    parse_gin(["gin/study/quick.gin"], ["StudyConfig.study_dir='/tmp/elsewhere'"])

@@ -80,6 +80,9 @@ class Instruments:
         )
         if "validation_loss" in record:
             self.validation_board.write(step, {"loss": record["validation_loss"]})
+            self.validation_board.flush()
+        # on disk at every step, as metrics.jsonl: a process that dies loses none of them
+        self.train_board.flush()
 
     def close(self) -> None:
         if self.tracing:  # the run ended (or failed) inside the profiled steps
