@@ -13,7 +13,9 @@ from typing import Literal
 
 import jax
 
-RematPolicy = Literal["none", "minimal", "full"]
+RematPolicy = Literal["none", "minimal", "full", "auto"]
+# Cheapest first: what `remat = 'auto'` tries until the compiled step fits (t5scale/train/setup.py).
+REMAT_LADDER: tuple[str, ...] = ("none", "minimal", "full")
 DType = Literal["float32", "bfloat16"]
 
 
@@ -65,15 +67,27 @@ class ModelConfig:
     # kept is PrecisionConfig's (t5scale/train/precision.py): fp32, or with bf16 compute by
     # default DeepSpeed's mixed precision (a bf16 working copy, an fp32 master).
     dtype: DType = "float32"
+    # What the layers keep for the backward pass (t5scale/model/mt5.py, remat_policy); 'auto':
+    # the first of REMAT_LADDER whose compiled step fits the device, chosen at compile time.
     remat: RematPolicy = "none"
+    # Target tokens per chunk of the output projection and loss (t5scale/train/loss.py): None
+    # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         size = SIZES.get(self.name, SIZES["mt5_tiny"])
         for field, value in size.items():
             if getattr(self, field) is None:
                 object.__setattr__(self, field, value)
-        if self.remat not in ("none", "minimal", "full"):
-            raise ValueError(f"ModelConfig.remat must be none, minimal or full, got {self.remat!r}")
+        if self.remat not in (*REMAT_LADDER, "auto"):
+            raise ValueError(
+                f"ModelConfig.remat must be none, minimal, full or auto, got {self.remat!r}"
+            )
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            raise ValueError(
+                f"ModelConfig.loss_chunk_tokens must be None, 0 or positive, got "
+                f"{self.loss_chunk_tokens}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
         for field in size:

@@ -10,10 +10,11 @@ device keeps its slice of the vocabulary and the batch's activations travel inst
   that fall in its slice (zero elsewhere) and a reduce-scatter sums the partial rows back to each
   device's own examples. The gradient is a scatter-add into the local slice only.
 - output projection: the decoder's output is all-gathered over the group, each device computes
-  the logits of its vocabulary slice for every token of the group, and the softmax's max, sum of
-  exponentials and target logit are combined across slices. The gradient of the local slice
-  needs no collective; that of the decoder's output is the reduce-scatter (the gather's transpose)
-  of its partial sums over slices.
+  the logits of its vocabulary slice for every token of the group, chunk by chunk, and the
+  softmax's max, sum of exponentials and target logit are combined across slices
+  (t5scale/train/loss.py). The gradient of the local slice needs no collective; that of the
+  decoder's output is the reduce-scatter (the gather's transpose) of its partial sums over
+  slices.
 
 This pays while the group's tokens are few against the vocabulary (`pays_off`); with many
 devices and long sequences the tables are gathered whole as before (t5scale/train/gradients.py).
@@ -28,8 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from t5scale.model.mt5 import NEG_INF, look_up_rows, project_to_vocab
+from t5scale.model.mt5 import look_up_rows
+from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives
+from t5scale.train.loss import model_loss_sums
 
 AXIS = "zero"
 
@@ -69,38 +72,32 @@ def embed(table: jax.Array, tokens: jax.Array, dtype, after_this) -> jax.Array:
     return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
 
 
-def log_z_and_target_logit(
+def loss_sums(
+    model: ModelConfig,
     decoded: jax.Array,
     lm_head: jax.Array,
     targets: jax.Array,
-    vocab_size: int,
-    constrain_logits=lambda x: x,
-) -> tuple[jax.Array, jax.Array]:
-    """log Z and the target's logit for each of this device's target tokens [b, T], from the
-    decoder's output [b, T, d] and this device's slice of lm_head [d, V/N]: what
-    t5scale.train.loss.loss_sums computes from whole logits. Columns at or past `vocab_size`
-    (the padding of a vocabulary that the zero size does not divide) take no part."""
+    weights: jax.Array,
+    z_loss: float,
+    constrain,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, cross-entropy sum, z-loss sum) of this device's target tokens [b, T], from the
+    decoder's output [b, T, d] and this device's slice of lm_head [d, V/N] (columns at or past
+    the vocabulary size, the padding of a vocabulary the zero size does not divide, take no
+    part): what t5scale.train.loss computes from the whole head, in chunks, for the group's
+    tokens against this slice. The loss's gradient is that of the group's loss with respect to
+    the slice and this slice's part of the group's decoder output (t5scale/train/loss.py); the
+    all-gather's transpose sums those parts back to the devices whose examples they are."""
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
-    logits = constrain_logits(project_to_vocab(group_decoded, lm_head).astype(jnp.float32))
-    slice_size = logits.shape[-1]
-    if slice_size * lax.axis_size(AXIS) > vocab_size:
-        column = _slice_start(slice_size) + jnp.arange(slice_size)
-        logits = jnp.where(column < vocab_size, logits, NEG_INF)
-    local_max = collectives.ordered_after(
-        lax.stop_gradient(jnp.max(logits, axis=-1)), group_targets
-    )
-    peak = lax.pmax(local_max, AXIS)  # [group batch, T], the same on every slice
-    sum_exp = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
-    local_target = group_targets - _slice_start(slice_size)
-    # Zero unless the target falls in this slice; a one-hot product keeps `tensor` shards local.
-    target_logit = jnp.sum(
-        logits * jax.nn.one_hot(local_target, slice_size, dtype=logits.dtype), -1
-    )
-    totals = lax.psum(jnp.stack([sum_exp, target_logit]), AXIS)
-    # This device's own examples, so that the step's sums over devices count each token once.
-    batch = decoded.shape[0]
-    start = _slice_start(batch)
-    mine = lax.dynamic_slice_in_dim(totals, start, batch, axis=1)
-    log_z = lax.dynamic_slice_in_dim(peak, start, batch, axis=0) + jnp.log(mine[0])
-    return log_z, mine[1]
+    as_float = collectives.ordered_after(weights.astype(jnp.float32), group_targets)
+    group_weights = lax.all_gather(as_float, AXIS, axis=0, tiled=True)
+    # This device's own examples count in its loss, so that the step's sums over devices count
+    # each token once.
+    row = jnp.arange(group_weights.shape[0])[:, None]
+    start = _slice_start(decoded.shape[0])
+    mine = (row >= start) & (row < start + decoded.shape[0])
+    return model_loss_sums(
+        model, group_decoded, lm_head, group_targets, group_weights, z_loss,
+        counted=jnp.where(mine, group_weights, 0.0), axis=AXIS, constrain=constrain,
+    )  # fmt: skip

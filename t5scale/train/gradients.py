@@ -48,7 +48,7 @@ from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
-from t5scale.train.loss import loss_sums, weighted_sums
+from t5scale.train.loss import loss_sums, model_loss_sums
 from t5scale.train.precision import Precision
 from t5scale.train.replicas import specs_over_replicas
 
@@ -179,10 +179,20 @@ def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
 
 def dense_loss_sums(
     model: ModelConfig, hooks: ShardingHooks, params: Any, batch: Batch, z_loss: float
-) -> tuple[jax.Array, jax.Array]:
-    """(cross-entropy, z-loss) sums of the model's whole logits."""
-    logits = MT5(model, hooks).apply({"params": params}, *model_inputs(batch))
-    return loss_sums(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"], z_loss)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, cross-entropy sum, z-loss sum) with the whole output projection on every device,
+    in chunks of tokens (t5scale/train/loss.py), or with loss_chunk_tokens = 0 from the whole
+    logits (the untiled reference)."""
+    targets, weights = batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+    module = MT5(model, hooks)
+    if model.loss_chunk_tokens == 0:
+        logits = module.apply({"params": params}, *model_inputs(batch))
+        cross_entropy, z_term = loss_sums(logits, targets, weights, z_loss)
+        return cross_entropy + z_term, cross_entropy, z_term
+    decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
+    return model_loss_sums(
+        model, decoded, params["lm_head"], targets, weights, z_loss, constrain=_constrain
+    )
 
 
 def vocabulary_parallel_loss_sums(
@@ -193,8 +203,8 @@ def vocabulary_parallel_loss_sums(
     z_loss: float,
     slice_size: int,
     after_this: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """The same sums with the embedding and output projection used where they lie, each device
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The same with the embedding and output projection used where they lie, each device
     holding its `slice_size` rows of the (padded) vocabulary (t5scale/parallel/vocab.py); their
     first collective runs after `after_this`."""
 
@@ -204,14 +214,10 @@ def vocabulary_parallel_loss_sums(
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
-    log_z, target_logit = vocab.log_z_and_target_logit(
-        decoded,
-        params["lm_head"].astype(model.dtype),
-        batch["decoder_target_tokens"],
-        model.vocab_size,
-        lambda x: _constrain(x, ("batch", "length", "vocab")),
-    )
-    return weighted_sums(log_z, target_logit, batch["decoder_loss_weights"], z_loss)
+    return vocab.loss_sums(
+        model, decoded, params["lm_head"], batch["decoder_target_tokens"],
+        batch["decoder_loss_weights"], z_loss, _constrain,
+    )  # fmt: skip
 
 
 def micro_batch_loss(
@@ -244,7 +250,8 @@ def micro_batch_loss(
         )
     else:
         sums = dense_loss_sums(model, hooks, params, batch, z_loss)
-    return (sums[0] + sums[1]) / total_weight, sums
+    loss, cross_entropy, z_term = sums
+    return loss / total_weight, (cross_entropy, z_term)
 
 
 # ---- accumulation and reduction -------------------------------------------------------------

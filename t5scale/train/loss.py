@@ -1,10 +1,44 @@
 """The training loss: cross-entropy plus z-loss (log Z squared, as T5 and PaLM use it), summed
-over target tokens with padding masked out; the step divides by the token count."""
+over target tokens with padding masked out; the step divides by the token count.
+
+mT5's output layer is the largest array of a step: batch 32 at length 229 makes 7,328 × 250,112
+logits, 7.3 GB in fp32 and as much again for their gradient. `head_loss` never holds them: it
+runs the output projection, log-sum-exp, target logit and z-loss over chunks of `chunk` tokens
+in a scan, so at most a [chunk, vocab] block lives at once (as MaxText's vocabulary tiling and
+levanter's blockwise cross-entropy do). Its custom VJP computes the gradient in the forward pass,
+chunk by chunk, while each block's logits are at hand: d loss / d logits is known there up to
+the one scalar the step scales the loss by (1 / target tokens), so nothing is recomputed and the
+backward pass only scales the two gradients it kept — the decoder output's ([tokens, d_model])
+and the projection's ([d_model, vocab], the size of the gradient it will be anyway). The
+projection's FLOPs are those of the untiled head: one matmul forward, two for the gradient.
+
+Split by vocabulary (`HeadLoss.axis`, stage 3's vocabulary-parallel head, t5scale/parallel/
+vocab.py), each device holds a slice of the columns; each chunk's maximum, sum of exponentials
+and target logit are combined across slices (pmax, psum), so that every device knows each token's
+log Z. Each device then returns the loss of the tokens it counts (`counted`) but the gradient of
+every token's loss with respect to what it holds, its slice and its part of the decoder output:
+that is the gradient of the group's loss as long as every device's loss is scaled by the same
+number, which the step's division by the global token count guarantees.
+
+`loss_sums` on whole logits is the untiled reference (ModelConfig.loss_chunk_tokens = 0).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from t5scale.model.sizes import ModelConfig
+
+NEG_INF = -1e10
+# Automatic chunks keep one [chunk, vocab slice] block of fp32 logits within this many bytes:
+# mt5's 250,112-id vocabulary gives 256 tokens, whose products still fill a GPU's matmul units.
+CHUNK_BYTES = 256 * 2**20
 
 
 def loss_sums(
@@ -26,3 +60,185 @@ def weighted_sums(
     cross_entropy = jnp.sum((log_z - target_logit) * weights)
     z_term = jnp.sum(z_loss * jnp.square(log_z) * weights)
     return cross_entropy, z_term
+
+
+def chunk_tokens(requested: int | None, tokens: int, vocab_columns: int) -> int:
+    """Tokens per chunk: `requested`, or None for the largest power of two whose fp32 logits
+    fit CHUNK_BYTES (all the tokens where they fit at once); never more than `tokens`."""
+    if requested is None:
+        fitting = max(1, CHUNK_BYTES // (4 * vocab_columns))
+        requested = 1 << (fitting.bit_length() - 1)
+    return max(1, min(requested, tokens))
+
+
+def _keep(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    del axes
+    return x
+
+
+def model_loss_sums(
+    model: ModelConfig,
+    decoded: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    z_loss: float,
+    counted: jax.Array | None = None,
+    axis: str | None = None,
+    constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, cross-entropy sum, z-loss sum) of the decoder's output [batch, length, d_model]
+    through lm_head [d_model, vocab or its slice over `axis`], in chunks of the model's
+    loss_chunk_tokens (0: all tokens in one chunk); `counted` defaults to `weights`."""
+    x = decoded.reshape(-1, decoded.shape[-1])
+    requested = x.shape[0] if model.loss_chunk_tokens == 0 else model.loss_chunk_tokens
+    how = HeadLoss(
+        z_loss=z_loss, chunk=chunk_tokens(requested, x.shape[0], lm_head.shape[1]),
+        vocab_size=model.vocab_size, compute_dtype=model.dtype, axis=axis, constrain=constrain,
+    )  # fmt: skip
+    weights = weights.reshape(-1).astype(jnp.float32)
+    counted = weights if counted is None else counted.reshape(-1).astype(jnp.float32)
+    return head_loss(x, lm_head, targets.reshape(-1), weights, counted, how)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """How `head_loss` runs (hashable: it is a static argument of the custom VJP).
+
+    chunk: tokens per chunk. vocab_size: the real vocabulary; columns past it (padding of a
+    vocabulary split over `axis`) take no part. axis: the manual mesh axis the columns are split
+    over, or None. compute_dtype: the matmuls' input dtype (they accumulate in fp32).
+    constrain(array, logical axes): pins a block's sharding (tensor parallelism splits the
+    vocabulary of the logits and of the projection's gradient).
+    """
+
+    z_loss: float
+    chunk: int
+    vocab_size: int
+    compute_dtype: str = "float32"
+    axis: str | None = None
+    constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep
+
+
+def head_loss(
+    x: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    counted: jax.Array,
+    how: HeadLoss,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, cross-entropy sum, z-loss sum) of tokens x [tokens, d_model] projected by w
+    [d_model, vocab (slice)]: the loss is Σ counted·(log Z − target logit + z·log Z²), with the
+    gradient of Σ weights·(…) (the same where nothing is split: see the module's docstring). The
+    two sums, for metrics, carry no gradient."""
+    loss, log_z, target_logit = _head_loss(x, w, targets, weights, counted, how)
+    log_z, target_logit = lax.stop_gradient(log_z), lax.stop_gradient(target_logit)
+    return (loss, *weighted_sums(log_z, target_logit, counted, how.z_loss))
+
+
+def _column_start(how: HeadLoss, columns: int) -> jax.Array | int:
+    return 0 if how.axis is None else lax.axis_index(how.axis) * columns
+
+
+def _across_slices(how: HeadLoss, reduce, x: jax.Array) -> jax.Array:
+    return x if how.axis is None else reduce(x, how.axis)
+
+
+def _in_chunks(how: HeadLoss, *arrays: jax.Array) -> tuple[int, list[jax.Array]]:
+    """The arrays (leading axis: tokens) zero-padded to whole chunks, as [chunks, chunk, …]."""
+    tokens = arrays[0].shape[0]
+    chunks = -(-tokens // how.chunk)
+    padding = chunks * how.chunk - tokens
+
+    def split(a: jax.Array) -> jax.Array:
+        a = jnp.pad(a, [(0, padding)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(chunks, how.chunk, *a.shape[1:])
+
+    return tokens, [split(a) for a in arrays]
+
+
+def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
+    """fp32 zeros that vary over the manual mesh axes any of `like` varies over (inside a
+    shard_map a scan's carry must keep one type from step to step)."""
+    zeros = jnp.zeros(shape, jnp.float32)
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))
+    return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
+def _scan_chunks(how: HeadLoss, x, w, targets, weights, counted, with_gradients: bool):
+    """The loss, each token's log Z and target logit, and with_gradients the loss's gradients
+    (per unit of the loss's cotangent) for x (fp32) and w (fp32)."""
+    dtype = jnp.dtype(how.compute_dtype)
+    w_compute = w.astype(dtype)
+    columns = w.shape[1]
+    start = _column_start(how, columns)
+    tokens, (xs, ts, ws) = _in_chunks(how, x.astype(dtype), targets, weights.astype(jnp.float32))
+
+    def chunk(dw, inputs):
+        x_c, t_c, w_c = inputs
+        # The column ids made here, not captured: XLA fuses an iota into its users.
+        column = start + lax.broadcasted_iota(jnp.int32, (how.chunk, columns), 1)
+        logits = jnp.matmul(x_c, w_compute, preferred_element_type=jnp.float32)
+        logits = how.constrain(logits, ("length", "vocab"))
+        if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
+            logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
+        peak = _across_slices(how, lax.pmax, lax.stop_gradient(jnp.max(logits, axis=-1)))
+        is_target = column == t_c[:, None]
+        local = jnp.stack([
+            jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1),
+            jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1),
+        ])  # fmt: skip
+        sum_exp, target_logit = _across_slices(how, lax.psum, local)
+        log_z = peak + jnp.log(sum_exp)
+        if not with_gradients:
+            return dw, (log_z, target_logit, None)
+        # d loss / d logit = weight · ((1 + 2z·log Z)·softmax − [target]), per unit cotangent.
+        scale = w_c * (1.0 + 2.0 * how.z_loss * log_z)
+        d_logits = scale[:, None] * jnp.exp(logits - log_z[:, None])
+        d_logits = (d_logits - jnp.where(is_target, w_c[:, None], 0.0)).astype(dtype)
+        d_logits = how.constrain(d_logits, ("length", "vocab"))
+        dx = jnp.matmul(d_logits, w_compute.T, preferred_element_type=jnp.float32)
+        # x's transpose behind a barrier: both products stay in the row-major form fast CPU
+        # kernels take (t5scale/model/mt5.py, project_to_vocab).
+        x_t = lax.optimization_barrier(x_c.T)
+        dw = dw + jnp.matmul(x_t, d_logits, preferred_element_type=jnp.float32)
+        return how.constrain(dw, ("embed", "vocab")), (log_z, target_logit, dx)
+
+    dw = None
+    if with_gradients:
+        dw = how.constrain(_zeros_varying_as(w.shape, x, w), ("embed", "vocab"))
+    dw, (log_z, target_logit, dx) = lax.scan(chunk, dw, (xs, ts, ws))
+    log_z, target_logit = log_z.reshape(-1)[:tokens], target_logit.reshape(-1)[:tokens]
+    per_token = log_z - target_logit + how.z_loss * jnp.square(log_z)
+    loss = jnp.sum(per_token * counted.astype(jnp.float32))
+    gradients = (dx.reshape(-1, x.shape[1])[:tokens], dw) if with_gradients else None
+    return (loss, log_z, target_logit), gradients
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _head_loss(x, w, targets, weights, counted, how: HeadLoss):
+    outputs, _ = _scan_chunks(how, x, w, targets, weights, counted, with_gradients=False)
+    return outputs
+
+
+def _head_loss_forward(x, w, targets, weights, counted, how: HeadLoss):
+    outputs, (dx, dw) = _scan_chunks(how, x, w, targets, weights, counted, with_gradients=True)
+    return outputs, (dx, dw, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+
+
+def _head_loss_backward(how: HeadLoss, residuals, cotangents):
+    del how
+    dx, dw, x_like, w_like = residuals
+    # Only the loss carries a gradient: head_loss stops those of log Z and the target logit.
+    loss_cotangent = cotangents[0]
+    return (
+        (loss_cotangent * dx).astype(x_like.dtype),
+        (loss_cotangent * dw).astype(w_like.dtype),
+        None,
+        None,
+        None,
+    )
+
+
+_head_loss.defvjp(_head_loss_forward, _head_loss_backward)

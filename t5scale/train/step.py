@@ -26,7 +26,7 @@ from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import replicas as replicas_module
 from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
-from t5scale.train.loss import loss_sums
+from t5scale.train.loss import model_loss_sums
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.state import TrainState
@@ -253,9 +253,12 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
     module = MT5(model)
 
     def evaluate(params, batch: Batch):
-        logits = module.apply({"params": layout.unpad(params)}, *model_inputs(batch))
+        params = layout.unpad(params)
+        decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
         weights = batch["decoder_loss_weights"].astype(jnp.float32)
-        cross_entropy, z_term = loss_sums(logits, batch["decoder_target_tokens"], weights, z_loss)
+        _, cross_entropy, z_term = model_loss_sums(
+            model, decoded, params["lm_head"], batch["decoder_target_tokens"], weights, z_loss
+        )
         return {"cross_entropy_sum": cross_entropy, "z_loss_sum": z_term,
                 "target_tokens": jnp.sum(weights)}  # fmt: skip
 

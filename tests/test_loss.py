@@ -1,0 +1,126 @@
+"""The tiled output layer and loss (t5scale/train/loss.py) against the whole logits: the same
+loss and gradients, chunk sizes that divide the tokens or not, on every stage and mesh."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import relative_difference, synthetic_batches, tiny_setup
+
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.loss import HeadLoss, chunk_tokens, head_loss, loss_sums
+from t5scale.train.precision import PrecisionConfig
+from t5scale.train.step import gradient_fn_jitted
+
+Z_LOSS = 1e-4
+
+
+def _head_inputs(tokens: int = 37, d_model: int = 16, vocab: int = 300):
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, d_model))
+    w = 0.3 * jax.random.normal(keys[1], (d_model, vocab))
+    targets = jax.random.randint(keys[2], (tokens,), 0, vocab)
+    weights = (jax.random.uniform(keys[3], (tokens,)) > 0.2).astype(jnp.float32)  # padding
+    return x, w, targets, weights
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 37])  # 5 and 8 leave a partial last chunk
+def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk):
+    x, w, targets, weights = _head_inputs()
+
+    def whole(x, w):
+        cross_entropy, z_term = loss_sums(x @ w, targets, weights, Z_LOSS)
+        return cross_entropy + z_term, (cross_entropy, z_term)
+
+    def tiled(x, w):
+        how = HeadLoss(z_loss=Z_LOSS, chunk=chunk, vocab_size=w.shape[1])
+        loss, cross_entropy, z_term = head_loss(x, w, targets, weights, weights, how)
+        return loss, (cross_entropy, z_term)
+
+    (want, want_sums), want_grads = jax.value_and_grad(whole, (0, 1), has_aux=True)(x, w)
+    (got, got_sums), got_grads = jax.jit(jax.value_and_grad(tiled, (0, 1), has_aux=True))(x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_sums, want_sums, rtol=1e-6)
+    for mine, reference in zip(got_grads, want_grads, strict=True):
+        assert relative_difference(np.asarray(mine), np.asarray(reference)) < 1e-6
+    # Without differentiation the same scan runs without the gradient work.
+    np.testing.assert_allclose(jax.jit(tiled)(x, w)[0], want, rtol=1e-6)
+
+
+def test_padding_columns_past_the_vocabulary_take_no_part():
+    x, w, targets, weights = _head_inputs(vocab=300)
+    padded = jnp.pad(w, ((0, 0), (0, 20)), constant_values=5.0)  # large logits, if they counted
+    how = HeadLoss(z_loss=Z_LOSS, chunk=8, vocab_size=300)
+    got = head_loss(x, padded, targets, weights, weights, how)[0]
+    want = sum(loss_sums(x @ w, targets, weights, Z_LOSS))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    gradient = jax.grad(lambda p: head_loss(x, p, targets, weights, weights, how)[0])(padded)
+    assert not np.any(gradient[:, 300:])
+
+
+def test_automatic_chunks_hold_one_block_of_logits_within_256_mib():
+    assert chunk_tokens(None, tokens=7328, vocab_columns=250112) == 256
+    assert chunk_tokens(None, tokens=128, vocab_columns=1024) == 128  # all at once
+    assert chunk_tokens(5, tokens=128, vocab_columns=1024) == 5
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        ModelConfig(loss_chunk_tokens=-1)
+
+
+# ---- the train step's gradients on 8 devices ------------------------------------------------
+
+UNTILED = ModelConfig(vocab_size=1024, loss_chunk_tokens=0)
+# 5 tokens per chunk divides neither a device's 16 target tokens nor stage 3's group of 128.
+TILED = ModelConfig(vocab_size=1024, loss_chunk_tokens=5)
+
+
+def _gradients(parallel: ParallelConfig, model: ModelConfig, devices: int = 8, **changes):
+    """(gradients on the host in the model's shapes, cross-entropy sum) of the first batch."""
+    setup = tiny_setup(parallel, devices, model=model, **changes)
+    state = setup.create_state(seed=0)
+    run = setup.run
+    step = gradient_fn_jitted(run.model, setup.layout, run.train, setup.precision)
+    grads, metrics = step(state.params, synthetic_batches(setup, 0, 0)[0])
+    grads = jax.device_get(setup.layout.unpad(grads))
+    return grads, float(metrics["cross_entropy_sum"])
+
+
+@functools.cache
+def _whole_logits_on_one_device():
+    return _gradients(ParallelConfig(), UNTILED, devices=1)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(zero_stage=0, zero=8),
+        ParallelConfig(zero_stage=1, zero=4, tensor=2),  # the vocabulary split over `tensor`
+        ParallelConfig(zero_stage=2, replica=2, zero=4),
+        ParallelConfig(zero_stage=3, zero=8),  # the vocabulary-parallel head
+        ParallelConfig(zero_stage=3, zero=4, tensor=2),  # ... and over `tensor` within it
+    ],
+    ids=lambda p: f"stage{p.zero_stage}-{p.replica or 1}x{p.zero}x{p.tensor}",
+)
+def test_tiled_gradients_equal_the_whole_logits_on_every_stage(parallel):
+    want_grads, want_loss = _whole_logits_on_one_device()
+    grads, loss = _gradients(parallel, TILED)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True)
+    worst = max(relative_difference(got, want) for got, want in pairs)
+    assert worst <= 1e-5, worst
+
+
+def test_tiled_mixed_precision_matches_the_whole_logits_to_bf16():
+    """bf16 compute: the tiled head keeps its products in fp32 where the whole one rounds the
+    logits to bf16, so the two agree to bf16's precision, not bit for bit."""
+    mixed = {"precision": PrecisionConfig(mode="mixed")}
+    parallel = ParallelConfig(zero_stage=3, zero=8)
+    untiled, tiled = (dataclasses.replace(m, dtype="bfloat16") for m in (UNTILED, TILED))
+    want_grads, want_loss = _gradients(parallel, untiled, **mixed)
+    grads, loss = _gradients(parallel, tiled, **mixed)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
+    lm_head_got, lm_head_want = grads["lm_head"], want_grads["lm_head"]
+    assert relative_difference(np.float32(lm_head_got), np.float32(lm_head_want)) < 2e-2
