@@ -19,6 +19,7 @@ def test_train_writes_metrics_tensorboard_profile_config_and_step_analysis(tmp_p
         "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", "--gin.TRAIN_STEPS=4",
         f"--gin.MODEL_DIR={model_dir}", "--gin.TrainConfig.profile_steps=(2, 3)",
         "--gin.DataConfig.validation_every=2", "--gin.DataConfig.validation_batches=1",
+        "--gin.ModelConfig.remat='auto'",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "step 4/4" in done.stdout and "ETA" in done.stdout and "tokens/s" in done.stdout
@@ -58,6 +59,10 @@ def test_train_writes_metrics_tensorboard_profile_config_and_step_analysis(tmp_p
     assert analysis["zero_stage"] == 2 and analysis["mesh"]["zero"] == 8
     assert analysis["collectives"]["reduce-scatter"]["count"] > 0
     assert analysis["collectives"]["all-gather"]["bytes"] > 0
+    # remat 'auto' chose the cheapest policy, within this machine's memory shared by 8 devices
+    remat = analysis["remat"]
+    assert remat["requested"] == "auto" and remat["policy"] == "none" and remat["fits"]
+    assert remat["tried"][0]["peak_estimate_bytes"] == memory["peak_estimate_bytes"]
 
 
 def test_params_prints_the_count_without_allocating():

@@ -158,10 +158,14 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
 
 def test_a_profile_trial_traces_the_step(tmp_path):
     """StudyConfig.profile_winner runs this trial for each winner after the search."""
-    point = Point("mt5_tiny", 1, 1, "none", 1e-3, devices=2, input_length=32, target_length=8)
-    spec = _spec(point, "profile") | {"profile_dir": str(tmp_path / "profile")}
+    point = Point("mt5_tiny", 1, 1, "auto", 1e-3, devices=2, input_length=32, target_length=8)
+    spec = _spec(point, "profile", budget=2**31) | {"profile_dir": str(tmp_path / "profile")}
     result = run_trial(spec, tmp_path, "profile", timeout_s=180)
     assert result["status"] == "ok", result
+    # remat is swept like any value: 'auto' records the policy it chose and the budget
+    remat = result["analysis"]["remat"]
+    assert remat["requested"] == "auto" and remat["policy"] == "none"
+    assert remat["budget_bytes"] == spec["memory_budget_bytes"]
     (trace,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = [e.get("name", "") for e in events if e.get("ph") == "X"]
@@ -248,6 +252,8 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad = run_cli("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "StudyConfig.stages: ZeRO stage must be 0, 1, 2 or 3" in bad.stderr
+    with pytest.raises(ConfigError, match="remats \\['some'\\]: each must be one of none, minimal"):
+        StudyConfig(remats=("auto", "some"))
     with pytest.raises(ConfigError, match="'diloco' is not 'every_step', 'local_sgd/H' or"):
         StudyConfig(replica_syncs=("every_step", "diloco"))
     missing = run_cli("report", str(tmp_path / "nothing"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -26,6 +27,17 @@ def cpu_memory_budget(host_memory_bytes: int, devices: int) -> int:
     """Per-device memory budget of `devices` emulated CPU devices: they share the host's memory,
     less a margin for the process itself."""
     return int(CPU_MEMORY_SHARE * host_memory_bytes / devices)
+
+
+def device_memory_budget(mesh) -> int:
+    """Per-device memory of this process's devices of the mesh: the smallest limit the
+    backend reports (GPUs, TPUs), or on the CPU the host's memory shared by the devices."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    if limits and all(limits):
+        return int(min(limits))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return cpu_memory_budget(host, len(local))
 
 
 def allocator_peak(mesh) -> int | None:

@@ -228,6 +228,8 @@ def remat_policy(name: str):
         return policies.dots_saveable
     if name == "minimal":
         return policies.dots_with_no_batch_dims_saveable
+    # "full", and "auto" before the train step chooses (t5scale/train/setup.py): the forward
+    # passes that meet it (initialisation, evaluation) have no backward pass to keep for.
     return policies.nothing_saveable
 
 

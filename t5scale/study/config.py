@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 from typing import Any
 
+from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.zero import check_stages
 from t5scale.train.config import ConfigError
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
@@ -100,6 +101,10 @@ class StudyConfig:
         if bad := [d for d in self.devices if d < 1 or d % self.tensor]:
             raise ConfigError(
                 f"StudyConfig.devices {bad}: each must be a positive multiple of tensor={self.tensor}"
+            )
+        if bad := [r for r in self.remats if r not in (*REMAT_LADDER, "auto")]:
+            raise ConfigError(
+                f"StudyConfig.remats {bad}: each must be one of {', '.join(REMAT_LADDER)} or auto"
             )
         if self.search not in SEARCHES:
             raise ConfigError(f"StudyConfig.search must be one of {SEARCHES}, got {self.search!r}")

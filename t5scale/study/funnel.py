@@ -408,6 +408,14 @@ def full_grid_estimate(
     return wall, device
 
 
+def remat_words(record: dict[str, Any]) -> str:
+    """The trial's remat policy, with what 'auto' chose."""
+    chosen = record.get("analysis", {}).get("remat", {})
+    if chosen.get("requested") == "auto":
+        return f"auto → {chosen['policy']}"
+    return record["config"]["remat"]
+
+
 def render(
     rounds: Sequence[Round],
     best: dict[str, Winner],
@@ -457,7 +465,7 @@ def render(
         config = winner.record["config"]
         lines.append(
             f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
-            f"{config['remat']}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
+            f"{remat_words(winner.record)}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
             f"{config['devices']} devices: {_show(winner.interval, sign, winner.level)} {unit}, step "
             f"{winner.record['step_time_s']['median']:.3g} s, final loss "
             f"{winner.record['final_loss']:.4f}"

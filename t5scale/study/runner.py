@@ -314,7 +314,12 @@ def _outcome(record: dict[str, Any]) -> str:
         return f"{status} ({record.get('error', '')})"
     memory = record["analysis"]["memory_per_device"]["peak_estimate_bytes"] / 2**30
     if record["kind"] == "compile":
-        return f"fits, {memory:.2f} GiB/device, compiled in {record['analysis']['compile_time_s']:.1f} s"
+        remat = record["analysis"].get("remat", {})
+        chosen = f" with remat {remat['policy']}" if remat.get("requested") == "auto" else ""
+        return (
+            f"fits{chosen}, {memory:.2f} GiB/device, compiled in "
+            f"{record['analysis']['compile_time_s']:.1f} s"
+        )
     return (
         f"{record['step_time_s']['median']:.3g} s/step, "
         f"{record['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {100 * record['mfu']:.1f}%"

@@ -160,7 +160,7 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
                           "error": f"the ZeRO formula's model state alone, "
                           f"{lower_bound / 2**30:.2f} GiB per device, exceeds the budget "
                           f"{budget / 2**30:.2f} GiB"}  # fmt: skip
-        step = build_setup(run, devices).compile()
+        step = build_setup(run, devices).compile(memory_budget_bytes=budget)
     except (ConfigError, MeshError) as error:
         return None, {"status": "compile error", "error": str(error)}
     except Exception as error:  # XLA's own compile failures

@@ -79,6 +79,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         else:
             state = setup.create_state()
         single_step = setup.compile()
+        setup = single_step.setup  # with remat 'auto': the policy chosen
         programs = StepPrograms(run, setup, single_step)
         if cfg.steps_per_execution > 1:
             programs.multi_step = setup.compile(cfg.steps_per_execution)

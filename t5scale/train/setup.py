@@ -19,12 +19,14 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
+from t5scale.analysis.memory import ModelStateBytes, device_memory_budget, model_state_bytes
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.model.mt5 import abstract_params
+from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.layout import StateLayout, make_layout
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
@@ -69,18 +71,22 @@ def check_batch(run: RunConfig, mesh: Mesh) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """A compiled train step (`steps_per_execution` steps per execution) and what it costs."""
+    """A compiled train step (`steps_per_execution` steps per execution) and what it costs.
+    With remat 'auto', `setup` is the one with the policy chosen, and `remat` says how."""
 
     setup: Setup
     compiled: Any  # jax.stages.Compiled: (state, batch) → (state, metrics)
     steps_per_execution: int
     compile_time_s: float
+    remat: dict[str, Any] | None = None
 
     @functools.cached_property
     def analysis(self) -> dict[str, Any]:
         """step_analysis.json: memory per device, FLOPs, collectives (t5scale/analysis/step.py)."""
         outer = self.setup.compiled_outer.compiled if self.setup.outer_tx is not None else None
-        return analyze_step(self.compiled, self.setup, self.compile_time_s, outer)
+        analysis = analyze_step(self.compiled, self.setup, self.compile_time_s, outer)
+        policy = self.setup.run.model.remat
+        return analysis | {"remat": self.remat or {"requested": policy, "policy": policy}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,10 @@ class Setup:
         return stack_batches(batches, self.layout)
 
     def train_step(self, steps_per_execution: int = 1):
-        """The jitted (not yet compiled) step; NaN or Inf as CheckpointConfig.on_nonfinite says."""
+        """The jitted (not yet compiled) step; NaN or Inf as CheckpointConfig.on_nonfinite says.
+        With remat 'auto', that of the policy `compile` chooses (CompiledStep.setup)."""
+        if self.run.model.remat == "auto":
+            raise ConfigError("remat 'auto' is chosen by Setup.compile: use its step's setup")
         return make_train_step(
             self.run.model, self.layout, self.tx, self.run.train, self.state_shardings,
             self.precision,
@@ -144,10 +153,19 @@ class Setup:
             steps_per_execution=steps_per_execution,
         )  # fmt: skip
 
-    def compile(self, steps_per_execution: int = 1) -> CompiledStep:
+    def compile(
+        self, steps_per_execution: int = 1, memory_budget_bytes: int | None = None
+    ) -> CompiledStep:
         """The step compiled from abstract shapes in their shardings (nothing allocated).
         step_analysis.json and memory checks use the one-step program: XLA's memory analysis of
-        the k-step loop can under-count its temporaries (docs/benchmarks.md)."""
+        the k-step loop can under-count its temporaries (docs/benchmarks.md). With remat
+        'auto', the policy is chosen first (`choose_remat`, within `memory_budget_bytes`)."""
+        if self.run.model.remat == "auto":
+            chosen = self.choose_remat(memory_budget_bytes)
+            if steps_per_execution == 1:
+                return chosen
+            step = chosen.setup.compile(steps_per_execution)
+            return dataclasses.replace(step, remat=chosen.remat)
         started = time.perf_counter()
         lowered = self.train_step(steps_per_execution).lower(
             self.state, self.abstract_batch(steps_per_execution)
@@ -155,6 +173,30 @@ class Setup:
         compiled = lowered.compile()
         elapsed = time.perf_counter() - started
         return CompiledStep(self, compiled, steps_per_execution, elapsed)
+
+    def with_remat(self, policy: str) -> Setup:
+        """The same setup with the layers' remat policy replaced (nothing else depends on it)."""
+        model = dataclasses.replace(self.run.model, remat=policy)
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, model=model))
+
+    def choose_remat(self, memory_budget_bytes: int | None = None) -> CompiledStep:
+        """The one-step program of the cheapest policy of REMAT_LADDER whose compiled peak fits
+        `memory_budget_bytes` (default: the devices' memory, `device_memory_budget`), else the
+        last one's; every process takes the same one (the most frugal any of them needs)."""
+        budget = memory_budget_bytes or device_memory_budget(self.mesh)
+        tried = []
+        for index, policy in enumerate(REMAT_LADDER):
+            step = self.with_remat(policy).compile()
+            peak = step.analysis["memory_per_device"]["peak_estimate_bytes"]
+            tried.append({"policy": policy, "peak_estimate_bytes": peak})
+            if peak <= budget or index == len(REMAT_LADDER) - 1:
+                break
+        agreed = _most_frugal(index)
+        if agreed != index:
+            step = self.with_remat(REMAT_LADDER[agreed]).compile()
+        choice = {"requested": "auto", "policy": REMAT_LADDER[agreed], "budget_bytes": budget,
+                  "fits": tried[-1]["peak_estimate_bytes"] <= budget, "tried": tried}  # fmt: skip
+        return dataclasses.replace(step, remat=choice)
 
     @functools.cached_property
     def outer_step(self):
@@ -283,6 +325,14 @@ class Setup:
             return with_shardings(shapes, canonical_shardings(layout, self.tx, shapes, outer_tx))
         shapes = jax.eval_shape(canonical_init(self.run.model, self.tx), jax.random.key(0))
         return with_shardings(shapes, canonical_shardings(self.layout, self.tx, shapes))
+
+
+def _most_frugal(index: int) -> int:
+    """The largest of the processes' remat choices (an index into REMAT_LADDER): they must
+    compile the same program."""
+    if jax.process_count() == 1:
+        return index
+    return int(np.max(multihost_utils.process_allgather(np.int32(index))))
 
 
 def _saved_sync(meta: dict | None) -> dict:

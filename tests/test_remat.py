@@ -1,0 +1,65 @@
+"""remat = 'auto': the cheapest policy whose compiled step fits the budget (t5scale/train/setup.py)."""
+
+import functools
+
+import pytest
+from conftest import tiny_setup
+
+from t5scale.data.config import DataConfig
+from t5scale.model.sizes import REMAT_LADDER, ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.config import ConfigError
+
+# Long enough inputs that each policy keeps less than the one before it.
+AUTO = {"model": ModelConfig(vocab_size=1024, remat="auto"),
+        "data": DataConfig(input_length=128, target_length=32)}  # fmt: skip
+
+
+@functools.cache
+def _setup():
+    return tiny_setup(ParallelConfig(), devices=1, **AUTO)
+
+
+@functools.cache
+def _peaks() -> dict[str, int]:
+    """Each policy's compiled peak per device, compiled on its own."""
+    setup = _setup()
+    return {
+        policy: setup.with_remat(policy).compile().analysis["memory_per_device"][
+            "peak_estimate_bytes"
+        ]
+        for policy in REMAT_LADDER
+    }
+
+
+def test_the_ladder_saves_memory_at_each_rung():
+    peaks = _peaks()
+    assert peaks["none"] > peaks["minimal"] > peaks["full"], peaks
+
+
+@pytest.mark.parametrize("policy", REMAT_LADDER)
+def test_auto_takes_the_cheapest_policy_that_fits(policy):
+    budget = _peaks()[policy]  # this one fits exactly; every cheaper one is over
+    step = _setup().compile(memory_budget_bytes=budget)
+    assert step.setup.run.model.remat == policy
+    chosen = step.analysis["remat"]
+    assert chosen["requested"] == "auto" and chosen["policy"] == policy and chosen["fits"]
+    assert [t["policy"] for t in chosen["tried"]] == list(
+        REMAT_LADDER[: REMAT_LADDER.index(policy) + 1]
+    )
+    assert chosen["tried"][-1]["peak_estimate_bytes"] == budget
+
+
+def test_auto_falls_back_to_full_and_says_it_does_not_fit():
+    step = _setup().compile(memory_budget_bytes=_peaks()["full"] - 1)
+    chosen = step.analysis["remat"]
+    assert chosen["policy"] == "full" and not chosen["fits"]
+
+
+def test_a_fixed_policy_is_recorded_and_auto_is_never_traced_unchosen():
+    step = _setup().with_remat("minimal").compile()
+    assert step.analysis["remat"] == {"requested": "minimal", "policy": "minimal"}
+    with pytest.raises(ConfigError, match="chosen by Setup.compile"):
+        _setup().train_step()
+    with pytest.raises(ValueError, match="none, minimal, full or auto"):
+        ModelConfig(remat="some")
