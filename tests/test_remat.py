@@ -23,13 +23,12 @@ def _setup():
 @functools.cache
 def _peaks() -> dict[str, int]:
     """Each policy's compiled peak per device, compiled on its own."""
-    setup = _setup()
-    return {
-        policy: setup.with_remat(policy).compile().analysis["memory_per_device"][
-            "peak_estimate_bytes"
-        ]
-        for policy in REMAT_LADDER
-    }
+
+    def peak(policy: str) -> int:
+        analysis = _setup().with_remat(policy).compile().analysis
+        return analysis["memory_per_device"]["peak_estimate_bytes"]
+
+    return {policy: peak(policy) for policy in REMAT_LADDER}
 
 
 def test_the_ladder_saves_memory_at_each_rung():
