@@ -70,8 +70,11 @@ class Setup:
         )
 
 
-def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, machine: dict):
-    """A timed trial of the study: the model at `stage` over `devices` (zero = all of them)."""
+def t5scale_spec(
+    model: str, stage: int, devices: int, setup: Setup, k: int, machine: dict, head: str = "tiled"
+):
+    """A timed trial of the study: the model at `stage` over `devices` (zero = all of them);
+    head 'whole': the untiled output layer (ModelConfig.loss_chunk_tokens = 0)."""
     point = Point(
         model=model, stage=stage, micro_batch_size=setup.batch // devices, remat=setup.remat,
         learning_rate=1e-3, devices=devices, input_length=setup.input_length,
@@ -85,7 +88,9 @@ def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, mac
         "kind": "timed",
         "label": {
             "model": model,
-            "framework": "t5scale (JAX)" + (f", {k} steps per execution" if k > 1 else ""),
+            "framework": "t5scale (JAX)"
+            + (f", {k} steps per execution" if k > 1 else "")
+            + (", whole logits" if head == "whole" else ""),
             "stage": stage,
             "devices": devices,
         },  # fmt: skip
@@ -102,7 +107,8 @@ def t5scale_spec(model: str, stage: int, devices: int, setup: Setup, k: int, mac
         },
         "peak_flops_per_s": machine["peak_flops_per_s"],
         # Plain AdamW without clipping, exactly as the transformers baseline runs it.
-        "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"],
+        "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"]
+        + (["ModelConfig.loss_chunk_tokens=0"] if head == "whole" else []),
     }
 
 
@@ -220,13 +226,14 @@ def run_specs(args, setup: Setup, machine: dict, name: str) -> list[dict]:
     devices = CPU_DEVICES if machine["backend"] == "cpu" else machine["device_count"]
     k = args.steps_per_execution
     specs = []
-    if not args.no_t5scale:
+    for head in [] if args.no_t5scale else args.heads:
         # The reference ("speed vs 1 device"): one device at --steps-per-execution.
-        specs.append(t5scale_spec(name, 0, 1, setup, k, machine))
+        specs.append(t5scale_spec(name, 0, 1, setup, k, machine, head))
         if k > 1:
-            specs.append(t5scale_spec(name, 0, 1, setup, 1, machine))
-        if devices > 1:
-            specs += [t5scale_spec(name, stage, devices, setup, k, machine) for stage in range(4)]
+            specs.append(t5scale_spec(name, 0, 1, setup, 1, machine, head))
+        if devices > 1 and not args.one_device:
+            specs += [t5scale_spec(name, stage, devices, setup, k, machine, head)
+                      for stage in range(4)]  # fmt: skip
     if name in args.torch_models and not args.no_torch:
         specs.append(transformers_spec(name, setup))
     return specs
@@ -272,6 +279,10 @@ def main() -> None:
                              "precision with --dtype bfloat16, fp32 otherwise")  # fmt: skip
     parser.add_argument("--torch-models", nargs="*", default=["mt5_small"],
                         help="models that also get the transformers baseline")  # fmt: skip
+    parser.add_argument("--heads", nargs="+", choices=["tiled", "whole"], default=["tiled"],
+                        help="t5scale's output layer: tiled (the default) and/or whole logits "
+                             "(loss_chunk_tokens=0), each run alike, to compare them")  # fmt: skip
+    parser.add_argument("--one-device", action="store_true", help="t5scale on one device only")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-t5scale", action="store_true", help="only the baseline")
     parser.add_argument("--out", help="write the results as JSON here too")

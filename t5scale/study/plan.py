@@ -63,13 +63,14 @@ def stage_run(run: RunConfig, plan: PlanConfig, stage: int, replicas: int = 1) -
 
 def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> dict[str, Any]:
     staged = stage_run(run, plan, stage)
-    step = build_setup(staged, devices).compile()
-    analysis = step.analysis
     budget = plan.device_memory_gb * 1e9
+    step = build_setup(staged, devices).compile(memory_budget_bytes=int(budget))
+    analysis = step.analysis
     peak = analysis["memory_per_device"]["peak_estimate_bytes"]
     formula = analysis["model_state_per_device"]["zero_formula_bytes"]
     return {
         "stage": stage,
+        "remat": analysis["remat"],
         "mesh": analysis["mesh"],
         "batch_size": staged.train.batch_size,
         "parameters": analysis["parameters"],
@@ -144,8 +145,10 @@ def format_plan(result: dict[str, Any]) -> str:
             for kind in KINDS
             if kind in found
         )
+        chosen = stage["remat"]
+        remat = f" (remat auto → {chosen['policy']})" if chosen["requested"] == "auto" else ""
         lines.append(
-            f"| {stage['stage']} | {stage['parameters_per_device']:,} | {stage['zero_formula']} | "
+            f"| {stage['stage']}{remat} | {stage['parameters_per_device']:,} | {stage['zero_formula']} | "
             f"{formula['parameters'] / gb:.3g} + {formula['gradients'] / gb:.3g} + "
             f"{formula['optimizer_state'] / gb:.3g} = {formula['total'] / gb:.3g} | "
             f"{measured / gb:.3g} | {xla['argument_bytes'] / gb:.3g}, {xla['temp_bytes'] / gb:.3g}, "

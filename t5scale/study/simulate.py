@@ -59,7 +59,7 @@ class SimulateConfig:
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 7
+ANALYSIS_VERSION = 8
 
 
 def _cache_path() -> Path:
@@ -74,9 +74,11 @@ def step_analysis(
     micro_batch_size: int,
     tensor: int = 1,
     replicas: int = 1,
+    memory_budget_bytes: int | None = None,
 ) -> dict:
     """The compiled step's analysis on `devices` emulated devices (with `replicas` > 1 and a
-    local run.sync, its outer step's too); cached across calls on disk (keyed by the whole run,
+    local run.sync, its outer step's too; remat 'auto' chosen within `memory_budget_bytes`,
+    the cluster's device memory); cached across calls on disk (keyed by the whole run,
     stage, device count and the JAX version), since compiling a large model on 64 devices takes
     tens of seconds."""
     plan = PlanConfig(devices=devices, micro_batch_size=micro_batch_size, tensor=tensor)
@@ -88,7 +90,7 @@ def step_analysis(
          dataclasses.asdict(dataclasses.replace(staged.sync, every=1)),
          dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
          staged.data.input_length, staged.data.target_length, devices, jax.__version__,
-         ANALYSIS_VERSION],
+         ANALYSIS_VERSION, memory_budget_bytes],
         sort_keys=True, default=str,
     )  # fmt: skip
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
@@ -96,7 +98,10 @@ def step_analysis(
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:
         return with_every(cache[key], staged.sync.every)
-    analysis = build_setup(staged, jax.devices()[:devices]).compile().analysis
+    step = build_setup(staged, jax.devices()[:devices]).compile(
+        memory_budget_bytes=memory_budget_bytes
+    )
+    analysis = step.analysis
     cache = json.loads(path.read_text()) if path.exists() else {}
     cache[key] = analysis
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,13 +126,16 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
         analysis = step_analysis(
             dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
             config.tensor, replicas=nodes if sync.local else 1,
+            memory_budget_bytes=int(cluster.device_memory_gb * 1e9),
         )  # fmt: skip
         row = {"stage": stage, "sync": sync_name, "nodes": nodes, "devices": devices,
                "batch_size": analysis["batch_size"], "precision": analysis["precision"]["mode"],
                "zero_formula": analysis["model_state_per_device"]["zero_formula"]}  # fmt: skip
+        # remat 'auto': what the compiled step chose on this many devices
+        model = dataclasses.replace(run.model, remat=analysis["remat"]["policy"])
+        row["remat"] = model.remat
         rows.append(
-            row
-            | predict(analysis, run.model, cluster, config.overlap, config.combine_threshold_bytes)
+            row | predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
         )
         show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
              f"node{'s' if nodes > 1 else ''}: {rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
