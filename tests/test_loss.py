@@ -78,14 +78,25 @@ TILED = ModelConfig(vocab_size=1024, loss_chunk_tokens=5)
 
 
 def _gradients(parallel: ParallelConfig, model: ModelConfig, devices: int = 8, **changes):
-    """(gradients on the host in the model's shapes, cross-entropy sum) of the first batch."""
+    """(gradients on the host in the model's shapes, cross-entropy sum) of the first batch, at
+    the one-device run's initial parameters (every stage and mesh initialises alike)."""
     setup = tiny_setup(parallel, devices, model=model, **changes)
-    state = setup.create_state(seed=0)
+    params = jax.tree.map(
+        lambda x, like: x.astype(like.dtype), _initial_params(), setup.state.params
+    )
+    params = jax.device_put(params, setup.layout.param_shardings)
     run = setup.run
     step = gradient_fn_jitted(run.model, setup.layout, run.train, setup.precision)
-    grads, metrics = step(state.params, synthetic_batches(setup, 0, 0)[0])
+    grads, metrics = step(params, synthetic_batches(setup, 0, 0)[0])
     grads = jax.device_get(setup.layout.unpad(grads))
     return grads, float(metrics["cross_entropy_sum"])
+
+
+@functools.cache
+def _initial_params():
+    return jax.device_get(
+        tiny_setup(ParallelConfig(), 1, model=UNTILED).create_state(seed=0).params
+    )
 
 
 @functools.cache
@@ -100,7 +111,8 @@ def _whole_logits_on_one_device():
         ParallelConfig(zero_stage=1, zero=4, tensor=2),  # the vocabulary split over `tensor`
         ParallelConfig(zero_stage=2, replica=2, zero=4),
         ParallelConfig(zero_stage=3, zero=8),  # the vocabulary-parallel head
-        ParallelConfig(zero_stage=3, zero=4, tensor=2),  # ... and over `tensor` within it
+        # ... and split over `tensor` within it: the same code paths as the two above
+        pytest.param(ParallelConfig(zero_stage=3, zero=4, tensor=2), marks=pytest.mark.slow),
     ],
     ids=lambda p: f"stage{p.zero_stage}-{p.replica or 1}x{p.zero}x{p.tensor}",
 )
@@ -114,13 +126,14 @@ def test_tiled_gradients_equal_the_whole_logits_on_every_stage(parallel):
 
 
 def test_tiled_mixed_precision_matches_the_whole_logits_to_bf16():
-    """bf16 compute: the tiled head keeps its products in fp32 where the whole one rounds the
-    logits to bf16, so the two agree to bf16's precision, not bit for bit."""
-    mixed = {"precision": PrecisionConfig(mode="mixed")}
-    parallel = ParallelConfig(zero_stage=3, zero=8)
-    untiled, tiled = (dataclasses.replace(m, dtype="bfloat16") for m in (UNTILED, TILED))
-    want_grads, want_loss = _gradients(parallel, untiled, **mixed)
-    grads, loss = _gradients(parallel, tiled, **mixed)
+    """bf16 compute with an fp32 master, stage 3's vocabulary-parallel head, against fp32 whole
+    logits: they agree to bf16's precision (the tiled head keeps its products in fp32)."""
+    mixed = dataclasses.replace(TILED, dtype="bfloat16")
+    want_grads, want_loss = _whole_logits_on_one_device()
+    grads, loss = _gradients(
+        ParallelConfig(zero_stage=3, zero=8), mixed, precision=PrecisionConfig(mode="mixed")
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-2)
-    lm_head_got, lm_head_want = grads["lm_head"], want_grads["lm_head"]
-    assert relative_difference(np.float32(lm_head_got), np.float32(lm_head_want)) < 2e-2
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True)
+    worst = max(relative_difference(np.float32(got), want) for got, want in pairs)
+    assert worst < 5e-2, worst
