@@ -62,8 +62,11 @@ def test_padding_columns_past_the_vocabulary_take_no_part():
     assert not np.any(gradient[:, 300:])
 
 
-def test_automatic_chunks_hold_one_block_of_logits_within_256_mib():
-    assert chunk_tokens(None, tokens=7328, vocab_columns=250112) == 256
+def test_automatic_chunks_hold_one_block_of_logits_within_256_mib_and_pad_little():
+    # 7,328 targets (batch 32 × 229) at mT5's vocabulary: 28 chunks of 264 (at most 268 fit)
+    assert chunk_tokens(None, tokens=7328, vocab_columns=250112) == 264
+    assert 264 * 4 * 250112 <= 256 * 2**20 and 28 * 264 - 7328 < 8 * 28
+    assert chunk_tokens(None, tokens=912, vocab_columns=250112) == 232  # 4 chunks, not 256s
     assert chunk_tokens(None, tokens=128, vocab_columns=1024) == 128  # all at once
     assert chunk_tokens(5, tokens=128, vocab_columns=1024) == 5
     with pytest.raises(ValueError, match="loss_chunk_tokens"):

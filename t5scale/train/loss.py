@@ -37,7 +37,7 @@ from t5scale.model.sizes import ModelConfig
 
 NEG_INF = -1e10
 # Automatic chunks keep one [chunk, vocab slice] block of fp32 logits within this many bytes:
-# mt5's 250,112-id vocabulary gives 256 tokens, whose products still fill a GPU's matmul units.
+# at most 268 tokens at mT5's 250,112 ids, whose products still fill a GPU's matmul units.
 CHUNK_BYTES = 256 * 2**20
 
 
@@ -63,11 +63,14 @@ def weighted_sums(
 
 
 def chunk_tokens(requested: int | None, tokens: int, vocab_columns: int) -> int:
-    """Tokens per chunk: `requested`, or None for the largest power of two whose fp32 logits
-    fit CHUNK_BYTES (all the tokens where they fit at once); never more than `tokens`."""
+    """Tokens per chunk: `requested`, or for None as few chunks as keep each block of fp32
+    logits within CHUNK_BYTES, evened out (to a multiple of 8) so that the last chunk's padding
+    costs next to nothing; never more than `tokens`."""
     if requested is None:
-        fitting = max(1, CHUNK_BYTES // (4 * vocab_columns))
-        requested = 1 << (fitting.bit_length() - 1)
+        largest = max(1, CHUNK_BYTES // (4 * vocab_columns))
+        chunks = -(-tokens // largest)
+        even = -(-tokens // chunks)
+        requested = min(largest, -(-even // 8) * 8)
     return max(1, min(requested, tokens))
 
 
