@@ -64,10 +64,15 @@ def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_pa
     # One process × 8 devices, ZeRO-3, 12 steps without a break: the reference; beside it two
     # processes × 4 devices, ZeRO-3 on the hybrid mesh (a replica per process, zero inside),
     # 4 steps per execution (executions of 4, 4, 1 and 1 steps before the checkpoint at 10).
+    # remat 'auto': both processes must compile the same policy (they agree on one).
     reference = _one_process(one, 12, STAGES[3])
-    two = _two_processes(hybrid, 10, STAGES[3], "--gin.STEPS_PER_EXECUTION=4")
+    two = _two_processes(
+        hybrid, 10, STAGES[3], "--gin.STEPS_PER_EXECUTION=4", "--gin.ModelConfig.remat='auto'"
+    )
     _, output = _finish(reference, two)
     assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
+    remat = json.loads((hybrid / "step_analysis.json").read_text())["remat"]
+    assert remat["requested"] == "auto" and remat["policy"] == "none", remat
     # The ZeRO-3 checkpoint of step 10, written by two processes (each its own shards),
     # restores in one process under ZeRO-2 and trains steps 11 and 12.
     (resumed,) = _finish(_one_process(hybrid, 12, STAGES[2]))

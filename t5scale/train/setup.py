@@ -22,7 +22,12 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from t5scale.analysis.memory import ModelStateBytes, device_memory_budget, model_state_bytes
+from t5scale.analysis.memory import (
+    ModelStateBytes,
+    compiled_memory,
+    device_memory_budget,
+    model_state_bytes,
+)
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.model.mt5 import abstract_params
@@ -187,15 +192,16 @@ class Setup:
         tried = []
         for index, policy in enumerate(REMAT_LADDER):
             step = self.with_remat(policy).compile()
-            peak = step.analysis["memory_per_device"]["peak_estimate_bytes"]
+            peak = compiled_memory(step.compiled)["peak_estimate_bytes"]
             tried.append({"policy": policy, "peak_estimate_bytes": peak})
             if peak <= budget or index == len(REMAT_LADDER) - 1:
                 break
         agreed = _most_frugal(index)
         if agreed != index:
             step = self.with_remat(REMAT_LADDER[agreed]).compile()
+            peak = compiled_memory(step.compiled)["peak_estimate_bytes"]
         choice = {"requested": "auto", "policy": REMAT_LADDER[agreed], "budget_bytes": budget,
-                  "fits": tried[-1]["peak_estimate_bytes"] <= budget, "tried": tried}  # fmt: skip
+                  "fits": peak <= budget, "tried": tried}  # fmt: skip
         return dataclasses.replace(step, remat=choice)
 
     @functools.cached_property
