@@ -28,7 +28,10 @@ def _head_inputs(tokens: int = 37, d_model: int = 16, vocab: int = 300):
     return x, w, targets, weights
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 8, 37])  # 5 and 8 leave a partial last chunk
+@pytest.mark.parametrize(  # 5 and 8 leave a partial last chunk
+    "chunk",
+    [pytest.param(1, marks=pytest.mark.slow), 5, pytest.param(8, marks=pytest.mark.slow), 37],
+)
 def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk):
     x, w, targets, weights = _head_inputs()
 
