@@ -42,28 +42,6 @@ def pytest_sessionstart(session):
         )
 
 
-# Under `--dist loadfile` (pyproject.toml) each file goes whole to the next free worker, in the
-# order collected: the longest files first (their time in a run of the suite, 2026-11-26), so
-# that no worker is left with a long file while the other idles at the end.
-LONGEST_FILES_FIRST = (
-    "test_study.py", "test_checkpoint.py", "test_replicas.py", "test_multihost_training.py",
-    "test_precision_training.py", "test_precision.py", "test_steps_per_execution.py",
-    "test_zero.py", "test_numerics.py", "test_cli.py", "test_data.py", "test_loss.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        name = item.path.name
-        return (
-            LONGEST_FILES_FIRST.index(name)
-            if name in LONGEST_FILES_FIRST
-            else len(LONGEST_FILES_FIRST)
-        )
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
-
-
 from t5scale.cli import main  # noqa: E402
 from t5scale.data.config import DataConfig  # noqa: E402
 from t5scale.data.synthetic import synthetic_batch  # noqa: E402

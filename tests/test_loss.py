@@ -114,8 +114,9 @@ def _whole_logits_on_one_device():
     "parallel",
     [
         ParallelConfig(zero_stage=0, zero=8),
-        ParallelConfig(zero_stage=1, zero=4, tensor=2),  # the vocabulary split over `tensor`
-        ParallelConfig(zero_stage=2, replica=2, zero=4),
+        # Stages 1 and 2 compute the loss as stage 0 does (they differ after it): -m slow.
+        pytest.param(ParallelConfig(zero_stage=1, zero=4, tensor=2), marks=pytest.mark.slow),
+        pytest.param(ParallelConfig(zero_stage=2, replica=2, zero=4), marks=pytest.mark.slow),
         ParallelConfig(zero_stage=3, zero=8),  # the vocabulary-parallel head
         # ... and split over `tensor` within it: the same code paths as the two above
         pytest.param(ParallelConfig(zero_stage=3, zero=4, tensor=2), marks=pytest.mark.slow),
