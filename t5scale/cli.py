@@ -35,17 +35,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.config import build_run_config, build_study_config, operative_config, parse_gin
-from t5scale.data.config import DataError
 from t5scale.data.loader import host_batches
+from t5scale.errors import CLUSTER_FAILED, ConfigError, DataError, JoinError, MeshError
 from t5scale.model.hf_import import params_from_hf
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import parameter_breakdown
-from t5scale.parallel.cluster import CLUSTER_FAILED, JoinError, PeerWatch, start_cluster
-from t5scale.parallel.mesh import AXES, MeshError, describe_mesh, make_mesh
+from t5scale.parallel.cluster import PeerWatch, start_cluster
+from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
 from t5scale.study import funnel, plan, simulate
 from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.loop import train
 
 USAGE_ERROR = 2

@@ -18,13 +18,14 @@ from pathlib import Path
 import gin
 from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.data.config import DataConfig
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.study.config import StudyConfig
 from t5scale.study.plan import PlanConfig
 from t5scale.study.simulate import SimulateConfig
-from t5scale.train.config import CheckpointConfig, ConfigError, RunConfig, TrainConfig
+from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig

@@ -9,8 +9,9 @@ import sys
 import pytest
 from conftest import REPO
 
+from t5scale.errors import MeshError
 from t5scale.parallel.layout import make_layout
-from t5scale.parallel.mesh import MeshError, ParallelConfig
+from t5scale.parallel.mesh import ParallelConfig
 
 COUNTS = (3, 5, 6, 12, 24)
 

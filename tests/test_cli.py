@@ -133,7 +133,7 @@ def test_an_xla_abort_in_plan_is_one_line_and_exit_code_5():
 
 def test_a_macro_no_configuration_reads_in_a_gin_file_is_an_error(tmp_path):
     from t5scale.config import parse_gin
-    from t5scale.train.config import ConfigError
+    from t5scale.errors import ConfigError
 
     mine = tmp_path / "mine.gin"
     mine.write_text("include 'gin/models/mt5_tiny.gin'\nBATCH_SIZ = 16\nTRAIN_STEPS = 5\n")

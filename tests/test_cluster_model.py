@@ -22,9 +22,9 @@ from t5scale.cluster_model.step_time import (
     predict,
 )
 from t5scale.config import build_study_config, parse_gin
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.config import ConfigError
 
 # Round figures, so that every expected time below can be checked by hand.
 CLUSTER = ClusterConfig(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import LOCAL_SH, REPO, cluster_env, finish, free_port, read_scalars
 
+from t5scale.errors import MeshError
 from t5scale.parallel.cluster import (
     CLUSTER_FAILED,
     ClusterError,
@@ -19,7 +20,7 @@ from t5scale.parallel.cluster import (
     first_slurm_host,
     resolve_cluster,
 )
-from t5scale.parallel.mesh import MeshError, ParallelConfig
+from t5scale.parallel.mesh import ParallelConfig
 
 SLURM = {
     "SLURM_JOB_ID": "4242",

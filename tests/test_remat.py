@@ -6,9 +6,9 @@ import pytest
 from conftest import tiny_setup
 
 from t5scale.data.config import DataConfig
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER, ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.config import ConfigError
 
 # Long enough inputs that each policy keeps less than the one before it.
 AUTO = {"model": ModelConfig(vocab_size=1024, remat="auto"),

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from conftest import REPO, fake_slurm_env, read_scalars, run_cli
 
+from t5scale.errors import ConfigError
 from t5scale.study import funnel
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.trial import run_trial
-from t5scale.train.config import ConfigError
 
 GRID = [
     "--gin.StudyConfig.models=['mt5_tiny']",

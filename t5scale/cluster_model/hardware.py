@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from t5scale.train.config import ConfigError
+from t5scale.errors import ConfigError
 
 EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
 

@@ -14,10 +14,6 @@ REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 SOURCES = ("synthetic", "corpus", "mc4")
 
 
-class DataError(ValueError):
-    """Data that cannot be used: a corpus, a vocabulary (one line, exit code 2)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The data source and batch lengths (mT5 pretraining: 1024 inputs, 229 targets).

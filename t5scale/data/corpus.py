@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from t5scale.data.config import DataError
+from t5scale.errors import DataError
 
 log = logging.getLogger(__name__)
 

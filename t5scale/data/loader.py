@@ -23,9 +23,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from t5scale.data.config import DataConfig, DataError
+from t5scale.data.config import DataConfig
 from t5scale.data.corpus import scan_corpus
 from t5scale.data.synthetic import FEATURES, synthetic_batch
+from t5scale.errors import DataError
 
 
 def _local_batch_size(global_batch: int) -> int:

@@ -20,9 +20,10 @@ from pathlib import Path
 import sentencepiece
 
 from t5scale.data import span_corruption
-from t5scale.data.config import DataConfig, DataError
+from t5scale.data.config import DataConfig
 from t5scale.data.corpus import Corpus
 from t5scale.data.tf_setup import seqio, tf
+from t5scale.errors import DataError
 
 MC4_TFDS_NAME = "c4/multilingual:3.1.0"
 # The language splits of TFDS c4/multilingual 3.1.0 (mC4), without 'und' (undetermined).

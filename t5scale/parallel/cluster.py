@@ -33,17 +33,10 @@ from collections.abc import Mapping
 
 import jax
 
-CLUSTER_FAILED = 4  # exit code: could not join the cluster, or a peer was lost
+from t5scale.errors import CLUSTER_FAILED, ClusterError, JoinError
+
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
-
-
-class ClusterError(ValueError):
-    """Settings that cannot start a cluster."""
-
-
-class JoinError(RuntimeError):
-    """The coordinator or the other processes did not answer within the timeout."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5scale.errors import MeshError
 from t5scale.parallel import rules
-from t5scale.parallel.mesh import DATA_AXES, MeshError, ParallelConfig
+from t5scale.parallel.mesh import DATA_AXES, ParallelConfig
 from t5scale.parallel.zero import ZeroStage, get_stage
 
 

@@ -18,15 +18,12 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from t5scale.errors import MeshError
 from t5scale.parallel.zero import check_stages
 
 AXES = ("replica", "zero", "tensor")
 # The batch is split over both data-parallel axes; model state is only ever sharded over `zero`.
 DATA_AXES = ("replica", "zero")
-
-
-class MeshError(ValueError):
-    """A mesh shape that does not fit the devices."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@ import dataclasses
 import itertools
 from typing import Any
 
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.zero import check_stages
-from t5scale.train.config import ConfigError
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")

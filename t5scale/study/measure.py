@@ -12,8 +12,9 @@ from jax.experimental import multihost_utils
 
 from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
+from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.setup import CompiledStep, build_setup
 

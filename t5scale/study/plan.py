@@ -17,8 +17,9 @@ from typing import Any
 import jax
 
 from t5scale.analysis.hlo import KINDS, format_bytes
+from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.setup import build_setup
 
 GIB = 2**30

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from t5scale.analysis.hlo import collective_summary
-from t5scale.train.config import ConfigError
+from t5scale.errors import ConfigError
 
 GIB = 2**30
 STAGE_COLOURS = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868", 3: "#c44e52"}

@@ -25,9 +25,10 @@ import jax
 from t5scale.analysis.step import with_every
 from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.cluster_model.step_time import XLA_COMBINE_THRESHOLD_BYTES, predict
+from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
 from t5scale.study.plan import PlanConfig, stage_run
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
 

@@ -26,8 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
-from t5scale.train.config import CheckpointConfig, ConfigError
+from t5scale.train.config import CheckpointConfig
 from t5scale.train.optim import make_optimizer
 from t5scale.train.state import TrainState
 

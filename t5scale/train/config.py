@@ -5,16 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.data.config import DataConfig
+from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.cluster import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
 from t5scale.train.precision import PrecisionConfig, resolve
 from t5scale.train.replicas import ReplicaSyncConfig
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run (reported in one line, exit code 2)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,9 +19,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5scale.data.loader import Batches
+from t5scale.errors import ConfigError
 from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.instruments import Instruments
 from t5scale.train.metrics import MetricsLog
 from t5scale.train.replicas import combine_replica_metrics

@@ -30,12 +30,13 @@ from t5scale.analysis.memory import (
 )
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
+from t5scale.errors import ConfigError
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.layout import StateLayout, make_layout
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
-from t5scale.train.config import ConfigError, RunConfig
+from t5scale.train.config import RunConfig
 from t5scale.train.precision import Precision, resolve
 from t5scale.train.replicas import ReplicaSyncConfig, outer_optimizer
 from t5scale.train.state import (
