@@ -26,13 +26,13 @@ from typing import Any
 import jax
 
 from t5scale.analysis.flops import mfu
+from t5scale.analysis.peaks import device_peak
 from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
 from t5scale.parallel.cluster import DistributedConfig, start_cluster
 from t5scale.study.config import Point
 from t5scale.study.evidence import TimingRule, median_interval
 from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
-from t5scale.study.peak import device_peak
 from t5scale.train.setup import build_setup
 from t5scale.train.tensorboard import ScalarWriter
 

@@ -15,7 +15,7 @@ import jax
 
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.memory import allocator_peak
-from t5scale.study.peak import datasheet_peak
+from t5scale.analysis.peaks import datasheet_peak
 from t5scale.train.config import RunConfig
 from t5scale.train.tensorboard import ScalarWriter
 
