@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Run N processes of a t5scale command on this machine as one JAX cluster (127.0.0.1 only).
+# Run N processes of a t5scale command on this machine as one JAX distributed run (127.0.0.1 only).
 #
 #   launch/local.sh N [t5scale] COMMAND [ARGS...]
 #   launch/local.sh 2 t5scale train --cpu_devices=4 --gin_file=gin/models/mt5_tiny.gin ...
 #
 # Each process gets T5SCALE_COORDINATOR_ADDRESS, T5SCALE_NUM_PROCESSES and T5SCALE_PROCESS_ID
-# (t5scale/parallel/cluster.py), and its output lines are prefixed with [pI]. Choose the port
+# (t5scale/parallel/distributed.py), and its output lines are prefixed with [pI]. Choose the port
 # with T5SCALE_COORDINATOR_PORT (default: a free one) and the interpreter with PYTHON. When all
 # have ended, one line per process says how it ended; the exit code is the first failure's.
 # SIGTERM is passed on to every process (t5scale then saves a checkpoint and stops). A process

@@ -3,11 +3,11 @@
     t5scale train --gin_file=gin/models/mt5_tiny.gin --gin_file=gin/zero/stage2.gin \\
         --gin.TRAIN_STEPS=20 --gin.MODEL_DIR=/tmp/run
     t5scale params --gin_file=gin/models/mt5_xxl.gin
-    launch/local.sh 2 t5scale cluster-check --cpu_devices=4
+    launch/local.sh 2 t5scale distributed-check --cpu_devices=4
 
 Bad input (unknown gin file or binding, a mesh that does not divide the devices, an indivisible
-batch, a stage outside 0-3) is reported in one line on stderr with exit code 2; a cluster that
-cannot be joined, or that loses a process, with exit code 4 (t5scale/parallel/cluster.py).
+batch, a stage outside 0-3) is reported in one line on stderr with exit code 2; a process group that
+cannot be joined, or that loses a process, with exit code 4 (t5scale/parallel/distributed.py).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.config import build_run_config, build_study_config, operative_config, parse_gin
 from t5scale.data.loader import host_batches
-from t5scale.errors import CLUSTER_FAILED, ConfigError, DataError, JoinError, MeshError
+from t5scale.errors import PROCESSES_FAILED, ConfigError, DataError, JoinError, MeshError
 from t5scale.model.hf_import import params_from_hf
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import parameter_breakdown
-from t5scale.parallel.cluster import PeerWatch, start_cluster
+from t5scale.parallel.distributed import PeerWatch, join_processes
 from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
 from t5scale.study import funnel, plan, simulate
 from t5scale.study.report import write_report
@@ -57,21 +57,21 @@ IN_CHILD = "T5SCALE_COMMAND_CHILD"
 
 @dataclasses.dataclass
 class Invocation:
-    """One command line: its parsed flags, its gin bindings, and the cluster once joined."""
+    """One command line: its parsed flags, its gin bindings, and the processes once joined."""
 
     args: argparse.Namespace
     bindings: list[str]
     started: float
-    cluster: PeerWatch | None = None
+    processes: PeerWatch | None = None
 
     def run_config(self) -> RunConfig:
         parse_gin(self.args.gin_file, self.bindings, self.args.gin_search_paths)
         return build_run_config()
 
-    def join_cluster(self, run: RunConfig) -> None:
+    def join_processes(self, run: RunConfig) -> None:
         """Emulated CPU devices, then the distributed runtime (before anything uses a device)."""
         jax.config.update("jax_num_cpu_devices", self.args.cpu_devices)
-        self.cluster = start_cluster(run.distributed)
+        self.processes = join_processes(run.distributed)
 
 
 # ---- the commands -------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class Invocation:
 
 def train_command(call: Invocation) -> None:
     run = call.run_config()
-    call.join_cluster(run)
+    call.join_processes(run)
     history = train(run, operative_config())
     if jax.process_index() != 0:
         return
@@ -107,7 +107,7 @@ def params_command(call: Invocation) -> None:
 
 def data_bench_command(call: Invocation) -> None:
     run = call.run_config()
-    call.join_cluster(run)
+    call.join_processes(run)
     data = run.data
     started = time.perf_counter()
     stream = host_batches(data, run.train.batch_size, run.train.seed, run.model.vocab_size)
@@ -136,7 +136,7 @@ def convert_command(call: Invocation) -> None:
     from t5scale.train.checkpoint import write_converted  # orbax: only on this path
 
     run = call.run_config()
-    call.join_cluster(run)
+    call.join_processes(run)
     model_dir = run.train.model_dir
     if not model_dir:
         raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
@@ -161,9 +161,9 @@ def convert_command(call: Invocation) -> None:
 
 
 def cluster_check_command(call: Invocation) -> None:
-    """Prove the cluster: every device adds its process id + 1 in one all-reduce."""
+    """Prove the processes work together: every device adds its process id + 1 in one all-reduce."""
     run = call.run_config()
-    call.join_cluster(run)
+    call.join_processes(run)
     mesh = make_mesh(run.parallel)
     print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
     ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
@@ -175,7 +175,7 @@ def cluster_check_command(call: Invocation) -> None:
     if got != expected:
         raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
     print(
-        f"process {jax.process_index()}: cluster ok: {jax.process_count()} processes, "
+        f"process {jax.process_index()}: distributed ok: {jax.process_count()} processes, "
         f"{jax.device_count()} devices, all-reduce {got:g} as expected; "
         f"{time.perf_counter() - call.started:.1f} s from start",
         flush=True,
@@ -276,8 +276,8 @@ COMMANDS: dict[str, Command] = {
         "report.md and PNG plots from a study's results", report_command,
         (("study_dir", {"help": "the STUDY_DIR a study wrote"}),),
     ),
-    "cluster-check": Command(
-        "join the cluster, build the mesh, all-reduce over every device, report",
+    "distributed-check": Command(
+        "join the processes, build the mesh, all-reduce over every device, report",
         cluster_check_command,
     ),
 }  # fmt: skip
@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     for flag, kind, what in (
         ("coordinator_address", str, "host:port of process 0 (multi-process runs)"),
-        ("num_processes", int, "processes in the cluster"),
+        ("num_processes", int, "processes of the run"),
         ("process_id", int, "this process's id, 0 … num_processes-1"),
     ):
         common.add_argument(f"--{flag}", type=kind, help=f"{what}; DistributedConfig.{flag}")
@@ -363,27 +363,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def stop(message: str, code: int) -> int:
         print(f"t5scale: error: {message}", file=sys.stderr, flush=True)
-        if call.cluster is not None:
-            call.cluster.fail(message, code)  # exits at once on several processes
+        if call.processes is not None:
+            call.processes.fail(message, code)  # exits at once on several processes
         return code
 
     try:
         COMMANDS[args.command].handler(call)
-        if call.cluster is not None:
-            call.cluster.done()
+        if call.processes is not None:
+            call.processes.done()
         return 0
     except (ConfigError, MeshError, DataError) as error:
         return stop(str(error), USAGE_ERROR)
     except FloatingPointError as error:
         return stop(str(error), NONFINITE_STOP)
     except JoinError as error:
-        return stop(str(error), CLUSTER_FAILED)
+        return stop(str(error), PROCESSES_FAILED)
     except Exception as error:
-        if call.cluster is None or not call.cluster.multi_process:
+        if call.processes is None or not call.processes.multi_process:
             raise
         if isinstance(error, jax.errors.JaxRuntimeError):
             # Most often a collective whose peer is gone: the watch names it and exits meanwhile.
-            call.cluster.wait_for_verdict()
+            call.processes.wait_for_verdict()
         traceback.print_exc()
         return stop(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}", 1)
 

@@ -20,7 +20,7 @@ from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.cluster import DistributedConfig
+from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.study.config import StudyConfig
 from t5scale.study.plan import PlanConfig

@@ -7,7 +7,7 @@ them is a bug, so none shows a traceback.
 from __future__ import annotations
 
 BAD_INPUT = 2  # exit code: a configuration, mesh or data set that cannot run
-CLUSTER_FAILED = 4  # exit code: could not join the processes, or a peer was lost
+PROCESSES_FAILED = 4  # exit code: could not join the processes, or a peer was lost
 
 
 class ConfigError(ValueError):
@@ -22,7 +22,7 @@ class DataError(ValueError):
     """Data that cannot be used: a corpus, a vocabulary (one line, exit code 2)."""
 
 
-class ClusterError(ValueError):
+class DistributedError(ValueError):
     """Settings that cannot start the processes of a multi-host run."""
 
 

@@ -3,7 +3,7 @@ helpers the test modules share (`from conftest import ...`).
 
 Compiled programs go to a persistent compilation cache shared by this session's workers and the
 processes they start: many tests compile the same small programs (a killed run and its restart,
-the processes of a cluster), and compiling is most of the suite's time. The cache is fresh for
+the processes of a multi-host run), and compiling is most of the suite's time. The cache is fresh for
 each session, so each program is still compiled once per run of the suite.
 """
 
@@ -166,8 +166,8 @@ def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
 # ---- several processes on 127.0.0.1 -----------------------------------------------------------
 
 
-def cluster_env(**extra: str) -> dict:
-    """The environment of a process of a local cluster: no scheduler settings leak in."""
+def process_env(**extra: str) -> dict:
+    """The environment of a process of a local multi-process run: no scheduler settings leak in."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "T5SCALE_"))}
     return env | {"JAX_PLATFORMS": "cpu", "PYTHON": sys.executable} | extra
 

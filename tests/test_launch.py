@@ -1,4 +1,4 @@
-"""The cluster launch files: slurm.sbatch run under a stand-in for srun, the Kubernetes manifest
+"""The multi-host launch files: slurm.sbatch run under a stand-in for srun, the Kubernetes manifest
 read as Kubernetes would give it to each pod, and the GPU XLA flags they share."""
 
 import subprocess
@@ -8,7 +8,7 @@ import yaml
 from conftest import REPO, fake_slurm_env
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.parallel.cluster import DistributedConfig, resolve_cluster
+from t5scale.parallel.distributed import DistributedConfig, resolve_processes
 
 LAUNCH = REPO / "launch"
 
@@ -26,7 +26,7 @@ def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
     }  # fmt: skip
     result = subprocess.run(
-        ["bash", str(LAUNCH / "slurm.sbatch"), "t5scale", "cluster-check", "--cpu_devices=2"],
+        ["bash", str(LAUNCH / "slurm.sbatch"), "t5scale", "distributed-check", "--cpu_devices=2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = result.stdout + result.stderr
@@ -35,7 +35,7 @@ def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
     assert f"XLA_FLAGS= {_gpu_flags()}" in output
     for i in (0, 1):
         assert f"process {i}/2 (slurm)" in output
-        assert f"process {i}: cluster ok: 2 processes, 4 devices" in output
+        assert f"process {i}: distributed ok: 2 processes, 4 devices" in output
 
 
 def test_kubernetes_manifest_gives_each_pod_its_place():
@@ -56,7 +56,7 @@ def test_kubernetes_manifest_gives_each_pod_its_place():
         f"{job['metadata']['name']}-0.{service['metadata']['name']}:{port}"
     )
     assert env["XLA_FLAGS"] == _gpu_flags()
-    last = resolve_cluster(DistributedConfig(), env | {"JOB_COMPLETION_INDEX": str(nodes - 1)})
+    last = resolve_processes(DistributedConfig(), env | {"JOB_COMPLETION_INDEX": str(nodes - 1)})
     assert (last.source, last.process_id, last.num_processes) == ("kubernetes", nodes - 1, nodes)
     # The pod's command line is a t5scale run whose gin files exist and bind.
     assert container["command"][-1] == "t5scale.cli" and container["args"][0] == "train"

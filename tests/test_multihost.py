@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOCAL_SH, REPO, cluster_env, finish, free_port, read_scalars
+from conftest import LOCAL_SH, REPO, finish, free_port, process_env, read_scalars
 
 from t5scale.errors import MeshError
-from t5scale.parallel.cluster import (
-    CLUSTER_FAILED,
-    ClusterError,
+from t5scale.parallel.distributed import (
+    PROCESSES_FAILED,
     DistributedConfig,
+    DistributedError,
     first_slurm_host,
-    resolve_cluster,
+    resolve_processes,
 )
 from t5scale.parallel.mesh import ParallelConfig
 
@@ -36,9 +36,9 @@ SLURM = {
 
 
 def test_nothing_set_is_one_process():
-    assert resolve_cluster(DistributedConfig(), {}).source == "single"
+    assert resolve_processes(DistributedConfig(), {}).source == "single"
     one = {"T5SCALE_NUM_PROCESSES": "1"}
-    assert not resolve_cluster(DistributedConfig(), one).multi_process
+    assert not resolve_processes(DistributedConfig(), one).multi_process
 
 
 def test_explicit_settings_come_from_config_before_the_environment():
@@ -47,11 +47,11 @@ def test_explicit_settings_come_from_config_before_the_environment():
         "T5SCALE_NUM_PROCESSES": "4",
         "T5SCALE_PROCESS_ID": "3",
     }
-    spec = resolve_cluster(DistributedConfig(), env)
+    spec = resolve_processes(DistributedConfig(), env)
     assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == (
         "explicit", "10.0.0.1:1234", 4, 3,
     )  # fmt: skip
-    spec = resolve_cluster(DistributedConfig(process_id=0, coordinator_address="h:9"), env)
+    spec = resolve_processes(DistributedConfig(process_id=0, coordinator_address="h:9"), env)
     assert (spec.coordinator_address, spec.process_id) == ("h:9", 0)
 
 
@@ -65,12 +65,12 @@ def test_first_slurm_host(nodelist, host):
 
 
 def test_slurm_step_gives_every_setting():
-    spec = resolve_cluster(DistributedConfig(), SLURM)
+    spec = resolve_processes(DistributedConfig(), SLURM)
     assert spec.source == "slurm"
     assert (spec.num_processes, spec.process_id) == (16, 9)
     assert spec.coordinator_address == f"gpu003:{49152 + 4242 % 16384}"
     assert spec.local_device_ids == (1,)  # 16 tasks on 2 nodes: one GPU per task
-    per_node = resolve_cluster(
+    per_node = resolve_processes(
         DistributedConfig(),
         SLURM | {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "T5SCALE_COORDINATOR_PORT": "999"},
     )
@@ -80,7 +80,7 @@ def test_slurm_step_gives_every_setting():
 
 def test_slurm_batch_script_outside_srun_is_one_process():
     outside = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
-    assert resolve_cluster(DistributedConfig(), outside).source == "single"
+    assert resolve_processes(DistributedConfig(), outside).source == "single"
 
 
 def test_kubernetes_indexed_job_index_is_the_process_id():
@@ -89,7 +89,7 @@ def test_kubernetes_indexed_job_index_is_the_process_id():
         "T5SCALE_COORDINATOR_ADDRESS": "t5scale-0.t5scale:8476",
         "T5SCALE_NUM_PROCESSES": "4",
     }
-    spec = resolve_cluster(DistributedConfig(), env)
+    spec = resolve_processes(DistributedConfig(), env)
     assert (spec.source, spec.process_id, spec.num_processes) == ("kubernetes", 2, 4)
 
 
@@ -107,12 +107,12 @@ def test_kubernetes_indexed_job_index_is_the_process_id():
     ],
 )  # fmt: skip
 def test_incomplete_or_wrong_settings_are_one_clear_error(config, env, says):
-    with pytest.raises(ClusterError, match=says):
-        resolve_cluster(config, env)
+    with pytest.raises(DistributedError, match=says):
+        resolve_processes(config, env)
 
 
 def test_lost_after_must_come_before_jax_heartbeat_timeout():
-    with pytest.raises(ClusterError, match="below heartbeat_timeout_s"):
+    with pytest.raises(DistributedError, match="below heartbeat_timeout_s"):
         DistributedConfig(lost_after_s=100, heartbeat_timeout_s=100)
 
 
@@ -144,8 +144,8 @@ def _processes(count: int, args: list[str], env_of) -> list[subprocess.Popen]:
 def test_local_sh_runs_a_two_process_cluster():
     started = time.perf_counter()
     result = subprocess.run(
-        [LOCAL_SH, "2", "t5scale", "cluster-check", "--cpu_devices=4"],
-        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=120,
+        [LOCAL_SH, "2", "t5scale", "distributed-check", "--cpu_devices=4"],
+        cwd=REPO, env=process_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     elapsed = time.perf_counter() - started
     output = result.stdout + result.stderr
@@ -154,9 +154,11 @@ def test_local_sh_runs_a_two_process_cluster():
         assert f"[p{i}] process {i}/2 (explicit)" in output
         assert f"[p{i}] process {i}: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
         assert f"process {i} holds replica {i}, zero 0-3" in output  # hybrid: a replica per host
-        assert f"[p{i}] process {i}: cluster ok: 2 processes, 8 devices, all-reduce 12" in output
+        assert (
+            f"[p{i}] process {i}: distributed ok: 2 processes, 8 devices, all-reduce 12" in output
+        )
         assert f"local.sh: process {i} of 2 exited normally" in output
-    print(f"2-process cluster-check through local.sh: {elapsed:.1f} s wall")
+    print(f"2-process distributed-check through local.sh: {elapsed:.1f} s wall")
 
 
 @pytest.mark.parametrize("source", ["slurm", "kubernetes"])
@@ -165,37 +167,37 @@ def test_scheduler_environments_start_the_cluster(source):
 
     def env_of(i: int) -> dict:
         if source == "slurm":
-            return cluster_env(
+            return process_env(
                 SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
                 SLURM_STEP_NODELIST="127.0.0.1", SLURM_STEP_NUM_NODES="1",
                 T5SCALE_COORDINATOR_PORT=str(port),
             )  # fmt: skip
-        return cluster_env(
+        return process_env(
             JOB_COMPLETION_INDEX=str(i),
             T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             T5SCALE_NUM_PROCESSES="2",
         )
 
-    # ZeRO over the whole cluster: each process holds half of the zero axis.
-    args = ["cluster-check", "--cpu_devices=2", "--gin.ParallelConfig.zero_across_hosts=True"]
+    # ZeRO over all the processes: each process holds half of the zero axis.
+    args = ["distributed-check", "--cpu_devices=2", "--gin.ParallelConfig.zero_across_hosts=True"]
     for i, (code, output) in enumerate(finish(_processes(2, args, env_of))):
         assert code == 0, output
         assert f"process {i}/2 ({source})" in output
         assert "mesh replica=1 × zero=4 × tensor=1 over 4 devices, zero across 2" in output
         assert f"process {i} holds zero {2 * i}-{2 * i + 1}" in output
-        assert "cluster ok: 2 processes, 4 devices" in output
+        assert "distributed ok: 2 processes, 4 devices" in output
 
 
 def test_unreachable_coordinator_fails_within_the_timeout_in_one_line():
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "t5scale.cli", "cluster-check", "--cpu_devices=1",
+        [sys.executable, "-m", "t5scale.cli", "distributed-check", "--cpu_devices=1",
          f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2",
          "--process_id=1", "--gin.DistributedConfig.init_timeout_s=3"],
-        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=process_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     elapsed = time.perf_counter() - started
-    assert result.returncode == CLUSTER_FAILED
+    assert result.returncode == PROCESSES_FAILED
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "could not reach the coordinator at 127.0.0.1:" in lines[0]
@@ -215,7 +217,7 @@ LONG_RUN = [
 
 
 def _explicit(port: int):
-    return lambda i: cluster_env(
+    return lambda i: process_env(
         T5SCALE_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         T5SCALE_NUM_PROCESSES="2",
         T5SCALE_PROCESS_ID=str(i),
@@ -243,7 +245,7 @@ def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
     killed = time.perf_counter()
     code, output = finish(processes[:1], timeout=60)[0]
     took = time.perf_counter() - killed
-    assert code == CLUSTER_FAILED, output
+    assert code == PROCESSES_FAILED, output
     assert (
         "t5scale: error: process 1 of 2 was lost: no sign of life for 5 s "
         "(killed, crashed, or its host is down); process 0 stops"
@@ -259,7 +261,7 @@ def test_a_killed_process_is_named_and_the_others_stop_within_seconds(tmp_path):
 def test_a_killed_coordinator_ends_the_others_and_local_sh_names_it(tmp_path):
     launcher = subprocess.Popen(
         [LOCAL_SH, "2", *LONG_RUN, f"--gin.MODEL_DIR='{tmp_path}'"],
-        cwd=REPO, env=cluster_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     _wait_for_step(tmp_path, 2, [launcher])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LOCAL_SH, REPO, cluster_env, finish
+from conftest import LOCAL_SH, REPO, finish, process_env
 
 RUN = [
     "train", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
@@ -21,7 +21,7 @@ RUN = [
 def _start(command: list[str], model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [*command, *RUN, f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra],
-        cwd=REPO, env=cluster_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 

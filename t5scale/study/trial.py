@@ -29,7 +29,7 @@ from t5scale.analysis.flops import mfu
 from t5scale.analysis.peaks import device_peak
 from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
-from t5scale.parallel.cluster import DistributedConfig, start_cluster
+from t5scale.parallel.distributed import DistributedConfig, join_processes
 from t5scale.study.config import Point
 from t5scale.study.evidence import TimingRule, median_interval
 from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
@@ -258,12 +258,12 @@ def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     spec = json.loads(Path(spec_path).read_text())
     jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", 1)))
-    # Under a launcher (srun, several hosts) each process joins the cluster; one writes.
-    cluster = start_cluster(DistributedConfig())
+    # Under a launcher (srun, several hosts) each process joins the others; one writes.
+    processes = join_processes(DistributedConfig())
     result = _machine(spec) if spec["kind"] == "machine" else _trial(spec)
     if jax.process_index() == 0:
         write_result(Path(result_path), result)
-    cluster.done()
+    processes.done()
     return 0
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.cluster import DistributedConfig
+from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
 from t5scale.train.precision import PrecisionConfig, resolve

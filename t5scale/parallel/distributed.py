@@ -1,10 +1,10 @@
 """Which process am I: JAX's distributed runtime, started from what the environment says.
 
-`resolve_cluster` reads, for each of coordinator address, process count and process id, the
+`resolve_processes` reads, for each of coordinator address, process count and process id, the
 first of: DistributedConfig (gin, or the CLI's --coordinator_address/--num_processes/
 --process_id), the T5SCALE_* environment variables, and the scheduler — SLURM (`srun`) or a
 Kubernetes Indexed Job (its JOB_COMPLETION_INDEX). Nothing at all means one process, which needs
-no runtime. `start_cluster` then calls jax.distributed.initialize with a bounded timeout.
+no runtime. `join_processes` then calls jax.distributed.initialize with a bounded timeout.
 
 Why not JAX's own detection: for SLURM it always makes each process see one GPU, which is wrong
 for one process per node; and it does not say where its settings came from.
@@ -12,7 +12,7 @@ for one process per node; and it does not say where its settings came from.
 Once started, `PeerWatch` keeps every process honest about the others. Each process writes a
 sign of life into the runtime's key-value store every second; a peer silent for `lost_after_s`
 (killed, crashed, host gone) or marked failed is named in one line and this process exits with
-CLUSTER_FAILED, before JAX's own, later heartbeat timeout would abort it with a stack dump. A
+PROCESSES_FAILED, before JAX's own, later heartbeat timeout would abort it with a stack dump. A
 process that fails with a Python error marks itself failed and exits at once, without JAX's
 shutdown barrier, which would otherwise keep it — and the peers waiting on it in a collective —
 for minutes. The one loss JAX reports before we can is the coordinator's (process 0): the
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 import jax
 
-from t5scale.errors import CLUSTER_FAILED, ClusterError, JoinError
+from t5scale.errors import PROCESSES_FAILED, DistributedError, JoinError
 
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
@@ -62,16 +62,16 @@ class DistributedConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.lost_after_s < self.heartbeat_timeout_s:
-            raise ClusterError(
+            raise DistributedError(
                 f"DistributedConfig.lost_after_s ({self.lost_after_s}) must be positive and "
                 f"below heartbeat_timeout_s ({self.heartbeat_timeout_s})"
             )
         if self.init_timeout_s < 1:
-            raise ClusterError("DistributedConfig.init_timeout_s must be at least 1 second")
+            raise DistributedError("DistributedConfig.init_timeout_s must be at least 1 second")
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterSpec:
+class ProcessSpec:
     """Where the settings came from ('single', 'explicit', 'slurm', 'kubernetes') and what they are."""
 
     source: str
@@ -89,7 +89,7 @@ def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: 'gpu[003-008,011],login2' → 'gpu003'."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
-        raise ClusterError(f"cannot read a host from SLURM node list {nodelist!r}")
+        raise DistributedError(f"cannot read a host from SLURM node list {nodelist!r}")
     prefix, ranges = match.groups()
     if ranges is None:
         return prefix
@@ -102,7 +102,7 @@ def _int(value: str | None, name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ClusterError(f"{name} must be an integer, got {value!r}") from None
+        raise DistributedError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _from_slurm(env: Mapping[str, str]) -> dict:
@@ -129,8 +129,10 @@ def _in_slurm_step(env: Mapping[str, str]) -> bool:
     return all(k in env for k in needed) and "SLURM_STEP_NODELIST" in env
 
 
-def resolve_cluster(config: DistributedConfig, env: Mapping[str, str] | None = None) -> ClusterSpec:
-    """This process's place in the cluster, or a ClusterError that names what is missing."""
+def resolve_processes(
+    config: DistributedConfig, env: Mapping[str, str] | None = None
+) -> ProcessSpec:
+    """This process's place among the processes, or a DistributedError that names what is missing."""
     env = os.environ if env is None else env
     settings = {
         "coordinator_address": config.coordinator_address
@@ -153,26 +155,26 @@ def resolve_cluster(config: DistributedConfig, env: Mapping[str, str] | None = N
         settings["process_id"] = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
     count = settings["num_processes"]
     if count in (None, 1) and settings["coordinator_address"] is None:
-        return ClusterSpec("single")
+        return ProcessSpec("single")
     missing = [name for name in ("coordinator_address", "num_processes", "process_id")
                if settings[name] is None]  # fmt: skip
     if missing:
         flags = ", ".join(f"--{m} (or {ENV_PREFIX}{m.upper()})" for m in missing)
-        raise ClusterError(f"a {source} multi-process run needs {flags}")
+        raise DistributedError(f"a {source} multi-process run needs {flags}")
     if count < 1 or not 0 <= settings["process_id"] < count:
-        raise ClusterError(
+        raise DistributedError(
             f"process id {settings['process_id']} is outside 0..{count - 1} ({count} processes)"
         )
     if not re.fullmatch(r".+:\d+", settings["coordinator_address"]):
-        raise ClusterError(
+        raise DistributedError(
             f"coordinator address {settings['coordinator_address']!r} is not host:port"
         )
-    return ClusterSpec(source, **settings)
+    return ProcessSpec(source, **settings)
 
 
-def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = None) -> PeerWatch:
-    """Join the cluster (nothing to do for one process); log who this process is, once."""
-    spec = resolve_cluster(config, env)
+def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = None) -> PeerWatch:
+    """Join the other processes (nothing to do for one process); log who this process is, once."""
+    spec = resolve_processes(config, env)
     if not spec.multi_process:
         return PeerWatch(spec, None, config.lost_after_s)
     started = time.perf_counter()
@@ -184,14 +186,14 @@ def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = Non
             spec.num_processes,
             spec.process_id,
             local_device_ids=spec.local_device_ids,
-            cluster_detection_method="deactivate",  # resolve_cluster has decided
+            cluster_detection_method="deactivate",  # resolve_processes has decided
             initialization_timeout=config.init_timeout_s,
             heartbeat_timeout_seconds=config.heartbeat_timeout_s,
         )
     except Exception as error:  # noqa: BLE001  (JAX raises its runtime's error types)
         reason = " ".join(str(error).split())[:300]
         raise JoinError(
-            f"process {spec.process_id} of {spec.num_processes} could not join the cluster at "
+            f"process {spec.process_id} of {spec.num_processes} could not join the processes at "
             f"{spec.coordinator_address} within {config.init_timeout_s} s: {reason}"
         ) from None
     # Private: the runtime's key-value store, which PeerWatch writes its signs of life to.
@@ -210,7 +212,7 @@ def start_cluster(config: DistributedConfig, env: Mapping[str, str] | None = Non
     return watch
 
 
-def _wait_for_coordinator(spec: ClusterSpec, timeout_s: float) -> None:
+def _wait_for_coordinator(spec: ProcessSpec, timeout_s: float) -> None:
     """Until the coordinator's port accepts a connection, or a JoinError at `timeout_s`.
 
     JAX's client aborts the process with a stack dump when it cannot connect; this check turns
@@ -245,7 +247,7 @@ def _id_ranges(ids: list[int]) -> str:
 class PeerWatch:
     """Signs of life through the runtime's key-value store; a lost peer ends this process."""
 
-    def __init__(self, spec: ClusterSpec, client, lost_after_s: float, interval_s: float = 1.0):
+    def __init__(self, spec: ProcessSpec, client, lost_after_s: float, interval_s: float = 1.0):
         self.spec, self.client = spec, client
         self.lost_after_s, self.interval_s = lost_after_s, interval_s
         self._stop = threading.Event()
@@ -301,7 +303,7 @@ class PeerWatch:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(CLUSTER_FAILED)  # JAX's shutdown would wait for the lost process
+        os._exit(PROCESSES_FAILED)  # JAX's shutdown would wait for the lost process
 
     def done(self) -> None:
         """This process finished normally: peers no longer expect signs of life from it."""
