@@ -20,7 +20,8 @@ class StudyConfig:
     """The grid (every axis a list), how each trial runs, and how the funnel prunes.
 
     The batch is weak-scaled, as DeepSpeed's `train_micro_batch_size_per_gpu`: the global batch
-    is micro_batch_size × data-parallel devices × gradient_accumulation.
+    is micro_batch_size × data-parallel devices × micro_batches (gradient accumulation steps,
+    as TrainConfig.micro_batches).
     search: 'funnel' (at each device count, smallest first, compile and drop what does not
     fit, then time and drop what is worse than its model's best with the stated confidence:
     t5scale/study/funnel.py) or 'grid' (every point timed).
@@ -47,7 +48,7 @@ class StudyConfig:
     replica_syncs: tuple[str, ...] = ("every_step",)
     replicas: int = 2
     tensor: int = 1
-    gradient_accumulation: int = 1
+    micro_batches: int = 1
     input_length: int = 128
     target_length: int = 32
     dtype: str = "float32"
@@ -189,7 +190,7 @@ class Point:
     sync: str = "every_step"
     replicas: int = 2  # for local SGD and DiLoCo
     tensor: int = 1
-    gradient_accumulation: int = 1
+    micro_batches: int = 1
     input_length: int = 128
     target_length: int = 32
     dtype: str = "float32"
@@ -203,7 +204,7 @@ class Point:
 
     @property
     def batch_size(self) -> int:
-        return self.micro_batch_size * (self.devices // self.tensor) * self.gradient_accumulation
+        return self.micro_batch_size * (self.devices // self.tensor) * self.micro_batches
 
     def gin_files(self) -> list[str]:
         return [f"gin/models/{self.model}.gin"]
@@ -232,7 +233,7 @@ class Point:
             f"OptimizerConfig.name='{self.optimizer}'",
             f"OptimizerConfig.learning_rate={self.learning_rate!r}",
             f"BATCH_SIZE={self.batch_size}",
-            f"MICRO_BATCHES={self.gradient_accumulation}",
+            f"MICRO_BATCHES={self.micro_batches}",
             f"INPUT_LENGTH={self.input_length}",
             f"TARGET_LENGTH={self.target_length}",
             f"DATA_SOURCE='{self.data_source}'",
