@@ -1,6 +1,6 @@
 """Train-step speed on this machine: tokens/s, MFU against the measured matmul peak, compile time.
 
-    python bench/bench_step.py [--models mt5_tiny mt5_small] [--steps 3] [--rounds 2] [--no-torch]
+    python bench/bench_step.py [--models mt5_tiny mt5_small] [--steps 3] [--repeats 2] [--no-torch]
     python bench/bench_step.py --models mt5_small mt5_base --batch 32 --input-length 1024 \
         --target-length 229 --dtype bfloat16 --steps 10        # on a GPU
 
@@ -17,10 +17,10 @@ one device is then also run at k = 1. The Hugging Face PyTorch MT5ForConditional
 baseline runs through the same process isolation (this file's `--worker`), on the same config,
 batch, lengths and optimizer (AdamW, lr 1e-3, weight decay 0.01, no gradient clipping).
 
-Runs go one at a time, in --rounds rounds whose order alternates (forwards, then backwards), so
+Runs go one at a time, in --repeats repeats whose order alternates (forwards, then backwards), so
 that a machine whose speed drifts favours no run; a step is never timed right after another
-run's step (docs/benchmarks.md says why). "speed vs 1 device" is the median over rounds of the
-1-device t5scale run's median step time over the run's, in the same round. MFU = model FLOPs
+run's step (docs/benchmarks.md says why). "speed vs 1 device" is the median over repeats of the
+1-device t5scale run's median step time over the run's, in the same repeat. MFU = model FLOPs
 per step (t5scale.analysis.flops) / (step time · peak · devices), the peak being this machine's
 measured matmul FLOP/s shared by all emulated devices (they share the same cores).
 
@@ -54,7 +54,7 @@ TIMEOUT_S = 3600
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
+class Workload:
     batch: int = 8
     input_length: int = 512
     target_length: int = 114
@@ -71,14 +71,20 @@ class Setup:
 
 
 def t5scale_spec(
-    model: str, stage: int, devices: int, setup: Setup, k: int, machine: dict, head: str = "tiled"
+    model: str,
+    stage: int,
+    devices: int,
+    workload: Workload,
+    k: int,
+    machine: dict,
+    head: str = "tiled",
 ):
     """A timed trial of the study: the model at `stage` over `devices` (zero = all of them);
     head 'whole': the untiled output layer (ModelConfig.loss_chunk_tokens = 0)."""
     point = Point(
-        model=model, stage=stage, micro_batch_size=setup.batch // devices, remat=setup.remat,
-        learning_rate=1e-3, devices=devices, input_length=setup.input_length,
-        target_length=setup.target_length, dtype=setup.dtype, precision=setup.precision,
+        model=model, stage=stage, micro_batch_size=workload.batch // devices, remat=workload.remat,
+        learning_rate=1e-3, devices=devices, input_length=workload.input_length,
+        target_length=workload.target_length, dtype=workload.dtype, precision=workload.precision,
     )  # fmt: skip
     if machine["backend"] == "cpu":
         budget = cpu_memory_budget(machine["host_memory_bytes"], devices)
@@ -101,8 +107,8 @@ def t5scale_spec(
         # found in them (t5scale/study/evidence.py) and left out of the step time
         "timing": {
             "precision": 1e-9,
-            "min_samples": setup.steps,
-            "max_samples": setup.steps,
+            "min_samples": workload.steps,
+            "max_samples": workload.steps,
             "max_seconds": TIMEOUT_S,
         },
         "peak_flops_per_s": machine["peak_flops_per_s"],
@@ -112,13 +118,13 @@ def t5scale_spec(
     }
 
 
-def transformers_spec(model: str, setup: Setup) -> dict:
+def transformers_spec(model: str, workload: Workload) -> dict:
     label = {"model": model, "framework": "transformers (PyTorch)", "stage": "-", "devices": 1}
     return {"kind": "transformers", "label": label, "model": model,
-            "setup": dataclasses.asdict(setup)}  # fmt: skip
+            "workload": dataclasses.asdict(workload)}  # fmt: skip
 
 
-def time_transformers(model_name: str, setup: Setup) -> dict:
+def time_transformers(model_name: str, workload: Workload) -> dict:
     """In the worker process: the baseline's warm-up step, then --steps (at least 6) timed steps."""
     import contextlib
 
@@ -132,7 +138,7 @@ def time_transformers(model_name: str, setup: Setup) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = (
         torch.autocast(device, dtype=torch.bfloat16)
-        if setup.dtype == "bfloat16"
+        if workload.dtype == "bfloat16"
         else contextlib.nullcontext()
     )
     m = preset(model_name)
@@ -146,8 +152,8 @@ def time_transformers(model_name: str, setup: Setup) -> dict:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-3, weight_decay=0.01, fused=device == "cuda"
     )
-    inputs = torch.randint(2, m.vocab_size, (setup.batch, setup.input_length), device=device)
-    labels = torch.randint(2, m.vocab_size, (setup.batch, setup.target_length), device=device)
+    inputs = torch.randint(2, m.vocab_size, (workload.batch, workload.input_length), device=device)
+    labels = torch.randint(2, m.vocab_size, (workload.batch, workload.target_length), device=device)
 
     def step() -> None:
         with autocast:
@@ -160,7 +166,7 @@ def time_transformers(model_name: str, setup: Setup) -> dict:
 
     step()  # warm-up
     times = []
-    for _ in range(max(setup.steps, 6)):  # as many as t5scale's runs time
+    for _ in range(max(workload.steps, 6)):  # as many as t5scale's runs time
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -169,7 +175,7 @@ def time_transformers(model_name: str, setup: Setup) -> dict:
 
 def worker(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    result = time_transformers(spec["model"], Setup(**spec["setup"]))
+    result = time_transformers(spec["model"], Workload(**spec["workload"]))
     write_result(Path(result_path), result)
 
 
@@ -179,12 +185,12 @@ def _after_warmup(result: dict) -> list[float]:
     return result["step_times_s"][warmup:]
 
 
-def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
-    """Each spec's row, its step times gathered over `rounds` rounds of alternating order; the
+def time_runs(specs: list[dict], repeats: int, work_dir: Path) -> list[dict]:
+    """Each spec's row, its step times gathered over `repeats` repeats of alternating order; the
     first spec is the reference that "speed vs 1 device" compares with."""
     rows: list[dict | None] = [None] * len(specs)
     medians: list[list[float]] = [[] for _ in specs]
-    for r in range(rounds):
+    for r in range(repeats):
         order = list(range(len(specs)))[:: 1 if r % 2 == 0 else -1]
         for index in order:
             if rows[index] is not None and rows[index]["status"] != "ok":
@@ -192,16 +198,16 @@ def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
             spec = specs[index]
             program = (os.path.abspath(__file__), "--worker")
             result = run_trial(
-                spec, work_dir, f"round{r}-run{index}", TIMEOUT_S,
+                spec, work_dir, f"repeat{r}-run{index}", TIMEOUT_S,
                 program=program if spec["kind"] == "transformers" else TRIAL_PROGRAM,
             )  # fmt: skip
-            print(f"round {r + 1}/{rounds}: {spec['label']} {result['status']}", file=sys.stderr,
+            print(f"repeat {r + 1}/{repeats}: {spec['label']} {result['status']}", file=sys.stderr,
                   flush=True)  # fmt: skip
             if result["status"] not in ("ok", "out-of-memory"):
                 sys.exit(f"bench: {spec['label']} failed: {result.get('error')} ({result['log']})")
             row = rows[index] = rows[index] or dict(spec["label"]) | {"status": result["status"],
                                                                       "step_times_s": []}  # fmt: skip
-            if "analysis" in result and "compile_s" not in row:  # round 1: no cached program
+            if "analysis" in result and "compile_s" not in row:  # repeat 1: no cached program
                 row["compile_s"] = result["analysis"]["compile_time_s"]
                 peak = result["analysis"]["memory_per_device"]["peak_estimate_bytes"]
                 row["memory_per_device_gib"] = peak / 2**30
@@ -209,43 +215,43 @@ def time_runs(specs: list[dict], rounds: int, work_dir: Path) -> list[dict]:
                 kept = _after_warmup(result)
                 row["step_times_s"] += kept
                 medians[index].append(statistics.median(kept))
-    for row, per_round in zip(rows, medians, strict=True):
+    for row, per_repeat in zip(rows, medians, strict=True):
         if row["status"] == "ok":
             row["step_s"] = statistics.median(row["step_times_s"])
-            row["round_medians_s"] = per_round
-    for row, per_round in zip(rows[1:], medians[1:], strict=True):
+            row["repeat_medians_s"] = per_repeat
+    for row, per_repeat in zip(rows[1:], medians[1:], strict=True):
         if row["status"] == "ok" and medians[0]:
-            # > 1: faster than the reference in the same round
+            # > 1: faster than the reference in the same repeat
             row["speed_vs_1_device"] = statistics.median(
-                ref / own for ref, own in zip(medians[0], per_round, strict=True)
+                ref / own for ref, own in zip(medians[0], per_repeat, strict=True)
             )
     return rows
 
 
-def run_specs(args, setup: Setup, machine: dict, name: str) -> list[dict]:
+def run_specs(args, workload: Workload, machine: dict, name: str) -> list[dict]:
     devices = CPU_DEVICES if machine["backend"] == "cpu" else machine["device_count"]
     k = args.steps_per_execution
     specs = []
     for head in [] if args.no_t5scale else args.heads:
         # The reference ("speed vs 1 device"): one device at --steps-per-execution.
-        specs.append(t5scale_spec(name, 0, 1, setup, k, machine, head))
+        specs.append(t5scale_spec(name, 0, 1, workload, k, machine, head))
         if k > 1:
-            specs.append(t5scale_spec(name, 0, 1, setup, 1, machine, head))
+            specs.append(t5scale_spec(name, 0, 1, workload, 1, machine, head))
         if devices > 1 and not args.one_device:
-            specs += [t5scale_spec(name, stage, devices, setup, k, machine, head)
+            specs += [t5scale_spec(name, stage, devices, workload, k, machine, head)
                       for stage in range(4)]  # fmt: skip
     if name in args.torch_models and not args.no_torch:
-        specs.append(transformers_spec(name, setup))
+        specs.append(transformers_spec(name, workload))
     return specs
 
 
-def print_table(rows: list[dict], setup: Setup, args, device_kind: str) -> None:
-    print(f"\n{device_kind}: batch {setup.batch}, lengths {setup.input_length}/"
-          f"{setup.target_length}, AdamW (no clipping), {setup.dtype} compute, precision "
-          f"{setup.precision}, remat {setup.remat}; "
-          f"each run in its own process, {max(setup.steps, 6)} steps back to back (t5scale: the "
+def print_table(rows: list[dict], workload: Workload, args, device_kind: str) -> None:
+    print(f"\n{device_kind}: batch {workload.batch}, lengths {workload.input_length}/"
+          f"{workload.target_length}, AdamW (no clipping), {workload.dtype} compute, precision "
+          f"{workload.precision}, remat {workload.remat}; "
+          f"each run in its own process, {max(workload.steps, 6)} steps back to back (t5scale: the "
           "warm-up found in them and left out; transformers: after 1 warm-up step), in "
-          f"{args.rounds} rounds of alternating order; step s: the median of all its steps\n")  # fmt: skip
+          f"{args.repeats} repeats of alternating order; step s: the median of all its steps\n")  # fmt: skip
     print("| model | framework | devices | stage | compile s | step s | tokens/s | MFU "
           "| speed vs 1 device |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
@@ -264,8 +270,8 @@ def print_table(rows: list[dict], setup: Setup, args, device_kind: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per run and round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run and repeat")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="k > 1: t5scale also runs k steps per XLA execution on one device, "
                              "and so on all devices (TrainConfig.steps_per_execution)")  # fmt: skip
@@ -291,37 +297,37 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
-    if args.steps < 1 or args.rounds < 1 or args.steps_per_execution < 1:
-        parser.error("--steps, --rounds and --steps-per-execution must be at least 1")
-    setup = Setup(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
+    if args.steps < 1 or args.repeats < 1 or args.steps_per_execution < 1:
+        parser.error("--steps, --repeats and --steps-per-execution must be at least 1")
+    workload = Workload(args.batch, args.input_length, args.target_length, args.dtype, args.remat,
                   args.steps, args.precision)  # fmt: skip
     work_dir = Path(tempfile.mkdtemp(prefix="t5scale_bench_"))
-    # A cache of this run's own: round 1's compile times are compiles, not cache loads.
+    # A cache of this run's own: repeat 1's compile times are compiles, not cache loads.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(work_dir / "compile_cache"))
-    machine = run_trial({"kind": "machine", "dtype": setup.dtype}, work_dir, "machine", 600)
+    machine = run_trial({"kind": "machine", "dtype": workload.dtype}, work_dir, "machine", 600)
     if machine["status"] != "ok":
         sys.exit(f"bench: could not probe the machine: {machine.get('error')}")
     peak = machine["peak_flops_per_s"]
-    print(f"{setup.dtype} peak: {peak / 1e12:.3f} TFLOP/s ({machine['peak_source']})")
+    print(f"{workload.dtype} peak: {peak / 1e12:.3f} TFLOP/s ({machine['peak_source']})")
     rows = []
     for name in args.models:
         flops = training_flops_per_step(
-            preset(name), setup.batch, setup.input_length, setup.target_length
+            preset(name), workload.batch, workload.input_length, workload.target_length
         )
-        for row in time_runs(run_specs(args, setup, machine, name), args.rounds, work_dir):
+        for row in time_runs(run_specs(args, workload, machine, name), args.repeats, work_dir):
             row["model_flops_per_step"] = flops
             if row["status"] == "ok":
-                row["tokens_per_s"] = setup.run_config().tokens_per_step / row["step_s"]
+                row["tokens_per_s"] = workload.run_config().tokens_per_step / row["step_s"]
                 # emulated CPU devices share one peak; a GPU run uses one device per process
                 row["mfu"] = mfu(flops, row["step_s"], peak, 1 if machine["backend"] == "cpu"
                                  else row["devices"])  # fmt: skip
             rows.append(row)
-    print_table(rows, setup, args, machine["device_kind"])
+    print_table(rows, workload, args, machine["device_kind"])
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"peak_flops_per_s": peak, "peak_source": machine["peak_source"],
-                       "setup": dataclasses.asdict(setup), "device": machine["device_kind"],
-                       "rounds": args.rounds, "runs": rows}, f, indent=2)  # fmt: skip
+                       "workload": dataclasses.asdict(workload), "device": machine["device_kind"],
+                       "repeats": args.repeats, "runs": rows}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":
