@@ -102,7 +102,7 @@ DILOCO = [
 @pytest.mark.slow  # CI: DiLoCo in one process (test_replicas.py), two processes at ZeRO-3 above
 def test_diloco_with_a_replica_per_process_trains_like_one_process(tmp_path):
     """DiLoCo, H = 4, over 2 processes × 4 devices (each process one replica, ZeRO-2 inside, two
-    steps per execution): two rounds, the same losses as one process × 8 devices, and the
+    steps per execution): two periods, the same losses as one process × 8 devices, and the
     checkpoint of its per-replica state (each process writing its replica's shards) goes on in
     one process."""
     one, two = tmp_path / "one", tmp_path / "two"

@@ -1,7 +1,7 @@
 """Local SGD and DiLoCo across `replica` (t5scale/train/replicas.py): the compiled inner step
 has no collective over `replica` and the outer step one all-reduce; H = 1 with plain averaging
 is synchronous training; DiLoCo's outer step is Nesterov SGD on the replicas' mean change;
-checkpoints resume bit for bit mid-round and move between modes where that makes sense."""
+checkpoints resume bit for bit mid-period and move between modes where that makes sense."""
 
 import dataclasses
 import functools
@@ -125,7 +125,7 @@ SGD = OptimizerConfig(name="sgd", learning_rate=0.5, warmup_steps=2, grad_clip_n
     ],
     ids=["stage1-local_sgd", "stage3-diloco-lr1-no-momentum"],
 )
-def test_one_step_rounds_of_plain_averaging_are_synchronous_training(stage, sync):
+def test_one_step_periods_of_plain_averaging_are_synchronous_training(stage, sync):
     want_losses, want = _train(_setup(stage, ReplicaSyncConfig(), optimizer=SGD), 4)
     losses, got = _train(_setup(stage, sync, optimizer=SGD), 4)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -138,7 +138,7 @@ def test_one_step_rounds_of_plain_averaging_are_synchronous_training(stage, sync
             np.testing.assert_array_equal(a, b)
 
 
-def test_diloco_rounds_diverge_then_take_a_nesterov_step_on_the_mean_change():
+def test_diloco_replicas_diverge_in_a_period_then_take_a_nesterov_step_on_the_mean_change():
     setup = _setup(2, ReplicaSyncConfig("diloco", every=2))
     step, state = setup.compile().compiled, setup.create_state(seed=0)
     start = jax.device_get(setup.to_checkpoint(state))
@@ -195,14 +195,14 @@ def _kill_after(model_dir, step: int) -> None:
     raise AssertionError(f"step {step} never came")
 
 
-def test_a_round_killed_midway_resumes_exactly_and_checkpoints_move_between_modes(tmp_path, capsys):
+def test_killed_mid_period_resumes_exactly_and_checkpoints_move_between_modes(tmp_path, capsys):
     def train(model_dir, *extra):
         return cli_in_process([*DILOCO_ARGS, f"--gin.MODEL_DIR='{model_dir}'", *extra], capsys)
 
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     assert train(reference)[0] == 0
-    _kill_after(killed, 2)  # checkpoints every 2 steps, rounds of 3: the newest is mid-round
-    # Mid-round the replicas differ: a synchronous run cannot take them (one line, exit 2).
+    _kill_after(killed, 2)  # checkpoints every 2 steps, periods of 3: the newest is mid-period
+    # Mid-period the replicas differ: a synchronous run cannot take them (one line, exit 2).
     code, _, err = train(killed, SYNCHRONOUS)
     assert code == 2, err
     assert "resumes into 2 replicas only, not a synchronous run" in err.strip().splitlines()[-1]
@@ -210,7 +210,7 @@ def test_a_round_killed_midway_resumes_exactly_and_checkpoints_move_between_mode
     # outer momentum and the data position, bit for bit.
     code, out, _ = train(killed)
     resumed_at = int(out.split("resuming from the checkpoint at step ")[1].split()[0])
-    assert code == 0 and resumed_at % 3, resumed_at  # mid-round
+    assert code == 0 and resumed_at % 3, resumed_at  # mid-period
     assert "diloco: 2 replicas step on their own and synchronise every 3 steps" in out
     assert [r["loss"] for r in _records(killed)] == [r["loss"] for r in _records(reference)]
     sync = json.loads((reference / "step_analysis.json").read_text())["replica_sync"]

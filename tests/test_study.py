@@ -180,7 +180,7 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     assert result["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
     assert result["analysis"]["replica_sync"]["inner_step"]["bytes_over_replica"] == 0
     timing = result["step_time_s"]  # each sample a round of 2 steps with its outer step
-    assert timing["statistic"] == "median of rounds' mean step times"
+    assert timing["statistic"] == "median of periods' mean step times"
     assert timing["steps_per_sample"] == 2 and len(result["losses"]) == 12  # 6 rounds
     assert np.isfinite(result["final_loss"])
 
@@ -336,7 +336,7 @@ def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_p
     sync, diloco = on_four["every_step"], on_four["diloco/4"]
     assert sync["tokens_seen"] == diloco["tokens_seen"] >= 2000
     assert diloco["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
-    assert diloco["step_time_s"]["statistic"] == "median of rounds' mean step times"
+    assert diloco["step_time_s"]["statistic"] == "median of periods' mean step times"
     winner = (study_dir / "funnel.md").read_text().split("## Winner")[1]
     best = min((sync, diloco), key=lambda r: r["final_loss"])
     words = {id(sync): "synchronised every step", id(diloco): "diloco every 4 steps over 2"}

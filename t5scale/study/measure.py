@@ -33,7 +33,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
     found in the timings, not assumed.
 
     A sample is one execution (with k steps per execution, its time over k) or, with local SGD
-    or DiLoCo, one round of H steps with its outer step (its mean step time): each step then
+    or DiLoCo, one period of H steps with its outer step (its mean step time): each step then
     carries its 1/H of the synchronisation."""
     setup, k = step.setup, step.steps_per_execution
     run = setup.run
@@ -86,7 +86,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
     return {
         "step_time_s": found.summary()
         | {
-            "statistic": "median of rounds' mean step times" if local else "median",
+            "statistic": "median of periods' mean step times" if local else "median",
             "steps_per_sample": steps_per_sample,
             "timed_steps": len(timed) * steps_per_sample,
             "warmup_steps": found.warmup * steps_per_sample,

@@ -134,7 +134,7 @@ def specs_over_replicas(specs: Any) -> Any:
     return jax.tree.map(lambda spec: P("replica", *spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def outer_round(
+def outer_step_per_device(
     outer_tx: optax.GradientTransformation, dtype, replicas: int, outer: OuterState, current: Any
 ) -> tuple[OuterState, Any]:
     """One device's part of the outer step, inside a shard_map manual over every mesh axis:

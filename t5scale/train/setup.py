@@ -317,7 +317,7 @@ class Setup:
                 into = "a synchronous run" if into is None else f"{into} replicas"
                 raise ConfigError(
                     f"the checkpoint at step {step} is {step % every} steps into a "
-                    f"{saved['mode']} round (H={every}) of {saved['replicas']} replicas, which "
+                    f"{saved['mode']} period (H={every}) of {saved['replicas']} replicas, which "
                     f"differ until they synchronise: it resumes into {saved['replicas']} "
                     f"replicas only, not {into} (or resume from a checkpoint at a multiple of H)"
                 )

@@ -176,9 +176,9 @@ def make_outer_step(
     outer_specs = jax.tree.map(lambda s: s.spec, state_shardings.outer,
                                is_leaf=lambda x: isinstance(x, NamedSharding))  # fmt: skip
     current_specs = replicas_module.specs_over_replicas(outer_specs.anchor)
-    outer_round = jax.shard_map(
+    synchronise = jax.shard_map(
         functools.partial(
-            replicas_module.outer_round, outer_tx, jnp.dtype(sync.outer_dtype), replicas
+            replicas_module.outer_step_per_device, outer_tx, jnp.dtype(sync.outer_dtype), replicas
         ),  # fmt: skip
         mesh=layout.mesh,
         in_specs=(outer_specs, current_specs),
@@ -193,7 +193,7 @@ def make_outer_step(
             current = jax.vmap(layout.pad)(state.params)
         else:
             current = state.params
-        outer, restart = outer_round(state.outer, current)
+        outer, restart = synchronise(state.outer, current)
         params = jax.vmap(restarted, spmd_axis_name="replica")(restart)
         opt_state = state.opt_state
         if precision.mixed:
