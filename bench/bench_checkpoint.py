@@ -34,7 +34,9 @@ def main() -> None:
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    from t5scale import xla_cpu
+
+    xla_cpu.emulate_cpu_devices(args.devices)
     from t5scale.model.sizes import preset
     from t5scale.parallel.mesh import ParallelConfig
     from t5scale.train.checkpoint import Checkpoints, model_signature

@@ -24,10 +24,10 @@ import time
 
 import jax
 
-import t5scale  # noqa: F401
+from t5scale import xla_cpu  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 512)
+xla_cpu.emulate_cpu_devices(512)
 
 from t5scale.cluster_model.step_time import predict  # noqa: E402
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import jax
 
-import t5scale  # noqa: F401
+from t5scale import xla_cpu  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+xla_cpu.emulate_cpu_devices(8)
 
 from t5scale.config import build_run_config, parse_gin  # noqa: E402
 from t5scale.train.loop import train  # noqa: E402

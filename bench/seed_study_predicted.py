@@ -17,10 +17,10 @@ import time
 
 import jax
 
-import t5scale  # noqa: F401
+from t5scale import xla_cpu  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 64)
+xla_cpu.emulate_cpu_devices(64)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
 from t5scale.study.simulate import format_simulation, simulate  # noqa: E402

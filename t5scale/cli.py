@@ -34,9 +34,20 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5scale import xla_cpu
 from t5scale.config import build_run_config, build_study_config, operative_config, parse_gin
 from t5scale.data.loader import host_batches
-from t5scale.errors import PROCESSES_FAILED, ConfigError, DataError, JoinError, MeshError
+from t5scale.errors import (
+    COMPILER_ABORTED,
+    NONFINITE_STOP,
+    PROCESSES_FAILED,
+    USAGE_ERROR,
+    ConfigError,
+    DataError,
+    JoinError,
+    MeshError,
+    UnsupportedJaxError,
+)
 from t5scale.model.hf_import import params_from_hf
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import parameter_breakdown
@@ -48,9 +59,6 @@ from t5scale.study.runner import run_study
 from t5scale.train.config import RunConfig
 from t5scale.train.loop import train
 
-USAGE_ERROR = 2
-NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
-COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
 # Set in that child: it runs the command itself.
 IN_CHILD = "T5SCALE_COMMAND_CHILD"
 
@@ -69,9 +77,11 @@ class Invocation:
         return build_run_config()
 
     def join_processes(self, run: RunConfig) -> None:
-        """Emulated CPU devices, then the distributed runtime (before anything uses a device)."""
-        jax.config.update("jax_num_cpu_devices", self.args.cpu_devices)
+        """The distributed runtime (before anything uses a device), with `--cpu_devices`
+        emulated devices and their workarounds where the backend is the CPU."""
+        xla_cpu.configure_cpu_devices(self.args.cpu_devices)
         self.processes = join_processes(run.distributed)
+        xla_cpu.patch_cpu_collectives()
 
 
 # ---- the commands -------------------------------------------------------------------------
@@ -160,7 +170,7 @@ def convert_command(call: Invocation) -> None:
     )
 
 
-def cluster_check_command(call: Invocation) -> None:
+def distributed_check_command(call: Invocation) -> None:
     """Prove the processes work together: every device adds its process id + 1 in one all-reduce."""
     run = call.run_config()
     call.join_processes(run)
@@ -232,7 +242,7 @@ def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
     """Emulated CPU devices even on a GPU host (plan and simulate answer for devices they do
     not have); progress goes to stderr when stdout is JSON."""
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
+    xla_cpu.emulate_cpu_devices(count)
     if as_json:
         return lambda line: print(line, file=sys.stderr, flush=True)
     return print
@@ -278,7 +288,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "distributed-check": Command(
         "join the processes, build the mesh, all-reduce over every device, report",
-        cluster_check_command,
+        distributed_check_command,
     ),
 }  # fmt: skip
 
@@ -372,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if call.processes is not None:
             call.processes.done()
         return 0
-    except (ConfigError, MeshError, DataError) as error:
+    except (ConfigError, MeshError, DataError, UnsupportedJaxError) as error:
         return stop(str(error), USAGE_ERROR)
     except FloatingPointError as error:
         return stop(str(error), NONFINITE_STOP)

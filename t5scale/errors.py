@@ -6,8 +6,11 @@ them is a bug, so none shows a traceback.
 
 from __future__ import annotations
 
-BAD_INPUT = 2  # exit code: a configuration, mesh or data set that cannot run
-PROCESSES_FAILED = 4  # exit code: could not join the processes, or a peer was lost
+# Exit codes of the CLI.
+USAGE_ERROR = 2  # a configuration, mesh or data set that cannot run
+NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
+PROCESSES_FAILED = 4  # could not join the other processes, or a peer was lost
+COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
 
 
 class ConfigError(ValueError):
@@ -28,3 +31,7 @@ class DistributedError(ValueError):
 
 class JoinError(RuntimeError):
     """The coordinator or the other processes did not answer within the timeout."""
+
+
+class UnsupportedJaxError(RuntimeError):
+    """A jax release whose private lowering t5scale/xla_cpu.py cannot patch (CPU emulation)."""

@@ -1,8 +1,12 @@
 """Workarounds that make XLA's CPU backend safe for programs with many collectives.
 
 t5scale emulates a cluster with many CPU devices in one process, and XLA:CPU runs their
-collectives through an in-process rendezvous. Three things break it; all are set up before JAX
-lowers or compiles anything (at `import t5scale`), and none changes what a real accelerator runs:
+collectives through an in-process rendezvous. Three things break it. They are fixed only where
+devices are emulated on the CPU, and explicitly: the CLI, the study's trial processes, the tests,
+the benchmarks and the notebook call `emulate_cpu_devices` (or its two halves around
+jax.distributed.initialize: `configure_cpu_devices`, then `patch_cpu_collectives`). A GPU or
+TPU run never gets the patch of JAX's private lowering (2., 3.); the flag of 1. is an option of
+XLA's CPU compiler, which no other compiler reads.
 
 1. XLA's concurrency-optimised CPU scheduler may order independent collectives differently on
    each device, which deadlocks. It is switched off with an XLA flag.
@@ -28,7 +32,40 @@ import os
 import sys
 import types
 
+import jax
+
+from t5scale.errors import UnsupportedJaxError
+
 SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Before the backend starts: the CPU backend emulates `count` devices and keeps their
+    collectives in program order. Neither setting is read by a GPU or TPU backend."""
+    jax.config.update("jax_num_cpu_devices", count)
+    keep_collectives_in_program_order()
+
+
+def patch_cpu_collectives() -> bool:
+    """Once the distributed runtime (if any) is up: on the CPU backend, give every collective
+    its own channel and a plain reducer (2. and 3. above) and say True; on any other backend
+    change nothing and say False. An UnsupportedJaxError where this jax cannot be patched."""
+    if jax.default_backend() != "cpu":
+        return False
+    if not give_collectives_distinct_channels():
+        raise UnsupportedJaxError(
+            f"jax {jax.__version__} cannot run t5scale's emulated CPU devices (t5scale/xla_cpu.py "
+            "patches a private lowering of the pinned jax release): install the jax that "
+            "pyproject.toml pins"
+        )
+    return True
+
+
+def emulate_cpu_devices(count: int) -> bool:
+    """`configure_cpu_devices`, then `patch_cpu_collectives`, for a process that joins no
+    others; call it before anything starts the backend. True on the CPU backend."""
+    configure_cpu_devices(count)
+    return patch_cpu_collectives()
 
 
 def keep_collectives_in_program_order() -> None:

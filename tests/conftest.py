@@ -26,20 +26,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import t5scale  # noqa: E402,F401  (sets the CPU collective-ordering flag first)
+from t5scale import xla_cpu  # noqa: E402
+from t5scale.errors import UnsupportedJaxError  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+# The tests emulate devices on the CPU, so they apply its workarounds, as the CLI does there.
+xla_cpu.configure_cpu_devices(8)
 
 
 def pytest_sessionstart(session):
     """Without t5scale's channel-id stand-in (t5scale/xla_cpu.py) a newer JAX would deadlock the
     multi-device tests: stop at once and say why instead."""
-    if not t5scale.xla_cpu.give_collectives_distinct_channels():
-        pytest.exit(
-            f"jax {jax.__version__}: t5scale/xla_cpu.py cannot install its channel-id stand-in; "
-            "use the jax pinned in pyproject.toml or port xla_cpu.py",
-            returncode=3,
-        )
+    try:
+        assert xla_cpu.patch_cpu_collectives(), "the tests run on the CPU backend"
+    except UnsupportedJaxError as error:
+        pytest.exit(str(error), returncode=3)
 
 
 from t5scale.cli import main  # noqa: E402

@@ -32,6 +32,26 @@ def test_the_channel_id_stand_in_is_installed():
     assert xla_cpu.SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
+IMPORT_ONLY = """
+import os
+import t5scale, t5scale.cli, t5scale.train.setup
+from jax._src.lax import parallel
+from t5scale import xla_cpu
+print(isinstance(parallel.mlir, xla_cpu._FreshChannelIds), "xla_cpu" in os.environ.get("XLA_FLAGS", ""))
+"""
+
+
+def test_importing_t5scale_changes_nothing_in_jax():
+    """The workarounds are for emulated CPU devices only, applied by whoever emulates them (the
+    CLI, the tests): importing the package must leave a GPU or TPU process's JAX as it was."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    found = subprocess.run(
+        [sys.executable, "-c", IMPORT_ONLY], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["False", "False"]
+
+
 def test_identical_collectives_get_distinct_channel_ids():
     mesh = jax.make_mesh((8,), ("zero",), axis_types=(AxisType.Auto,))
 
@@ -48,8 +68,9 @@ def test_identical_collectives_get_distinct_channel_ids():
 
 
 STAGE3_AT_PRETRAINING_SCALE = """
-import t5scale, jax
-jax.config.update("jax_num_cpu_devices", 8)
+import jax
+from t5scale import xla_cpu
+xla_cpu.emulate_cpu_devices(8)
 from t5scale.data.config import DataConfig
 from t5scale.data.synthetic import synthetic_batch
 from t5scale.parallel.mesh import ParallelConfig
