@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from t5scale.analysis.flops import mfu
+from t5scale import xla_cpu
 from t5scale.analysis.peaks import device_peak
 from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
@@ -257,9 +258,10 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     spec = json.loads(Path(spec_path).read_text())
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", 1)))
+    xla_cpu.configure_cpu_devices(int(os.environ.get("JAX_NUM_CPU_DEVICES", 1)))
     # Under a launcher (srun, several hosts) each process joins the others; one writes.
     processes = join_processes(DistributedConfig())
+    xla_cpu.patch_cpu_collectives()
     result = _machine(spec) if spec["kind"] == "machine" else _trial(spec)
     if jax.process_index() == 0:
         write_result(Path(result_path), result)
