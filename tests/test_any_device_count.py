@@ -40,7 +40,7 @@ for model in ("mt5_small", "mt5_xl"):
             setup = build_setup(run, jax.devices()[:devices])
             state, layout = setup.state, setup.layout
             opt = state.opt_state  # mixed precision: the fp32 master and Adam's moments
-            model_state = setup.model_state_bytes()  # unpadded: the model's own bytes
+            model_state = setup.form.model_state_bytes()  # unpadded: the model's own bytes
             trees = {"parameters": (state.params, stage == 3, model_state.parameters),
                      "optimizer state": (opt, stage >= 1, model_state.optimizer_state)}
             row = {"model": model, "devices": devices, "stage": stage,
@@ -57,7 +57,7 @@ for model in ("mt5_small", "mt5_xl"):
                     jax.tree.leaves(layout.leaves, is_leaf=lambda x: hasattr(x, "zero_dim")),
                     jax.tree.leaves(grads)) if not zero_split(sharding)]}
             row["parameters_per_device"] = layout.parameters_per_device()
-            row["parameter_count"] = setup.model_state_bytes().count
+            row["parameter_count"] = setup.form.model_state_bytes().count
             rows.append(row)
 print(json.dumps(rows))
 """

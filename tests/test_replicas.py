@@ -100,12 +100,12 @@ def _train(setup: Setup, steps: int):
     for index, batch in enumerate(_equal_weight_batches(setup, steps), start=1):
         state, metrics = step(state, batch)
         metrics = jax.device_get(metrics)
-        if setup.outer_tx is not None:
+        if setup.run.sync.local:
             metrics = combine_replica_metrics(metrics)
             if setup.run.sync.due(index):
                 state = setup.compiled_outer.compiled(state)
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(setup.to_checkpoint(state))
+    return np.array(losses), jax.device_get(setup.form.to_canonical(state))
 
 
 # SGD: with Adam the replicas' averaged updates are not the update of the averaged gradient
@@ -141,13 +141,13 @@ def test_one_step_periods_of_plain_averaging_are_synchronous_training(stage, syn
 def test_diloco_replicas_diverge_in_a_period_then_take_a_nesterov_step_on_the_mean_change():
     setup = _setup(2, ReplicaSyncConfig("diloco", every=2))
     step, state = setup.compile().compiled, setup.create_state(seed=0)
-    start = jax.device_get(setup.to_checkpoint(state))
+    start = jax.device_get(setup.form.to_canonical(state))
     batches = _equal_weight_batches(setup, 2)
     for batch in batches:
         state, _ = step(state, batch)
-    mid = jax.device_get(setup.to_checkpoint(state))
+    mid = jax.device_get(setup.form.to_canonical(state))
     state = setup.compiled_outer.compiled(state)
-    end = jax.device_get(setup.to_checkpoint(state))
+    end = jax.device_get(setup.form.to_canonical(state))
     kernel = ("encoder", "layers", "mlp", "wi_0")
 
     def leaf(tree):

@@ -22,8 +22,8 @@ from t5scale.train.setup import CompiledStep, build_setup
 def model_state_per_device(run: RunConfig, devices=None) -> float:
     """Bytes of parameters, gradients and optimizer state per device by the ZeRO formula: a
     lower bound of the step's memory, known without compiling."""
-    setup = build_setup(run, devices)
-    return setup.model_state_bytes().per_device(setup.layout.stage, setup.layout.zero_size)["total"]
+    form = build_setup(run, devices).form
+    return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)["total"]
 
 
 def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
     carries its 1/H of the synchronisation."""
     setup, k = step.setup, step.steps_per_execution
     run = setup.run
-    local = setup.outer_tx is not None
+    local = run.sync.local
     executions_per_sample = 1
     if local:
         every = run.sync.every

@@ -108,8 +108,8 @@ class Checkpoints:
         """The newest checkpoint that restores, into `abstract_state`'s shardings; None if none.
 
         `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings, or a function of
-        the checkpoint's meta that gives one (a checkpoint of another synchronisation mode is
-        laid out differently).
+        the checkpoint's meta that gives one (StateForm.restore_target: a checkpoint of another
+        synchronisation mode is laid out differently).
         """
         for step in reversed(self.steps()):
             where = f"checkpoint {self.directory}/{step}"

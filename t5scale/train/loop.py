@@ -49,7 +49,9 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
 
         checkpoints = Checkpoints(cfg.model_dir, run.checkpoint)
-        restored = checkpoints.restore_latest(setup.saved_target, run.model, run.optimizer.name)
+        restored = checkpoints.restore_latest(
+            setup.form.restore_target, run.model, run.optimizer.name
+        )
     start = restored.meta["step"] if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
@@ -76,7 +78,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         )  # fmt: skip
     try:
         if restored:
-            state = setup.from_checkpoint(restored.state, restored.meta)
+            state = setup.form.from_canonical(restored.state, restored.meta)
         else:
             state = setup.create_state()
         single_step = setup.compile()
@@ -132,7 +134,7 @@ class StepPrograms:
             state, metrics = self.single_step.compiled(state, batches[0])
         else:
             state, metrics = self.multi_step.compiled(state, self.setup.stack(batches))
-        if self.setup.outer_tx is None:
+        if not self.run.sync.local:
             return state, metrics
         if self.run.sync.due(done + len(batches)):
             state = self.setup.compiled_outer.compiled(state)
@@ -200,11 +202,10 @@ class _Saver:
             "seed": run.train.seed,
             "model": model_signature(run.model),
             "optimizer": run.optimizer.name,
-            "precision": self.setup.precision.name,  # of the run that saved; not needed to restore
-            "sync": run.sync.describe() | {"replicas": self.setup.mesh.shape["replica"]},
+            **self.setup.form.describe(),  # the precision and the replica sync
             "gin": self.gin,
         }
-        self.checkpoints.save(step, self.setup.to_checkpoint(state), meta)
+        self.checkpoints.save(step, self.setup.form.to_canonical(state), meta)
         self.last_saved = step
 
 

@@ -1,17 +1,26 @@
-"""The train state, created directly in its shardings (never whole on one device), and the one
-form it is checkpointed in.
+"""The train state and its form: how one run keeps its parameters and optimizer state, and the
+one form its checkpoints hold. Four choices make the form; `build_form` makes them together:
 
-The state is (step, parameters, optimizer state) as the stage and the precision lay it out
-(t5scale/parallel/layout.py, t5scale/train/precision.py): in mixed precision the parameters are
-the bf16 working copy and the optimizer state holds the fp32 master; a tree the stage shards is
-padded. Its *canonical* form — fp32 parameters in the model's shapes and the optimizer's own
-state — is what checkpoints hold, so a checkpoint restores into any stage, mesh, device count
-and precision (`to_canonical`, `from_canonical`).
+- the ZeRO stage's layout over `zero`, padding included (t5scale/parallel/layout.py gives each
+  leaf its sharding): a tree the stage shards is kept padded;
+- precision (t5scale/train/precision.py): in mixed precision the parameters are the bf16
+  working copy and the optimizer state holds the fp32 master (`MasterState`);
+- replica sync (t5scale/train/replicas.py): under local SGD or DiLoCo every leaf of the
+  parameters and optimizer state has one entry per replica on a leading axis, and the state
+  holds the outer state (`OuterState`);
+- the *canonical* form that checkpoints hold: fp32 parameters (the master, when mixed) and the
+  optimizer's own state, in the model's shapes, so that a checkpoint restores into any stage,
+  mesh, device count and precision (`StateForm.to_canonical`, `StateForm.from_canonical`), and
+  into another synchronisation mode where the replicas agree (`StateForm.restore_target`).
+
+The state is created straight in its shardings (`StateForm.initializer`), never whole on one
+device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -19,14 +28,24 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from t5scale.model.mt5 import MT5
+from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
+from t5scale.errors import ConfigError
+from t5scale.model.mt5 import MT5, abstract_params
 from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.layout import StateLayout, is_leaf_layout
+from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout, make_layout
 from t5scale.parallel.zero import STAGES
-from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
-from t5scale.train.replicas import OuterState, per_replica, replica_mean, split_over_replicas
+from t5scale.train.config import RunConfig
+from t5scale.train.precision import FLOAT32, MasterState, Precision, cast, resolve
+from t5scale.train.replicas import (
+    OuterState,
+    ReplicaSyncConfig,
+    outer_optimizer,
+    per_replica,
+    replica_mean,
+    split_over_replicas,
+)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -38,144 +57,241 @@ class TrainState(flax.struct.PyTreeNode):
     outer: Any = None
 
 
-def canonical_init(model: ModelConfig, tx: optax.GradientTransformation):
-    """rng → the canonical state: fp32 parameters in the model's shapes, fresh optimizer state.
+# eq=False: a form is compared and hashed by identity (its jitted conversions are cached on it).
+@dataclasses.dataclass(frozen=True, eq=False)
+class StateForm:
+    """How one run keeps its state: the stage's layout, the precision and the replica sync; from
+    them the abstract state and its canonical twin (jax.ShapeDtypeStruct leaves, each with its
+    sharding; nothing allocated) and the conversions between the two."""
+
+    model: ModelConfig
+    tx: optax.GradientTransformation
+    layout: StateLayout  # sync_replicas False under local SGD and DiLoCo
+    precision: Precision
+    sync: ReplicaSyncConfig
+
+    @functools.cached_property
+    def outer_tx(self) -> optax.GradientTransformation | None:
+        """Local SGD's or DiLoCo's outer optimizer; None: replicas synchronise every step."""
+        return outer_optimizer(self.sync) if self.sync.local else None
+
+    @functools.cached_property
+    def canonical(self) -> TrainState:
+        """The canonical form's shapes in its shardings."""
+        return _abstract_canonical(self.model, self.tx, self.layout, self.replicas, self.outer_tx)
+
+    @functools.cached_property
+    def state(self) -> TrainState:
+        """The state's shapes in their at-rest shardings: the conversion's of the canonical
+        shapes (so the model is initialised, abstractly, once)."""
+        shapes = jax.eval_shape(self._laid_out, _bare(self.canonical))
+        shardings = _at_rest_shardings(self.layout, self.tx, shapes, self.precision, self.outer_tx)
+        return _with_shardings(shapes, shardings)
+
+    @property
+    def shardings(self) -> TrainState:
+        """The state's at-rest shardings."""
+        return jax.tree.map(lambda leaf: leaf.sharding, self.state)
+
+    @property
+    def replicas(self) -> int | None:
+        """How many replicas hold a state of their own (local SGD, DiLoCo); None: one state."""
+        return self.layout.mesh.shape["replica"] if self.outer_tx is not None else None
+
+    @property
+    def is_canonical(self) -> bool:
+        """Whether the state is its own canonical form (fp32, nothing padded, synchronous)."""
+        return not self.precision.mixed and not self.layout.padded and self.outer_tx is None
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Global bytes of parameters, gradients and optimizer state (with the fp32 master when
+        mixed), in the model's shapes: what the ZeRO formula divides. With local SGD or DiLoCo,
+        one replica's (each holds its own; the outer state is counted apart)."""
+        params, opt_state = self.canonical.params, self.canonical.opt_state
+        if self.outer_tx is not None:
+            params, opt_state = self.canonical.outer.anchor, _bare(opt_state, 1)
+        precision = self.precision
+        return model_state_bytes(
+            params, opt_state, precision.param_dtype, precision.grad_dtype, master=precision.mixed
+        )
+
+    # The jitted conversions are made once per form: a fresh jit per call would trace and
+    # compile again at every checkpoint.
+    @functools.cached_property
+    def initializer(self):
+        """The jitted rng → a fresh state, straight in its at-rest shardings; the same values on
+        every stage and mesh."""
+        init = _canonical_initializer(self.model, self.tx, self.replicas, self.outer_tx)
+        return jax.jit(lambda rng: self._laid_out(init(rng)), out_shardings=self.shardings)
+
+    @functools.cached_property
+    def _to_canonical_jitted(self):
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, self.canonical)
+        return jax.jit(self._canonical_of, out_shardings=shardings)
+
+    @functools.cached_property
+    def _from_canonical_jitted(self):
+        return jax.jit(self._laid_out, out_shardings=self.shardings)
+
+    def to_canonical(self, state: TrainState) -> TrainState:
+        """The state's canonical form, what a checkpoint holds."""
+        if self.is_canonical:
+            return state
+        if not self.layout.padded and self.outer_tx is None:  # mixed: the master and moments
+            return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
+        return self._to_canonical_jitted(state)
+
+    def from_canonical(self, canonical: TrainState, meta: dict | None = None) -> TrainState:
+        """The state from a restored `restore_target(meta)`; `meta`: the checkpoint's, whose
+        synchronisation mode may be another."""
+        if meta is not None and not self._same_sync(meta):
+            canonical = _change_replicas(canonical, self.replicas, self.outer_tx)
+            if self.is_canonical:  # laid out as the other mode's checkpoint was
+                return jax.device_put(canonical, self.shardings)
+        if self.is_canonical:
+            return canonical
+        return self._from_canonical_jitted(canonical)
+
+    def describe(self) -> dict[str, Any]:
+        """What a checkpoint's meta records of the form: the precision (of the run that saved;
+        not needed to restore) and the synchronisation, which `restore_target` reads back."""
+        replicas = self.layout.mesh.shape["replica"]
+        return {"precision": self.precision.name,
+                "sync": self.sync.describe() | {"replicas": replicas}}  # fmt: skip
+
+    def restore_target(self, meta: dict | None = None) -> TrainState:
+        """What a checkpoint restores into (shapes, dtypes, shardings): the state where it is its
+        own canonical form, else the canonical form; with the checkpoint's `meta`, the canonical
+        form its own synchronisation mode wrote. A ConfigError where it cannot become this
+        run's state: replicas that have not synchronised since their last outer step, restored
+        into a synchronous run or another replica count."""
+        if meta is None or self._same_sync(meta):
+            return self.state if self.is_canonical else self.canonical
+        _, replicas, every = _saved_sync(meta)
+        if replicas is None:
+            return _abstract_canonical(self.model, self.tx, self.layout, None, None)
+        if meta["step"] % every and replicas != self.replicas:
+            raise _mid_period_error(meta, self.replicas)
+        names = ("mode", "every", "outer_learning_rate", "outer_momentum")
+        outer_tx = outer_optimizer(ReplicaSyncConfig(**{n: meta["sync"][n] for n in names}))
+        return _abstract_canonical(self.model, self.tx, self.layout, replicas, outer_tx)
+
+    def _same_sync(self, meta: dict) -> bool:
+        """Whether a checkpoint is laid out as this run's: the same mode (the outer momentum)
+        and the same replicas."""
+        mode, replicas, _ = _saved_sync(meta)
+        return (mode, replicas) == (self.sync.mode, self.replicas)
+
+    def _laid_out(self, canonical: TrainState) -> TrainState:
+        """The state as the stage, precision and replica sync keep it, from its canonical form
+        (not jitted)."""
+        if canonical.outer is None:
+            return self._one_laid_out(canonical)
+        return self._for_each_replica(self._one_laid_out, LeafLayout.pad, canonical)
+
+    def _canonical_of(self, state: TrainState) -> TrainState:
+        """The canonical form of a state (not jitted)."""
+        if state.outer is None:
+            return self._one_canonical_of(state)
+        return self._for_each_replica(self._one_canonical_of, LeafLayout.unpad, state)
+
+    def _one_laid_out(self, canonical: TrainState) -> TrainState:
+        """One (synchronous, or one replica's) state from its canonical form."""
+        layout, precision = self.layout, self.precision
+        shard_opt_state = layout.stage.shard_optimizer_state
+        params, opt_state = canonical.params, canonical.opt_state
+        if shard_opt_state:
+            opt_state = _map_opt_params(self.tx, lambda x, leaf: leaf.pad(x), opt_state, layout)
+        if precision.mixed:
+            master = layout.pad(params) if shard_opt_state else params
+            opt_state = MasterState(master, opt_state)
+            params = cast(params, precision.param_dtype)
+        if layout.stage.shard_parameters:
+            params = layout.pad(params)
+        return TrainState(canonical.step, params, opt_state)
+
+    def _one_canonical_of(self, state: TrainState) -> TrainState:
+        params, opt_state = state.params, state.opt_state
+        if self.precision.mixed:
+            params, opt_state = opt_state.master, opt_state.inner
+        layout = self.layout
+        opt_state = _map_opt_params(self.tx, lambda x, leaf: leaf.unpad(x), opt_state, layout)
+        return TrainState(state.step, layout.unpad(params), opt_state)
+
+    def _for_each_replica(self, convert, resize, state: TrainState) -> TrainState:
+        """`convert` of local SGD's or DiLoCo's state: each replica's parameters and optimizer
+        state, and the outer state resized (LeafLayout.pad or unpad) as optimizer state."""
+
+        def one_replica(params, opt_state):
+            converted = convert(TrainState(state.step, params, opt_state))
+            return converted.params, converted.opt_state
+
+        params, opt_state = jax.vmap(one_replica)(state.params, state.opt_state)
+        outer, layout = state.outer, self.layout
+        if layout.stage.shard_optimizer_state:
+            outer = OuterState(
+                jax.tree.map(resize, layout.leaves, outer.anchor, is_leaf=is_leaf_layout),
+                _map_opt_params(self.outer_tx, lambda x, leaf: resize(leaf, x),
+                                outer.momentum, layout),
+            )  # fmt: skip
+        return TrainState(state.step, params, opt_state, outer)
+
+
+def build_form(run: RunConfig, mesh: Mesh, tx: optax.GradientTransformation) -> StateForm:
+    """The form of `run`'s state on `mesh`: the stage's layout, the precision, the replica sync
+    and the abstract state and canonical form in their shardings; a ConfigError or MeshError in
+    one line where the state cannot be laid out so."""
+    layout = make_layout(run.parallel, mesh, abstract_params(run.model))
+    layout = dataclasses.replace(layout, sync_replicas=not run.sync.local)
+    if layout.padded and run.optimizer.name == "adafactor" and layout.stage.shard_optimizer_state:
+        raise ConfigError(
+            f"Adafactor's factored statistics would average the padding that zero={layout.zero_size} "
+            "needs on this model: choose a zero size that divides its dimensions, or AdamW"
+        )
+    form = StateForm(run.model, tx, layout, resolve(run.precision, run.model.dtype), run.sync)
+    # The abstract state and canonical form now, in one pass, not inside a compile's timing.
+    _ = form.state
+    return form
+
+
+def _canonical_initializer(
+    model: ModelConfig,
+    tx: optax.GradientTransformation,
+    replicas: int | None = None,
+    outer_tx: optax.GradientTransformation | None = None,
+):
+    """rng → the canonical state: fp32 parameters in the model's shapes and fresh optimizer
+    state; with `replicas`, local SGD's or DiLoCo's (one copy per replica, the outer state).
     The random values do not depend on the mesh (partitionable threefry)."""
 
     def init(rng: jax.Array) -> TrainState:
         tokens = jnp.zeros((1, 8), jnp.int32)
         params = nn.meta.unbox(MT5(model).init(rng, tokens, tokens)["params"])
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        return state if replicas is None else _local_canonical(state, replicas, outer_tx)
 
     return init
 
 
-def _map_opt_params(tx, fn, opt_state: Any, layout: StateLayout) -> Any:
-    """fn(leaf, LeafLayout) on every parameter-shaped tree inside an optimizer state."""
-    return optax.tree_map_params(
-        tx, fn, opt_state, layout.leaves, transform_non_params=lambda x: x, is_leaf=is_leaf_layout
+def _abstract_canonical(
+    model: ModelConfig,
+    tx: optax.GradientTransformation,
+    layout: StateLayout,
+    replicas: int | None,
+    outer_tx: optax.GradientTransformation | None,
+) -> TrainState:
+    """The canonical form's shapes in its shardings: everything split over `zero` where the
+    model's shapes allow, as stage 3 would (so that little is whole on one device while a
+    checkpoint restores)."""
+    shapes = jax.eval_shape(
+        _canonical_initializer(model, tx, replicas, outer_tx), jax.random.key(0)
     )
+    everything_sharded = dataclasses.replace(layout.unpadded(), stage=STAGES[3])
+    shardings = _at_rest_shardings(everything_sharded, tx, shapes, FLOAT32, outer_tx)
+    return _with_shardings(shapes, shardings)
 
 
-def from_canonical(
-    state: TrainState,
-    tx: optax.GradientTransformation,
-    layout: StateLayout,
-    precision: Precision,
-    outer_tx: optax.GradientTransformation | None = None,
-) -> TrainState:
-    """The state as the stage and precision keep it, from its canonical form."""
-    if state.outer is not None:
-        return _for_each_replica(from_canonical, state, tx, layout, precision, outer_tx)
-    stage = layout.stage
-    params, opt_state = state.params, state.opt_state
-    if stage.shard_optimizer_state:
-        opt_state = _map_opt_params(tx, lambda x, leaf: leaf.pad(x), opt_state, layout)
-    if precision.mixed:
-        master = layout.pad(params) if stage.shard_optimizer_state else params
-        opt_state = MasterState(master, opt_state)
-        params = cast(params, precision.param_dtype)
-    if stage.shard_parameters:
-        params = layout.pad(params)
-    return TrainState(state.step, params, opt_state)
-
-
-def to_canonical(
-    state: TrainState,
-    tx: optax.GradientTransformation,
-    layout: StateLayout,
-    precision: Precision,
-    outer_tx: optax.GradientTransformation | None = None,
-) -> TrainState:
-    """The canonical form of a state: fp32 parameters (the master, when mixed) and the
-    optimizer's own state, in the model's shapes."""
-    if state.outer is not None:
-        return _for_each_replica(to_canonical, state, tx, layout, precision, outer_tx)
-    params, opt_state = state.params, state.opt_state
-    if precision.mixed:
-        params, opt_state = opt_state.master, opt_state.inner
-    opt_state = _map_opt_params(tx, lambda x, leaf: leaf.unpad(x), opt_state, layout)
-    return TrainState(state.step, layout.unpad(params), opt_state)
-
-
-def _for_each_replica(convert, state, tx, layout, precision, outer_tx) -> TrainState:
-    """`convert` (from_canonical or to_canonical) of local SGD's or DiLoCo's state: each
-    replica's parameters and optimizer state, and the outer state as optimizer state."""
-
-    def one_replica(params, opt_state):
-        converted = convert(TrainState(state.step, params, opt_state), tx, layout, precision)
-        return converted.params, converted.opt_state
-
-    params, opt_state = jax.vmap(one_replica)(state.params, state.opt_state)
-    outer = state.outer
-    if layout.stage.shard_optimizer_state:
-        padding = convert is from_canonical
-
-        def resize(x, leaf):
-            return leaf.pad(x) if padding else leaf.unpad(x)
-
-        outer = OuterState(
-            jax.tree.map(lambda leaf, x: resize(x, leaf), layout.leaves, outer.anchor,
-                         is_leaf=is_leaf_layout),
-            _map_opt_params(outer_tx, resize, outer.momentum, layout),
-        )  # fmt: skip
-    return TrainState(state.step, params, opt_state, outer)
-
-
-def local_canonical(state: TrainState, replicas: int, outer_tx) -> TrainState:
-    """Local SGD's or DiLoCo's canonical state from a synchronous one: every replica starts
-    from its parameters and optimizer state, the anchor is its parameters, no outer momentum."""
-    outer = OuterState(state.params, outer_tx.init(state.params))
-    return TrainState(
-        state.step, per_replica(state.params, replicas), per_replica(state.opt_state, replicas),
-        outer,
-    )  # fmt: skip
-
-
-def initializer(
-    model: ModelConfig,
-    tx: optax.GradientTransformation,
-    layout: StateLayout,
-    precision: Precision,
-    outer_tx: optax.GradientTransformation | None = None,
-):
-    """rng → a fresh state as the stage and precision keep it (not jitted); with `outer_tx`, as
-    local SGD or DiLoCo keep it."""
-    init = canonical_initializer(model, tx, layout, outer_tx)
-    return lambda rng: from_canonical(init(rng), tx, layout, precision, outer_tx)
-
-
-def canonical_initializer(
-    model: ModelConfig,
-    tx: optax.GradientTransformation,
-    layout: StateLayout,
-    outer_tx: optax.GradientTransformation | None = None,
-):
-    """rng → the canonical state; with `outer_tx`, local SGD's or DiLoCo's (one copy of the
-    parameters and optimizer state per replica of `layout`'s mesh)."""
-    init = canonical_init(model, tx)
-    if outer_tx is None:
-        return init
-    replicas = layout.mesh.shape["replica"]
-    return lambda rng: local_canonical(init(rng), replicas, outer_tx)
-
-
-def abstract_state(
-    model: ModelConfig,
-    tx: optax.GradientTransformation,
-    layout: StateLayout,
-    precision: Precision,
-    outer_tx: optax.GradientTransformation | None = None,
-) -> TrainState:
-    """The state's shapes and dtypes (jax.ShapeDtypeStruct leaves), nothing allocated."""
-    return jax.eval_shape(initializer(model, tx, layout, precision, outer_tx), jax.random.key(0))
-
-
-def _one_replica(shapes: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
-
-
-def state_shardings(
+def _at_rest_shardings(
     layout: StateLayout,
     tx: optax.GradientTransformation,
     shapes: TrainState,
@@ -187,8 +303,8 @@ def state_shardings(
     the mesh (else, a checkpoint of another replica count, whole on every device)."""
     if shapes.outer is not None:
         replicas = jax.tree.leaves(shapes.params)[0].shape[0]
-        one = TrainState(shapes.step, _one_replica(shapes.params), _one_replica(shapes.opt_state))
-        inner = state_shardings(layout, tx, one, precision)
+        one = TrainState(shapes.step, _bare(shapes.params, 1), _bare(shapes.opt_state, 1))
+        inner = _at_rest_shardings(layout, tx, one, precision)
         over = "replica" if replicas == layout.mesh.shape["replica"] else None
         outer = OuterState(
             layout.update_shardings, layout.opt_state_shardings(outer_tx, shapes.outer.momentum)
@@ -211,19 +327,19 @@ def state_shardings(
     )
 
 
-def canonical_shardings(
-    layout: StateLayout,
-    tx: optax.GradientTransformation,
-    shapes: TrainState,
-    outer_tx: optax.GradientTransformation | None = None,
-) -> TrainState:
-    """Shardings of the canonical form: everything split over `zero` where the model's shapes
-    allow, as stage 3 would (so that little is whole on one device while a checkpoint restores)."""
-    everything_sharded = dataclasses.replace(layout.unpadded(), stage=STAGES[3])
-    return state_shardings(everything_sharded, tx, shapes, FLOAT32, outer_tx)
+def _map_opt_params(tx, fn, opt_state: Any, layout: StateLayout) -> Any:
+    """fn(leaf, LeafLayout) on every parameter-shaped tree inside an optimizer state."""
+    return optax.tree_map_params(
+        tx, fn, opt_state, layout.leaves, transform_non_params=lambda x: x, is_leaf=is_leaf_layout
+    )
 
 
-def with_shardings(shapes: Any, shardings: Any) -> Any:
+def _bare(shapes: Any, leading: int = 0) -> Any:
+    """Shapes and dtypes alone, without their first `leading` dimensions (1: one replica's)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[leading:], x.dtype), shapes)
+
+
+def _with_shardings(shapes: Any, shardings: Any) -> Any:
     """Shapes, dtypes and shardings without arrays: what a step compiles for and a checkpoint
     restores into."""
     return jax.tree.map(
@@ -231,13 +347,45 @@ def with_shardings(shapes: Any, shardings: Any) -> Any:
     )
 
 
-def synchronised_canonical(state: TrainState) -> TrainState:
+# ---- checkpoints of another synchronisation mode ---------------------------------------------
+
+
+def _saved_sync(meta: dict) -> tuple[str, int | None, int]:
+    """A checkpoint's synchronisation mode, replica count (None: every step) and H."""
+    sync = meta.get("sync", {"mode": "every_step"})
+    replicas = sync.get("replicas") if sync["mode"] != "every_step" else None
+    return sync["mode"], replicas, sync.get("every", 1)
+
+
+def _mid_period_error(meta: dict, replicas: int | None) -> ConfigError:
+    mode, saved_replicas, every = _saved_sync(meta)
+    step = meta["step"]
+    into = "a synchronous run" if replicas is None else f"{replicas} replicas"
+    return ConfigError(
+        f"the checkpoint at step {step} is {step % every} steps into a {mode} period (H={every}) "
+        f"of {saved_replicas} replicas, which differ until they synchronise: it resumes into "
+        f"{saved_replicas} replicas only, not {into} (or resume from a checkpoint at a multiple "
+        "of H)"
+    )
+
+
+def _local_canonical(state: TrainState, replicas: int, outer_tx) -> TrainState:
+    """Local SGD's or DiLoCo's canonical state from a synchronous one: every replica starts
+    from its parameters and optimizer state, the anchor is its parameters, no outer momentum."""
+    outer = OuterState(state.params, outer_tx.init(state.params))
+    return TrainState(
+        state.step, per_replica(state.params, replicas), per_replica(state.opt_state, replicas),
+        outer,
+    )  # fmt: skip
+
+
+def _synchronised_canonical(state: TrainState) -> TrainState:
     """A synchronous canonical state from local SGD's or DiLoCo's at a synchronisation: the
     anchor's parameters and the replicas' inner optimizer states averaged."""
     return TrainState(state.step, state.outer.anchor, replica_mean(state.opt_state))
 
 
-def change_replicas(
+def _change_replicas(
     state: TrainState, replicas: int | None, outer_tx: optax.GradientTransformation | None
 ) -> TrainState:
     """A canonical state for another synchronisation: `replicas` None for every step, else that
@@ -245,12 +393,12 @@ def change_replicas(
     keeps each replica's state; otherwise the state must be at a synchronisation (the caller
     checks). The outer momentum is kept where both forms have one of the same structure."""
     if replicas is None:
-        return synchronised_canonical(state) if state.outer is not None else state
+        return _synchronised_canonical(state) if state.outer is not None else state
     if state.outer is None:
-        return local_canonical(state, replicas, outer_tx)
+        return _local_canonical(state, replicas, outer_tx)
     if jax.tree.leaves(state.params)[0].shape[0] != replicas:
         momentum = state.outer.momentum
-        state = local_canonical(synchronised_canonical(state), replicas, outer_tx)
+        state = _local_canonical(_synchronised_canonical(state), replicas, outer_tx)
         state = state.replace(outer=state.outer.replace(momentum=momentum))
     fresh = outer_tx.init(state.outer.anchor)
     if jax.tree.structure(fresh) != jax.tree.structure(state.outer.momentum):
