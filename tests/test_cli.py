@@ -90,6 +90,7 @@ def test_params_prints_the_count_without_allocating():
         (["--gin.TrainConfig.profile_steps=(1, 2)"], "profile_steps writes into MODEL_DIR"),
         (["--gin.PrecisionConfig.mode='half'"], "PrecisionConfig.mode must be one of"),
         (["--gin.PrecisionConfig.mode='mixed'"], "set ModelConfig.dtype='bfloat16'"),
+        (["--gin.ModelConfig.name='mt5_xlarge'"], "'mt5_xlarge' is not a known size"),
         # gin would take it as a new macro and train the default 20 steps
         (
             ["--gin.TRAIN_STEP=100"],

@@ -139,3 +139,19 @@ def test_compile_time_does_not_grow_with_depth():
 
 def test_gin_files_exist_for_every_preset():
     assert sorted(p.stem for p in Path("gin/models").glob("*.gin")) == sorted(PRESETS)
+
+
+def test_an_unknown_size_is_refused_and_a_custom_model_names_every_dimension():
+    """A misspelt size used to train mt5_tiny's dimensions under the misspelt name."""
+    with pytest.raises(ValueError, match="'mt5_xlarge' is not a known size .*missing: vocab_size"):
+        ModelConfig(name="mt5_xlarge")
+    dimensions = {"vocab_size": 512, "d_model": 32, "d_ff": 64, "num_heads": 2, "d_kv": 16,
+                  "num_encoder_layers": 1, "num_decoder_layers": 3}  # fmt: skip
+    with pytest.raises(ValueError, match="missing: num_decoder_layers$"):
+        ModelConfig(name="mine", **{**dimensions, "num_decoder_layers": None})
+    custom = ModelConfig(name="mine", **dimensions)
+    assert {field: getattr(custom, field) for field in dimensions} == dimensions
+    with pytest.raises(ValueError, match="d_model must be a positive integer, got 0"):
+        ModelConfig(d_model=0)
+    with pytest.raises(ValueError, match="num_heads must be a positive integer, got 2.5"):
+        ModelConfig(num_heads=2.5)

@@ -43,13 +43,16 @@ SIZES: dict[str, dict[str, int]] = {
     "mt5_xxl": _mt5(d_model=4096, d_ff=10240, num_heads=64, layers=24),
 }
 
+DIMENSIONS = tuple(SIZES["mt5_tiny"])  # what a size fixes, and a custom model must give
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Dimensions and numerics of one encoder-decoder model.
 
-    `name` picks a size of SIZES; each dimension left unset (None) comes from it, or from
-    mt5_tiny for a name that is not a published size. A dimension set here overrides the size's.
+    `name` picks a size of SIZES; each dimension left unset (None) comes from it, and one set
+    here overrides the size's. A custom model says so explicitly: a name of its own and every
+    dimension (a misspelt size must not train another model).
     """
 
     name: str = "mt5_tiny"
@@ -75,7 +78,15 @@ class ModelConfig:
     loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        size = SIZES.get(self.name, SIZES["mt5_tiny"])
+        size = SIZES.get(self.name)
+        if size is None:
+            size = dict.fromkeys(DIMENSIONS)
+            missing = [field for field in DIMENSIONS if getattr(self, field) is None]
+            if missing:
+                raise ValueError(
+                    f"ModelConfig.name {self.name!r} is not a known size ({', '.join(SIZES)}); "
+                    f"a custom model gives every dimension, missing: {', '.join(missing)}"
+                )
         for field, value in size.items():
             if getattr(self, field) is None:
                 object.__setattr__(self, field, value)
@@ -90,9 +101,10 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
-        for field in size:
-            if getattr(self, field) < 1:
-                raise ValueError(f"ModelConfig.{field} must be positive")
+        for field in DIMENSIONS:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {name: ModelConfig(name=name) for name in SIZES}
