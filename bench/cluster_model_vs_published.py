@@ -102,10 +102,10 @@ def calibrate() -> None:
                    "ClusterConfig.roofline_fraction=1.0"])  # fmt: skip
         run, cluster = build_run_config(), build_study_config("cluster")
         predicted = predict(step_analysis(run, 0, 1, 32), run.model, cluster)
-        fraction = predicted["compute_s"] / (measured - predicted["update_s"])
+        fraction = predicted.compute_s / (measured - predicted.update_s)
         fractions.append(fraction)
         print(f"{preset} (remat {remat}): measured {measured:.3f} s, roofline compute "
-              f"{predicted['compute_s']:.3f} s + update {predicted['update_s']:.4f} s: "
+              f"{predicted.compute_s:.3f} s + update {predicted.update_s:.4f} s: "
               f"fraction {fraction:.3f}", flush=True)  # fmt: skip
     mean = math.exp(statistics.fmean(math.log(f) for f in fractions))
     print(f"roofline_fraction = {mean:.2f} (geometric mean of {len(fractions)})")
@@ -140,16 +140,16 @@ def main() -> None:
         analysis = step_analysis(run, row.stage, row.gpus, row.per_rank, row.tensor)
         model = predict(analysis, run.model, cluster, overlap=True)
         bound = predict(analysis, run.model, cluster, overlap=False)
-        error = model["sequences_per_s"] / row.sequences_per_s - 1
+        error = model.sequences_per_s / row.sequences_per_s - 1
         errors.setdefault(row.source, []).append(error)
         source = "t5x" if row.source == T5X else "NeMo"
         lines.append(
             f"| {source} | {row.label} | {row.gpus} | {row.tensor} | {row.per_rank} × "
-            f"{row.micro_batches} | {row.sequences_per_s:,.0f} | {model['sequences_per_s']:,.0f} | "
-            f"{100 * error:+.0f}% | {bound['sequences_per_s']:,.0f} | "
-            f"{100 * (bound['sequences_per_s'] / row.sequences_per_s - 1):+.0f}% | "
-            f"{model['compute_s']:.3f} | {model['exposed_communication_s']:.3f} | "
-            f"{'yes' if model['fits'] else 'no'} ({model['xla_peak_bytes'] / 1e9:.0f}) |"
+            f"{row.micro_batches} | {row.sequences_per_s:,.0f} | {model.sequences_per_s:,.0f} | "
+            f"{100 * error:+.0f}% | {bound.sequences_per_s:,.0f} | "
+            f"{100 * (bound.sequences_per_s / row.sequences_per_s - 1):+.0f}% | "
+            f"{model.compute_s:.3f} | {model.exposed_communication_s:.3f} | "
+            f"{'yes' if model.fits else 'no'} ({model.xla_peak_bytes / 1e9:.0f}) |"
         )
         print(lines[-1], file=sys.stderr, flush=True)  # progress
     every = [abs(e) for found in errors.values() for e in found]

@@ -50,7 +50,7 @@ def one_run(mode: str, replicas: int, every: int, args) -> dict:
     parse_gin(["gin/models/mt5_tiny.gin", "gin/data/corpus.gin"],
               bindings(mode, replicas, every, args))  # fmt: skip
     run = build_run_config()
-    sync = build_setup(run).compile().analysis["replica_sync"]
+    sync = build_setup(run).compile().analysis.replica_sync
     started = time.perf_counter()
     history = train(run)
     validation = [(r["step"], r["validation_loss"]) for r in history if "validation_loss" in r]
@@ -63,9 +63,8 @@ def one_run(mode: str, replicas: int, every: int, args) -> dict:
         "final_validation_loss": validation[-1][1],
         "final_train_loss": history[-1]["loss"],
         "validation": validation,
-        "bytes_over_replica_per_token": sync["per_step"]["bytes_over_replica"]
-        / run.tokens_per_step,
-        "bytes_per_token": sync["per_step"]["bytes"] / run.tokens_per_step,
+        "bytes_over_replica_per_token": sync.per_step.bytes_over_replica / run.tokens_per_step,
+        "bytes_per_token": sync.per_step.bytes / run.tokens_per_step,
         "wall_s": time.perf_counter() - started,
     }
 

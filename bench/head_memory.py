@@ -35,13 +35,13 @@ def compiled_memory(model: str, remat: str, chunk: int | None, batch: int) -> di
                                       loss_chunk_tokens=chunk))  # fmt: skip
     run = stage_run(run, PlanConfig(devices=1, stages=(0,), micro_batch_size=batch), 0)
     step = build_setup(run, jax.devices()[:1]).compile()
-    memory = step.analysis["memory_per_device"]
+    memory = step.analysis.memory_per_device
     return {
         "model": model, "remat": remat, "loss_chunk_tokens": chunk, "batch": batch,
         "lengths": [run.data.input_length, run.data.target_length],
         "remat_chosen": step.setup.run.model.remat,
-        "peak_bytes": memory["peak_estimate_bytes"], "temp_bytes": memory["temp_bytes"],
-        "argument_bytes": memory["argument_bytes"], "compile_time_s": step.compile_time_s,
+        "peak_bytes": memory.peak_estimate_bytes, "temp_bytes": memory.temp_bytes,
+        "argument_bytes": memory.argument_bytes, "compile_time_s": step.compile_time_s,
     }  # fmt: skip
 
 

@@ -23,13 +23,13 @@ jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(64)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.study.simulate import format_simulation, simulate  # noqa: E402
+from t5scale.study.simulate import Simulation, format_simulation, simulate  # noqa: E402
 
 MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid(overlap: bool = True) -> dict[tuple[str, str], dict]:
+def predict_grid(overlap: bool = True) -> dict[tuple[str, str], Simulation]:
     results = {}
     for model in MODELS:
         for cluster in CLUSTERS:
@@ -44,7 +44,9 @@ def predict_grid(overlap: bool = True) -> dict[tuple[str, str], dict]:
 
 
 def plot(
-    results: dict[tuple[str, str], dict], bound: dict[tuple[str, str], dict], path: str
+    results: dict[tuple[str, str], Simulation],
+    bound: dict[tuple[str, str], Simulation],
+    path: str,
 ) -> None:
     import matplotlib
 
@@ -55,19 +57,19 @@ def plot(
     for row, cluster in enumerate(CLUSTERS):
         for column, model in enumerate(MODELS):
             ax = axes[row][column]
-            rows, highest = results[model, cluster]["rows"], 0.0
-            for stage in sorted({r["stage"] for r in rows}):
-                mine = [r for r in rows if r["stage"] == stage]
-                fits = [r["fits"] for r in mine]
-                line = ax.plot([r["nodes"] for r in mine], [r["step_s"] for r in mine], marker="o",
+            rows, highest = results[model, cluster].rows, 0.0
+            for stage in sorted({r.stage for r in rows}):
+                mine = [r for r in rows if r.stage == stage]
+                fits = [r.prediction.fits for r in mine]
+                line = ax.plot([r.nodes for r in mine], [r.prediction.step_s for r in mine], marker="o",
                                label=f"ZeRO {stage}" + ("" if all(fits) else " (○: does not fit)"))  # fmt: skip
                 for r in mine:
-                    if not r["fits"]:
-                        ax.plot(r["nodes"], r["step_s"], "o", color="white", markersize=4)
-                unhidden = [r for r in bound[model, cluster]["rows"] if r["stage"] == stage]
-                ax.plot([r["nodes"] for r in unhidden], [r["step_s"] for r in unhidden], "--",
+                    if not r.prediction.fits:
+                        ax.plot(r.nodes, r.prediction.step_s, "o", color="white", markersize=4)
+                unhidden = [r for r in bound[model, cluster].rows if r.stage == stage]
+                ax.plot([r.nodes for r in unhidden], [r.prediction.step_s for r in unhidden], "--",
                         color=line[0].get_color(), linewidth=1)  # fmt: skip
-                highest = max(highest, *(r["step_s"] for r in mine + unhidden))
+                highest = max(highest, *(r.prediction.step_s for r in mine + unhidden))
             ax.set_xscale("log", base=2)
             ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
             ax.set_title(f"{model}, DGX {cluster.upper()}", fontsize=10)
@@ -83,20 +85,21 @@ def plot(
     figure.savefig(path, dpi=110)
 
 
-def pivot(results: dict[tuple[str, str], dict]) -> str:
+def pivot(results: dict[tuple[str, str], Simulation]) -> str:
     """Seconds per step by model and stage (rows) and cluster and nodes (columns); * marks a
     configuration whose XLA peak does not fit the GPU's memory."""
-    nodes = results[MODELS[0], CLUSTERS[0]]["rows"]
-    counts = sorted({r["nodes"] for r in nodes})
+    nodes = results[MODELS[0], CLUSTERS[0]].rows
+    counts = sorted({r.nodes for r in nodes})
     header = " | ".join(f"{c.upper()} ×{n}" for c in CLUSTERS for n in counts)
     lines = [f"| model | stage | {header} |", "|---|---|" + "---|" * len(CLUSTERS) * len(counts)]
     for model in MODELS:
-        for stage in sorted({r["stage"] for r in nodes}):
+        for stage in sorted({r.stage for r in nodes}):
             cells = []
             for cluster in CLUSTERS:
-                for row in results[model, cluster]["rows"]:
-                    if row["stage"] == stage:
-                        cells.append(f"{row['step_s']:.3f}{'' if row['fits'] else '*'}")
+                for row in results[model, cluster].rows:
+                    if row.stage == stage:
+                        predicted = row.prediction
+                        cells.append(f"{predicted.step_s:.3f}{'' if predicted.fits else '*'}")
             lines.append(f"| {model} | {stage} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from t5scale.analysis.collectives import collective_summary, format_bytes  # noqa: E402
 from t5scale.analysis.flops import (  # noqa: E402
     forward_flops_breakdown,
     forward_flops_per_sequence,
@@ -18,9 +19,7 @@ from t5scale.analysis.flops import (  # noqa: E402
 )
 from t5scale.analysis.hlo import (  # noqa: E402
     collective_stats,
-    collective_summary,
     first_group,
-    format_bytes,
     group_size,
     shape_bytes,
 )

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from conftest import REPO, run_cli, tiny_setup
 
+from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import first_group
 from t5scale.cluster_model.collectives import Placement, collective_seconds, placement
@@ -76,16 +77,16 @@ def test_xla_combines_zero_collectives_up_to_the_threshold_of_the_launch_flags()
     assert f"all_gather_combine_threshold_bytes={XLA_COMBINE_THRESHOLD_BYTES}" in flags
     mesh = {"replica": 1, "zero": 4, "tensor": 2}
     # 10 gathers of 1 MB over `zero` per layer, 24 layers; 2 all-reduces over `tensor`
-    gather = {"kind": "all-gather", "count": 240, "bytes": 2**20, "operand_bytes": 2**18,
-              "group": [0, 2, 4, 6], "computation": "body", "loops": [24]}  # fmt: skip
-    tensor = gather | {"kind": "all-reduce", "count": 48, "group": [0, 1]}
+    gather = CollectiveOp(kind="all-gather", count=240, bytes=2**20, operand_bytes=2**18,
+                          group=(0, 2, 4, 6), computation="body", loops=(24,))  # fmt: skip
+    tensor = dataclasses.replace(gather, kind="all-reduce", count=48, group=(0, 1))
     ops = combined([gather, tensor], mesh, threshold=4 * 2**20)
     assert tensor in ops  # each waits for the compute before it: never combined
-    (merged,) = [op for op in ops if op["kind"] == "all-gather"]
-    assert merged["count"] == 24 * 3  # 10 MB per layer in messages of at most 4 MB
-    assert merged["count"] * merged["bytes"] == pytest.approx(240 * 2**20)  # nothing lost
-    (whole,) = [op for op in combined([gather], mesh, 2**30) if op["kind"] == "all-gather"]
-    assert whole["count"] == 24
+    (merged,) = [op for op in ops if op.kind == "all-gather"]
+    assert merged.count == 24 * 3  # 10 MB per layer in messages of at most 4 MB
+    assert merged.count * merged.bytes == pytest.approx(240 * 2**20)  # nothing lost
+    (whole,) = [op for op in combined([gather], mesh, 2**30) if op.kind == "all-gather"]
+    assert whole.count == 24
 
 
 def test_placement_of_replica_groups_on_nodes():
@@ -112,14 +113,14 @@ def stage3_tensor2():
 
 def test_compiled_collectives_know_their_loops_and_mesh_axes(stage3_tensor2):
     analysis = stage3_tensor2
-    mesh, ops = analysis["mesh"], analysis["collective_ops"]
-    classes = {(op["kind"], overlap_class(op, mesh)) for op in ops}
+    mesh, ops = analysis.mesh, analysis.collective_ops
+    classes = {(op.kind, overlap_class(op, mesh)) for op in ops}
     # stage 3 gathers each layer's parameters inside the layer loops of both passes
     assert {("all-gather", "forward"), ("all-gather", "backward")} <= classes
     assert ("reduce-scatter", "backward") in classes  # each layer's gradient, as it is made
     # tensor parallelism's activation all-reduces: the next operation waits for them
     assert ("all-reduce", "exposed") in classes
-    names = {name for op in ops for name in op["loop_names"]}
+    names = {name for op in ops for name in op.loop_names}
     assert any(name.endswith("encoder/while") for name in names)
     assert any("transpose(" in name and name.endswith("decoder/while") for name in names)
 
@@ -133,9 +134,9 @@ def test_gradient_reductions_are_placed_by_the_micro_batch_loop(stage, kind, exp
     setup = tiny_setup(ParallelConfig(zero_stage=stage, zero=8), batch_size=16, micro_batches=2)
     analysis = setup.compile().analysis
     classes: dict[str, set[str]] = {}
-    for op in analysis["collective_ops"]:
-        if op["bytes"] > 1024:  # not the scalars
-            classes.setdefault(op["kind"], set()).add(overlap_class(op, analysis["mesh"]))
+    for op in analysis.collective_ops:
+        if op.bytes > 1024:  # not the scalars
+            classes.setdefault(op.kind, set()).add(overlap_class(op, analysis.mesh))
     assert classes[kind] == {expected}
     assert classes["all-gather"] == {"exposed"}
 
@@ -159,7 +160,7 @@ def test_overlap_switch(stage3_tensor2):
     slow = dataclasses.replace(CLUSTER, gpus_per_node=2, network_bus_bandwidth=1e6)
     on = predict(stage3_tensor2, model, slow, overlap=True)
     off = predict(stage3_tensor2, model, slow, overlap=False)
-    assert off["hidden_s"] == 0 < on["hidden_s"] and on["step_s"] < off["step_s"]
+    assert off.hidden_s == 0 < on.hidden_s and on.step_s < off.step_s
 
 
 def test_the_roofline_counts_the_model_flops_and_what_remat_recomputes():

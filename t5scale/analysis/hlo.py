@@ -21,15 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-FIELDS = ("count", "bytes", "operand_bytes")
-UNKNOWN_LOOPS = "unknown_trip_count_loops"
-WIDENED = "widened_by_backend"
+from t5scale.analysis.collectives import KINDS, CollectiveOp, Collectives
+
 _NARROW_FLOATS = ("bf16", "f16")
 
 DTYPE_BYTES = {
@@ -340,29 +338,6 @@ def _done_types(module: Module) -> dict[str, str]:
     return done
 
 
-@dataclasses.dataclass(frozen=True)
-class CollectiveOp:
-    """One collective of the program, as the cluster model times it: its kind, its bytes per
-    run on one device, the first of its replica groups (devices as positions in the mesh's
-    device list), where it is, and the trip counts of the `while` loops around it, outermost
-    first."""
-
-    kind: str
-    bytes: int  # result bytes
-    operand_bytes: int
-    group: tuple[int, ...] | None  # None: every device
-    computation: str  # the computation it is in: XLA's combiners merge only within one
-    loops: tuple[int, ...]
-    loop_names: tuple[str, ...]  # each loop's op_name (JAX's trace path, e.g. `…/encoder/while`)
-
-    def as_dict(self, count: int) -> dict[str, Any]:
-        return {"kind": self.kind, "count": count, "bytes": self.bytes,
-                "operand_bytes": self.operand_bytes,
-                "group": None if self.group is None else list(self.group),
-                "computation": self.computation, "loops": list(self.loops),
-                "loop_names": list(self.loop_names)}  # fmt: skip
-
-
 def first_group(attributes: str) -> tuple[int, ...] | None:
     """The first replica group (device positions), from either of HLO's spellings; the first
     source-target pair for a collective-permute; None when all devices take part."""
@@ -384,7 +359,7 @@ def first_group(attributes: str) -> tuple[int, ...] | None:
     return None
 
 
-def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
+def mesh_axes(group: Sequence[int] | None, mesh: Mapping[str, int]) -> set[str]:
     """The mesh axes along which a replica group's devices differ (all of them for None)."""
     if group is None:
         return {axis for axis, size in mesh.items() if size > 1}
@@ -392,13 +367,14 @@ def mesh_axes(group: list[int] | None, mesh: dict[str, int]) -> set[str]:
     return {axis for axis, row in zip(mesh, coordinates, strict=True) if len(set(row)) > 1}
 
 
-def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Every collective that moves data, with how often it runs per executed step
-    (`CollectiveOp.as_dict`), and notes: loops of unknown trip count (their bodies counted
-    once) and collectives XLA:CPU widened (counted at their 16-bit size)."""
+def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
+    """Every collective that moves data, with how often it runs per executed step, and their
+    totals per kind with notes: loops of unknown trip count (their bodies counted once) and
+    collectives XLA:CPU widened (counted at their 16-bit size)."""
     module = parse_module(hlo_text)
     done_types = _done_types(module)
     widening = _Widening(module)
+    # Keyed by the op as it runs once (count 1); the values count its runs per step.
     found: dict[str, dict[CollectiveOp, int]] = {}
     unknown_loops: set[str] = set()
     widened: set[str] = set()
@@ -418,7 +394,7 @@ def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]
                     widened.add(instruction.name)
                     size, operand = size // 2, operand // 2
                 group = first_group(instruction.attributes)
-                op = CollectiveOp(kind, size, operand, group, computation, (), ())
+                op = CollectiveOp(kind, 1, size, operand, group, computation)
                 ops[op] = ops.get(op, 0) + 1
             for callee, times, loop in _calls_with_repeats(instruction, unknown_loops):
                 for op, count in walk(callee).items():
@@ -431,13 +407,9 @@ def collective_ops(hlo_text: str) -> tuple[list[dict[str, Any]], dict[str, int]]
         found[computation] = ops
         return ops
 
-    ops = walk(module.entry) if module.entry is not None else {}
-    notes = {}
-    if unknown_loops:
-        notes[UNKNOWN_LOOPS] = len(unknown_loops)
-    if widened:
-        notes[WIDENED] = len(widened)
-    return [op.as_dict(count) for op, count in ops.items() if count], notes
+    runs = walk(module.entry) if module.entry is not None else {}
+    ops = [dataclasses.replace(op, count=count) for op, count in runs.items() if count]
+    return ops, Collectives.of(ops, len(unknown_loops), len(widened))
 
 
 def collective_stats(hlo_text: str) -> dict[str, Any]:
@@ -447,19 +419,7 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
     Kinds that do not occur are absent. If a `while` loop has no known trip count, its body is
     counted once and the number of such loops is given under "unknown_trip_count_loops".
     """
-    ops, notes = collective_ops(hlo_text)
-    return summarise(ops) | notes
-
-
-def summarise(ops: list[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per-kind totals (count, bytes, operand_bytes) of `collective_ops`' records."""
-    totals: dict[str, dict[str, int]] = {}
-    for op in ops:
-        row = totals.setdefault(op["kind"], dict.fromkeys(FIELDS, 0))
-        row["count"] += op["count"]
-        row["bytes"] += op["count"] * op["bytes"]
-        row["operand_bytes"] += op["count"] * op["operand_bytes"]
-    return {kind: totals[kind] for kind in KINDS if kind in totals}
+    return collective_ops(hlo_text)[1].to_json()
 
 
 def _calls_with_repeats(
@@ -481,23 +441,3 @@ def _calls_with_repeats(
     return [
         (c, trips, loop) if body and c == body.group(1) else (c, trips + 1, None) for c in callees
     ]
-
-
-def format_bytes(size: float) -> str:
-    """Bytes in binary units: `512 B`, `1.5 KiB`, `3.0 MiB`."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
-def collective_summary(stats: Mapping[str, Any]) -> str:
-    """One line, e.g. `all-gather 24× 1.5 MiB, reduce-scatter 12× 819.2 KiB` (result bytes)."""
-    parts = [
-        f"{k} {stats[k]['count']}× {format_bytes(stats[k]['bytes'])}" for k in KINDS if k in stats
-    ]
-    line = ", ".join(parts) or "no collectives"
-    if loops := stats.get(UNKNOWN_LOOPS):
-        line += f" ({loops} loop{'s' if loops > 1 else ''} of unknown trip count counted once)"
-    return line

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
+from t5scale.analysis.collectives import CollectiveOp
 from t5scale.cluster_model.hardware import ClusterConfig
 
 
@@ -40,7 +42,7 @@ class Placement:
         return self.ranks // self.nodes
 
 
-def placement(group: list[int] | None, devices: int, gpus_per_node: int) -> Placement:
+def placement(group: Sequence[int] | None, devices: int, gpus_per_node: int) -> Placement:
     """The placement of a replica group of device positions (None: all `devices`); GPU i is on
     node i // gpus_per_node, as when processes are the mesh's slowest dimension."""
     members = range(devices) if group is None else group
@@ -91,6 +93,6 @@ def collective_seconds(
     return cluster.collective_launch_s + seconds
 
 
-def full_bytes(op: dict) -> int:
-    """The unsharded size a collective record moves: an all-gather's result, else the operand."""
-    return op["bytes"] if op["kind"] == "all-gather" else op["operand_bytes"]
+def full_bytes(op: CollectiveOp) -> float:
+    """The unsharded size a collective moves: an all-gather's result, else the operand."""
+    return op.bytes if op.kind == "all-gather" else op.operand_bytes

@@ -35,15 +35,19 @@ concurrent collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.hlo import mesh_axes
+from t5scale.analysis.jsonform import JsonRecord
+from t5scale.analysis.records import StepAnalysis
 from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
-from t5scale.cluster_model.compute import step_compute
+from t5scale.cluster_model.compute import ComputeTime, step_compute
 from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.model.sizes import ModelConfig
 
@@ -52,40 +56,43 @@ DATA_AXES = {"replica", "zero"}
 XLA_COMBINE_THRESHOLD_BYTES = 134_217_728
 
 
-def over_data_axes(op: dict[str, Any], mesh: dict[str, int]) -> bool:
+def over_data_axes(op: CollectiveOp, mesh: dict[str, int]) -> bool:
     """Whether a collective is ZeRO's or data parallelism's (its group spans no `tensor`)."""
-    return mesh_axes(op["group"], mesh) <= DATA_AXES
+    return mesh_axes(op.group, mesh) <= DATA_AXES
 
 
 def combined(
-    ops: list[dict[str, Any]], mesh: dict[str, int], threshold: int
-) -> list[dict[str, Any]]:
+    ops: Sequence[CollectiveOp], mesh: dict[str, int], threshold: int
+) -> list[CollectiveOp]:
     """The collectives as XLA's GPU combiners would launch them: the ZeRO collectives of one
     kind, group, computation and loop nest merged, per run of that computation, into as few
     messages of at most `threshold` bytes as their total allows (never more than there were)."""
-    merged: dict[tuple, dict[str, Any]] = {}
+    merged: dict[tuple, CollectiveOp] = {}
     result = []
     for op in ops:
-        if not op["count"]:
+        if not op.count:
             continue
         if not over_data_axes(op, mesh):
             result.append(op)
             continue
-        group = None if op["group"] is None else tuple(op["group"])
-        key = (op["kind"], group, op["computation"], tuple(op["loops"]),
-               tuple(op.get("loop_names", ())))  # fmt: skip
-        into = merged.setdefault(key, {**op, "count": 0, "bytes": 0, "operand_bytes": 0})
-        into["count"] += op["count"]
-        into["bytes"] += op["count"] * op["bytes"]
-        into["operand_bytes"] += op["count"] * op["operand_bytes"]
+        key = (op.kind, op.group, op.computation, op.loops, op.loop_names)
+        into = merged.get(key, dataclasses.replace(op, count=0, bytes=0, operand_bytes=0))
+        merged[key] = dataclasses.replace(
+            into,
+            count=into.count + op.count,
+            bytes=into.bytes + op.count * op.bytes,  # all of them, until split below
+            operand_bytes=into.operand_bytes + op.count * op.operand_bytes,
+        )
     for op in merged.values():
-        runs = math.prod(op["loops"]) if op["loops"] else 1
-        per_run = max(1, op["count"] // runs)  # collectives per run of their computation
+        runs = math.prod(op.loops) if op.loops else 1
+        per_run = max(1, op.count // runs)  # collectives per run of their computation
         size = full_bytes(op) / runs
         launches = min(per_run, max(1, math.ceil(size / threshold)))
         share = 1 / (runs * launches)  # bytes per launched message
-        result.append(op | {"count": runs * launches, "bytes": op["bytes"] * share,
-                            "operand_bytes": op["operand_bytes"] * share})  # fmt: skip
+        result.append(dataclasses.replace(
+            op, count=runs * launches, bytes=op.bytes * share,
+            operand_bytes=op.operand_bytes * share,
+        ))  # fmt: skip
     return result
 
 
@@ -97,19 +104,20 @@ def _layer_loop(name: str) -> bool:
     return name.endswith(("encoder/while", "decoder/while"))
 
 
-def overlap_class(op: dict[str, Any], mesh: dict[str, int]) -> str:
+def overlap_class(op: CollectiveOp, mesh: dict[str, int]) -> str:
     """One of CLASSES (module docstring)."""
     if not over_data_axes(op, mesh) or full_bytes(op) <= SCALAR_BYTES:
         return "exposed"
-    names = op.get("loop_names", [])
-    if layer_loops := [name for name in names if _layer_loop(name)]:
+    if layer_loops := [name for name in op.loop_names if _layer_loop(name)]:
         return "backward" if "transpose(" in layer_loops[-1] else "forward"
-    if op["kind"] in ("reduce-scatter", "all-reduce"):
-        return "gradient" if names else "gradient_per_step"  # inside the micro-batch loop
+    if op.kind in ("reduce-scatter", "all-reduce"):
+        return "gradient" if op.loop_names else "gradient_per_step"  # inside the micro-batch loop
     return "exposed"
 
 
-def hidden_seconds(by_class: dict[str, float], compute, depth: int, micro_batches: int) -> float:
+def hidden_seconds(
+    by_class: dict[str, float], compute: ComputeTime, depth: int, micro_batches: int
+) -> float:
     """Communication hidden behind compute: each class behind the compute it may overlap, but
     for one layer's worth (fill and drain)."""
     keep = 1 - 1 / depth
@@ -121,29 +129,44 @@ def hidden_seconds(by_class: dict[str, float], compute, depth: int, micro_batche
     return forward + backward + gradient + min(by_class["gradient_per_step"] * keep, last)
 
 
-def owned_parameters(analysis: dict[str, Any]) -> float:
+def owned_parameters(analysis: StepAnalysis) -> float:
     """Parameters whose update this device runs: its `tensor` slice, and from stage 1 its
     `zero` shard of that."""
-    mesh = analysis["mesh"]
-    owned = analysis["parameters"] / mesh.get("tensor", 1)
-    return owned / mesh["zero"] if analysis["zero_stage"] >= 1 else owned
+    owned = analysis.parameters / analysis.tensor
+    return owned / analysis.mesh["zero"] if analysis.zero_stage >= 1 else owned
 
 
-def update_seconds(analysis: dict[str, Any], cluster: ClusterConfig) -> float:
-    """The optimizer update, memory-bound: it reads and writes the optimizer state this device
-    owns, reads the owned gradients and reads and writes the owned parameters."""
-    mesh, precision = analysis["mesh"], analysis["precision"]
-    owned = owned_parameters(analysis)
-    optimizer = analysis["model_state_per_device"]["zero_formula_bytes"]["optimizer_state"]
-    optimizer /= mesh.get("tensor", 1)
-    width = {name: jnp.dtype(precision[name]).itemsize for name in ("gradients", "parameters")}
-    per_parameter = width["gradients"] + 2 * width["parameters"]
-    moved = 2 * optimizer + owned * per_parameter
+def _memory_seconds(moved: float, cluster: ClusterConfig) -> float:
+    """Memory-bound work: bytes moved at the achieved memory bandwidth."""
     return moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
 
 
+def update_seconds(analysis: StepAnalysis, cluster: ClusterConfig) -> float:
+    """The optimizer update, memory-bound: it reads and writes the optimizer state this device
+    owns, reads the owned gradients and reads and writes the owned parameters."""
+    precision = analysis.precision
+    owned = owned_parameters(analysis)
+    state = analysis.model_state_per_device.zero_formula_bytes
+    optimizer = state.optimizer_state / analysis.tensor
+    gradients = jnp.dtype(precision.gradients).itemsize
+    per_parameter = gradients + 2 * jnp.dtype(precision.parameters).itemsize
+    return _memory_seconds(2 * optimizer + owned * per_parameter, cluster)
+
+
+def communication_seconds(
+    ops: Sequence[CollectiveOp], analysis: StepAnalysis, cluster: ClusterConfig, threshold: int
+) -> list[tuple[CollectiveOp, float]]:
+    """Each collective as XLA's combiners launch it (`combined`), with its seconds per step on
+    `cluster` (all its runs), placed on the nodes by its replica group."""
+    timed = []
+    for op in combined(ops, analysis.mesh, threshold):
+        where = placement(op.group, analysis.devices, cluster.gpus_per_node)
+        timed.append((op, op.count * collective_seconds(op.kind, full_bytes(op), where, cluster)))
+    return timed
+
+
 def outer_step_seconds(
-    analysis: dict[str, Any], cluster: ClusterConfig, threshold: int = XLA_COMBINE_THRESHOLD_BYTES
+    analysis: StepAnalysis, cluster: ClusterConfig, threshold: int = XLA_COMBINE_THRESHOLD_BYTES
 ) -> tuple[float, int]:
     """(seconds of one outer step of local SGD or DiLoCo, H); (0, 1) for synchronous steps.
 
@@ -151,67 +174,83 @@ def outer_step_seconds(
     are exposed: nothing computes beside them. Its arithmetic is memory-bound: the owned shard
     of the replica's fp32 parameters, the anchor and the momentum read, the last two written,
     and the working copy written."""
-    sync = analysis.get("replica_sync", {})
-    ops = sync.get("outer_collective_ops")
-    if not ops:
+    sync = analysis.replica_sync
+    if not sync.outer_collective_ops:
         return 0.0, 1
-    mesh, devices = analysis["mesh"], analysis["devices"]
-    seconds = 0.0
-    for op in combined(ops, mesh, threshold):
-        where = placement(op["group"], devices, cluster.gpus_per_node)
-        seconds += op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
-    owned = owned_parameters(analysis)
-    moved = owned * (3 * 4 + 2 * 4 + jnp.dtype(analysis["precision"]["parameters"]).itemsize)
-    seconds += moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
-    return seconds, sync["every"]
+    timed = communication_seconds(sync.outer_collective_ops, analysis, cluster, threshold)
+    seconds = sum(spent for _, spent in timed)
+    width = jnp.dtype(analysis.precision.parameters).itemsize
+    seconds += _memory_seconds(owned_parameters(analysis) * (3 * 4 + 2 * 4 + width), cluster)
+    return seconds, sync.every
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimePrediction(JsonRecord):
+    """Seconds per step on a cluster and its parts, with the throughput and MFU they give."""
+
+    step_s: float
+    compute_s: float
+    update_s: float
+    communication_s: float
+    exposed_communication_s: float
+    communication_by_kind_s: dict[str, float]
+    communication_by_overlap_s: dict[str, float]  # CLASSES
+    hidden_s: float
+    outer_step_s: float  # local SGD, DiLoCo: once per `sync_every` steps
+    sync_every: int  # 0 for synchronous steps
+    sequences_per_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    fits: bool  # XLA's per-device peak within the cluster's device memory
+    xla_peak_bytes: int
 
 
 def predict(
-    analysis: dict[str, Any],
+    analysis: StepAnalysis,
     model: ModelConfig,
     cluster: ClusterConfig,
     overlap: bool = True,
     combine_threshold_bytes: int = XLA_COMBINE_THRESHOLD_BYTES,
-) -> dict[str, Any]:
+) -> StepTimePrediction:
     """Seconds per step and its parts on `cluster`, for the step `analysis` describes (its mesh
     laid over nodes of `cluster.gpus_per_node` GPUs, processes slowest)."""
-    mesh, devices = analysis["mesh"], analysis["devices"]
-    sequences = analysis["batch_size"] / (mesh.get("replica", 1) * mesh.get("zero", 1))
-    lengths = analysis["lengths"]
-    compute = step_compute(model, sequences, *lengths, cluster, tensor=mesh.get("tensor", 1))
+    devices, sequences = analysis.devices, analysis.batch_size / analysis.data_parallel
+    compute = step_compute(model, sequences, *analysis.lengths, cluster, tensor=analysis.tensor)
     by_class = dict.fromkeys(CLASSES, 0.0)
     by_kind: dict[str, float] = {}
-    for op in combined(analysis["collective_ops"], mesh, combine_threshold_bytes):
-        where = placement(op["group"], devices, cluster.gpus_per_node)
-        seconds = op["count"] * collective_seconds(op["kind"], full_bytes(op), where, cluster)
-        by_class[overlap_class(op, mesh)] += seconds
-        by_kind[op["kind"]] = by_kind.get(op["kind"], 0.0) + seconds
+    timed = communication_seconds(
+        analysis.collective_ops, analysis, cluster, combine_threshold_bytes
+    )
+    for op, seconds in timed:
+        by_class[overlap_class(op, analysis.mesh)] += seconds
+        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + seconds
     communication = sum(by_class.values())
     hidden = 0.0
     if overlap:
-        depth = min(analysis["layers"].values())
-        hidden = hidden_seconds(by_class, compute, depth, analysis["micro_batches"])
+        depth = analysis.layers.depth
+        hidden = hidden_seconds(by_class, compute, depth, analysis.micro_batches)
     update = update_seconds(analysis, cluster)
     outer, every = outer_step_seconds(analysis, cluster, combine_threshold_bytes)
     step = compute.total + update + communication - hidden + outer / every
-    tokens = analysis["tokens_per_step"]
+    tokens = analysis.tokens_per_step
     peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
-    return {
-        "step_s": step,
-        "compute_s": compute.total,
-        "update_s": update,
-        "communication_s": communication,
-        "exposed_communication_s": communication - hidden,
-        "communication_by_kind_s": by_kind,
-        "communication_by_overlap_s": by_class,
-        "hidden_s": hidden,
-        "outer_step_s": outer,  # local SGD, DiLoCo: once per `sync_every` steps
-        "sync_every": every if analysis.get("replica_sync", {}).get("outer_collective_ops") else 0,
-        "sequences_per_s": analysis["batch_size"] / step,
-        "tokens_per_s": tokens / step,
-        "tokens_per_s_per_device": tokens / step / devices,
-        "mfu": mfu(analysis["flops_per_step"]["model"], step, peak, devices),
-        "fits": analysis["memory_per_device"]["peak_estimate_bytes"]
-        <= cluster.device_memory_gb * 1e9,
-        "xla_peak_bytes": analysis["memory_per_device"]["peak_estimate_bytes"],
-    }
+    xla_peak = analysis.memory_per_device.peak_estimate_bytes
+    return StepTimePrediction(
+        step_s=step,
+        compute_s=compute.total,
+        update_s=update,
+        communication_s=communication,
+        exposed_communication_s=communication - hidden,
+        communication_by_kind_s=by_kind,
+        communication_by_overlap_s=by_class,
+        hidden_s=hidden,
+        outer_step_s=outer,
+        sync_every=every if analysis.replica_sync.outer_collective_ops else 0,
+        sequences_per_s=analysis.batch_size / step,
+        tokens_per_s=tokens / step,
+        tokens_per_s_per_device=tokens / step / devices,
+        mfu=mfu(analysis.flops_per_step.model, step, peak, devices),
+        fits=xla_peak <= cluster.device_memory_gb * 1e9,
+        xla_peak_bytes=xla_peak,
+    )

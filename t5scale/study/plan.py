@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 
-from t5scale.analysis.hlo import KINDS, format_bytes
+from t5scale.analysis.collectives import format_bytes
+from t5scale.analysis.records import StatePrecision, StepAnalysis
 from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
 from t5scale.train.config import RunConfig
@@ -62,105 +63,143 @@ def stage_run(run: RunConfig, plan: PlanConfig, stage: int, replicas: int = 1) -
     )
 
 
-def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage of the plan: its compiled step's analysis, the parameters one device holds,
+    and whether the step fits the device's memory."""
+
+    analysis: StepAnalysis
+    parameters_per_device: int
+    device_memory_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        """XLA's per-device peak within the device's memory."""
+        return self.analysis.memory_per_device.peak_estimate_bytes <= self.device_memory_bytes
+
+    @property
+    def fits_model_state(self) -> bool:
+        """The ZeRO formula's model state alone within the device's memory."""
+        formula = self.analysis.model_state_per_device.zero_formula_bytes
+        return formula.total <= self.device_memory_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        analysis = self.analysis
+        state = analysis.model_state_per_device
+        return {
+            "stage": analysis.zero_stage,
+            "remat": analysis.remat.to_json(),
+            "mesh": analysis.mesh,
+            "batch_size": analysis.batch_size,
+            "parameters": analysis.parameters,
+            "precision": analysis.precision.to_json(),
+            "parameters_per_device": self.parameters_per_device,
+            "zero_formula_bytes": state.zero_formula_bytes.to_json(),
+            "zero_formula": state.zero_formula,
+            "padded": analysis.padded,
+            "xla_memory_per_device": analysis.memory_per_device.to_json(),
+            "xla_model_state_per_device": state.to_json(),
+            "device_memory_bytes": self.device_memory_bytes,
+            "fits": self.fits,
+            "fits_model_state": self.fits_model_state,
+            "collectives": analysis.collectives.to_json(),
+            "flops_per_step": analysis.flops_per_step.to_json(),
+            "compile_time_s": analysis.compile_time_s,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The plan of one model on `plan.devices` devices, stage by stage (`t5scale plan`)."""
+
+    run: RunConfig
+    plan: PlanConfig
+    stages: tuple[StagePlan, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """`t5scale plan --json`."""
+        run = self.run
+        return {
+            "model": run.model.name,
+            "devices": self.plan.devices,
+            "tensor": self.plan.tensor,
+            "device_memory_gb": self.plan.device_memory_gb,
+            "dtype": run.model.dtype,
+            "precision": self.stages[0].analysis.precision.to_json() if self.stages else None,
+            "remat": run.model.remat,
+            "optimizer": run.optimizer.name,
+            "lengths": [run.data.input_length, run.data.target_length],
+            "stages": [stage.to_json() for stage in self.stages],
+        }
+
+
+def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> StagePlan:
     staged = stage_run(run, plan, stage)
     budget = plan.device_memory_gb * 1e9
     step = build_setup(staged, devices).compile(memory_budget_bytes=int(budget))
-    analysis = step.analysis
-    peak = analysis["memory_per_device"]["peak_estimate_bytes"]
-    formula = analysis["model_state_per_device"]["zero_formula_bytes"]
-    return {
-        "stage": stage,
-        "remat": analysis["remat"],
-        "mesh": analysis["mesh"],
-        "batch_size": staged.train.batch_size,
-        "parameters": analysis["parameters"],
-        "precision": analysis["precision"],
-        "parameters_per_device": step.setup.layout.parameters_per_device(),
-        "zero_formula_bytes": formula,
-        "zero_formula": analysis["model_state_per_device"]["zero_formula"],
-        "padded": analysis["padded"],
-        "xla_memory_per_device": analysis["memory_per_device"],
-        "xla_model_state_per_device": analysis["model_state_per_device"],
-        "device_memory_bytes": budget,
-        "fits": peak <= budget,
-        "fits_model_state": formula["total"] <= budget,
-        "collectives": analysis["collectives"],
-        "flops_per_step": analysis["flops_per_step"],
-        "compile_time_s": analysis["compile_time_s"],
-    }
+    return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget)
 
 
-def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> dict[str, Any]:
+def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> Plan:
     if jax.device_count() < plan.devices:
         raise ConfigError(f"{plan.devices} devices to plan for, {jax.device_count()} emulated")
     devices = jax.devices()[: plan.devices]
     stages = []
     for stage in plan.stages:
         stages.append(plan_stage(run, plan, stage, devices))
-        show(f"stage {stage}: compiled in {stages[-1]['compile_time_s']:.1f} s")
-    return {
-        "model": run.model.name,
-        "devices": plan.devices,
-        "tensor": plan.tensor,
-        "device_memory_gb": plan.device_memory_gb,
-        "dtype": run.model.dtype,
-        "precision": stages[0]["precision"] if stages else None,
-        "remat": run.model.remat,
-        "optimizer": run.optimizer.name,
-        "lengths": [run.data.input_length, run.data.target_length],
-        "stages": stages,
-    }
+        show(f"stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
+    return Plan(run, plan, tuple(stages))
 
 
-def _precision_words(precision: dict[str, Any]) -> str:
-    if precision["mode"] == "mixed":
+def _precision_words(precision: StatePrecision) -> str:
+    if precision.mode == "mixed":
         return (
-            f"mixed precision ({precision['parameters']} working copy, {precision['gradients']} "
+            f"mixed precision ({precision.parameters} working copy, {precision.gradients} "
             "gradients, fp32 master in the optimizer state)"
         )
     return "fp32 parameters, gradients and optimizer state"
 
 
-def format_plan(result: dict[str, Any]) -> str:
-    gb = 1e9
-    first = result["stages"][0]
+def _stage_row(stage: StagePlan) -> str:
+    """The stage's row of format_plan's table."""
+    gb, analysis = 1e9, stage.analysis
+    state, xla = analysis.model_state_per_device, analysis.memory_per_device
+    formula = state.zero_formula_bytes
+    measured = state.xla_parameters_and_optimizer_bytes + state.gradient_bytes
+    collectives = ", ".join(
+        f"{kind} {total.count}× {format_bytes(total.bytes)}"
+        for kind, total in analysis.collectives.by_kind.items()
+    )
+    chosen = analysis.remat
+    remat = f" (remat auto → {chosen.policy})" if chosen.requested == "auto" else ""
+    return (
+        f"| {analysis.zero_stage}{remat} | {stage.parameters_per_device:,} | {state.zero_formula} | "
+        f"{formula.parameters / gb:.3g} + {formula.gradients / gb:.3g} + "
+        f"{formula.optimizer_state / gb:.3g} = {formula.total / gb:.3g} | "
+        f"{measured / gb:.3g} | {xla.argument_bytes / gb:.3g}, {xla.temp_bytes / gb:.3g}, "
+        f"{xla.peak_estimate_bytes / gb:.3g} | {'yes' if stage.fits else 'no'} | "
+        f"{collectives or 'none'} |"
+    )
+
+
+def format_plan(result: Plan) -> str:
+    run, plan = result.run, result.plan
+    first = result.stages[0].analysis
     lines = [
-        f"{result['model']} on {result['devices']} devices (tensor {result['tensor']}), "
-        f"{result['device_memory_gb']:g} GB each; {result['optimizer']}, {result['dtype']} "
-        f"compute, {_precision_words(result['precision'])}, remat {result['remat']}, lengths "
-        f"{result['lengths'][0]}/{result['lengths'][1]}, batch {first['batch_size']}",
+        f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
+        f"{plan.device_memory_gb:g} GB each; {run.optimizer.name}, {run.model.dtype} "
+        f"compute, {_precision_words(first.precision)}, remat {run.model.remat}, lengths "
+        f"{run.data.input_length}/{run.data.target_length}, batch {first.batch_size}",
         "",
         "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
         "collectives per step |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    for stage in result["stages"]:
-        formula, xla = stage["zero_formula_bytes"], stage["xla_memory_per_device"]
-        state = stage["xla_model_state_per_device"]
-        measured = state["xla_parameters_and_optimizer_bytes"] + state["gradient_bytes"]
-        found = stage["collectives"]
-        collectives = ", ".join(
-            f"{kind} {found[kind]['count']}× {format_bytes(found[kind]['bytes'])}"
-            for kind in KINDS
-            if kind in found
-        )
-        chosen = stage["remat"]
-        remat = f" (remat auto → {chosen['policy']})" if chosen["requested"] == "auto" else ""
-        lines.append(
-            f"| {stage['stage']}{remat} | {stage['parameters_per_device']:,} | {stage['zero_formula']} | "
-            f"{formula['parameters'] / gb:.3g} + {formula['gradients'] / gb:.3g} + "
-            f"{formula['optimizer_state'] / gb:.3g} = {formula['total'] / gb:.3g} | "
-            f"{measured / gb:.3g} | {xla['argument_bytes'] / gb:.3g}, {xla['temp_bytes'] / gb:.3g}, "
-            f"{xla['peak_estimate_bytes'] / gb:.3g} | {'yes' if stage['fits'] else 'no'} | "
-            f"{collectives or 'none'} |"
-        )
-    lines.append("")
-    lines.append(
+        *(_stage_row(stage) for stage in result.stages),
+        "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
         "memory. Model state from XLA: the step's arguments less the batch (parameters and "
         "optimizer state) plus the gradients' bytes under their sharding. Collective bytes are "
-        "each collective's result size per device, summed over the step."
-    )
+        "each collective's result size per device, summed over the step.",
+    ]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from t5scale.analysis.hlo import collective_summary
+from t5scale.analysis.collectives import collective_summary
 from t5scale.errors import ConfigError
 
 GIB = 2**30

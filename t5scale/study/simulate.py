@@ -22,9 +22,14 @@ from typing import Any
 
 import jax
 
+from t5scale.analysis.records import StepAnalysis
 from t5scale.analysis.step import with_every
 from t5scale.cluster_model.hardware import ClusterConfig
-from t5scale.cluster_model.step_time import XLA_COMBINE_THRESHOLD_BYTES, predict
+from t5scale.cluster_model.step_time import (
+    XLA_COMBINE_THRESHOLD_BYTES,
+    StepTimePrediction,
+    predict,
+)
 from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
 from t5scale.study.plan import PlanConfig, stage_run
@@ -76,7 +81,7 @@ def step_analysis(
     tensor: int = 1,
     replicas: int = 1,
     memory_budget_bytes: int | None = None,
-) -> dict:
+) -> StepAnalysis:
     """The compiled step's analysis on `devices` emulated devices (with `replicas` > 1 and a
     local run.sync, its outer step's too; remat 'auto' chosen within `memory_budget_bytes`,
     the cluster's device memory); cached across calls on disk (keyed by the whole run,
@@ -98,13 +103,13 @@ def step_analysis(
     path = _cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:
-        return with_every(cache[key], staged.sync.every)
+        return with_every(StepAnalysis.from_json(cache[key]), staged.sync.every)
     step = build_setup(staged, jax.devices()[:devices]).compile(
         memory_budget_bytes=memory_budget_bytes
     )
     analysis = step.analysis
     cache = json.loads(path.read_text()) if path.exists() else {}
-    cache[key] = analysis
+    cache[key] = analysis.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cache))
@@ -112,7 +117,60 @@ def step_analysis(
     return analysis
 
 
-def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print) -> dict:
+@dataclasses.dataclass(frozen=True)
+class SimulatedRow:
+    """One stage, synchronisation and node count: the step's shape and its predicted time."""
+
+    stage: int
+    sync: str  # in words: 'every step', 'DiLoCo H=4'
+    nodes: int
+    devices: int
+    analysis: StepAnalysis
+    prediction: StepTimePrediction
+
+    def to_json(self) -> dict[str, Any]:
+        analysis = self.analysis
+        return {
+            "stage": self.stage,
+            "sync": self.sync,
+            "nodes": self.nodes,
+            "devices": self.devices,
+            "batch_size": analysis.batch_size,
+            "precision": analysis.precision.mode,
+            "zero_formula": analysis.model_state_per_device.zero_formula,
+            "remat": analysis.remat.policy,  # 'auto': what the step chose on this many devices
+        } | self.prediction.to_json()
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """`t5scale simulate`'s rows for one model on one cluster."""
+
+    run: RunConfig
+    cluster: ClusterConfig
+    config: SimulateConfig
+    rows: tuple[SimulatedRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """`t5scale simulate --json`."""
+        run = self.run
+        return {
+            "model": run.model.name,
+            "cluster": dataclasses.asdict(self.cluster),
+            "micro_batch_size": self.config.micro_batch_size,
+            "tensor": self.config.tensor,
+            "overlap": self.config.overlap,
+            "lengths": [run.data.input_length, run.data.target_length],
+            "dtype": run.model.dtype,
+            "precision": self.rows[0].analysis.precision.mode if self.rows else None,
+            "remat": run.model.remat,
+            "rows": [row.to_json() for row in self.rows],
+        }
+
+
+def simulate(
+    run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print
+) -> Simulation:
     rows = []
     needed = max(config.nodes) * cluster.gpus_per_node
     if jax.device_count() < needed:
@@ -129,61 +187,53 @@ def simulate(run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, sho
             config.tensor, replicas=nodes if sync.local else 1,
             memory_budget_bytes=int(cluster.device_memory_gb * 1e9),
         )  # fmt: skip
-        row = {"stage": stage, "sync": sync_name, "nodes": nodes, "devices": devices,
-               "batch_size": analysis["batch_size"], "precision": analysis["precision"]["mode"],
-               "zero_formula": analysis["model_state_per_device"]["zero_formula"]}  # fmt: skip
         # remat 'auto': what the compiled step chose on this many devices
-        model = dataclasses.replace(run.model, remat=analysis["remat"]["policy"])
-        row["remat"] = model.remat
-        rows.append(
-            row | predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
+        model = dataclasses.replace(run.model, remat=analysis.remat.policy)
+        prediction = predict(
+            analysis, model, cluster, config.overlap, config.combine_threshold_bytes
         )
+        rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
         show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
-             f"node{'s' if nodes > 1 else ''}: {rows[-1]['step_s']:.3f} s/step predicted")  # fmt: skip
-    return {
-        "model": run.model.name,
-        "cluster": dataclasses.asdict(cluster),
-        "micro_batch_size": config.micro_batch_size,
-        "tensor": config.tensor,
-        "overlap": config.overlap,
-        "lengths": [run.data.input_length, run.data.target_length],
-        "dtype": run.model.dtype,
-        "precision": rows[0]["precision"] if rows else None,
-        "remat": run.model.remat,
-        "rows": rows,
-    }
+             f"node{'s' if nodes > 1 else ''}: {prediction.step_s:.3f} s/step predicted")  # fmt: skip
+    return Simulation(run, cluster, config, tuple(rows))
 
 
-def format_simulation(result: dict[str, Any]) -> str:
-    cluster = result["cluster"]
+def _row_line(row: SimulatedRow) -> str:
+    """The row of format_simulation's table."""
+    predicted = row.prediction
+    outer = (
+        f"{predicted.outer_step_s:.3f} ({predicted.outer_step_s / predicted.sync_every:.4f})"
+        if predicted.sync_every else "–"
+    )  # fmt: skip
+    return (
+        f"| {row.stage} | {row.sync} | {row.analysis.model_state_per_device.zero_formula} | "
+        f"{row.nodes} | {row.devices} | "
+        f"{predicted.step_s:.3f} | {predicted.compute_s:.3f} | {predicted.update_s:.3f} | "
+        f"{predicted.communication_s:.3f} ({predicted.exposed_communication_s:.3f}) | {outer} | "
+        f"{predicted.tokens_per_s:,.0f} | {predicted.tokens_per_s_per_device:,.0f} | "
+        f"{100 * predicted.mfu:.0f}% | {'yes' if predicted.fits else 'no'} "
+        f"({predicted.xla_peak_bytes / 1e9:.0f}) |"
+    )
+
+
+def format_simulation(result: Simulation) -> str:
+    cluster, config, run = result.cluster, result.config, result.run
+    precision = result.rows[0].analysis.precision.mode if result.rows else None
     lines = [
-        f"{result['model']} on {cluster['name']} nodes ({cluster['gpus_per_node']} GPUs each; "
-        f"{cluster['peak_flops'] / 1e12:g} TFLOP/s peak, GEMMs at "
-        f"{cluster['gemm_efficiency']:.0%}; bus bandwidth NVLink "
-        f"{cluster['nvlink_bus_bandwidth'] / 1e9:g} GB/s, network "
-        f"{cluster['network_bus_bandwidth'] / 1e9:g} GB/s per node; overlap "
-        f"{'from the step' if result['overlap'] else 'off'}); micro-batch "
-        f"{result['micro_batch_size']} per GPU, tensor {result['tensor']}, lengths "
-        f"{result['lengths'][0]}/{result['lengths'][1]}, {result['dtype']} compute, "
-        f"{result['precision']} precision, remat {result['remat']}",
+        f"{run.model.name} on {cluster.name} nodes ({cluster.gpus_per_node} GPUs each; "
+        f"{cluster.peak_flops / 1e12:g} TFLOP/s peak, GEMMs at "
+        f"{cluster.gemm_efficiency:.0%}; bus bandwidth NVLink "
+        f"{cluster.nvlink_bus_bandwidth / 1e9:g} GB/s, network "
+        f"{cluster.network_bus_bandwidth / 1e9:g} GB/s per node; overlap "
+        f"{'from the step' if config.overlap else 'off'}); micro-batch "
+        f"{config.micro_batch_size} per GPU, tensor {config.tensor}, lengths "
+        f"{run.data.input_length}/{run.data.target_length}, {run.model.dtype} compute, "
+        f"{precision} precision, remat {run.model.remat}",
         "",
         "| stage | replicas sync | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
         "communication s (exposed) | outer step s (per step) | tokens/s | tokens/s/GPU | MFU | "
         "fits (XLA GB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(_row_line(row) for row in result.rows),
     ]
-    for row in result["rows"]:
-        outer = (
-            f"{row['outer_step_s']:.3f} ({row['outer_step_s'] / row['sync_every']:.4f})"
-            if row["sync_every"] else "–"
-        )  # fmt: skip
-        lines.append(
-            f"| {row['stage']} | {row['sync']} | {row['zero_formula']} | {row['nodes']} | "
-            f"{row['devices']} | "
-            f"{row['step_s']:.3f} | {row['compute_s']:.3f} | {row['update_s']:.3f} | "
-            f"{row['communication_s']:.3f} ({row['exposed_communication_s']:.3f}) | {outer} | "
-            f"{row['tokens_per_s']:,.0f} | {row['tokens_per_s_per_device']:,.0f} | "
-            f"{100 * row['mfu']:.0f}% | {'yes' if row['fits'] else 'no'} "
-            f"({row['xla_peak_bytes'] / 1e9:.0f}) |"
-        )
     return "\n".join(lines)

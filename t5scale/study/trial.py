@@ -25,8 +25,8 @@ from typing import Any
 
 import jax
 
-from t5scale.analysis.flops import mfu
 from t5scale import xla_cpu
+from t5scale.analysis.flops import mfu
 from t5scale.analysis.peaks import device_peak
 from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
@@ -165,9 +165,9 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
         return None, {"status": "compile error", "error": str(error)}
     except Exception as error:  # XLA's own compile failures
         return None, {"status": _failure_status(error, "compile error"), "error": _one_line(error)}
-    peak_bytes = step.analysis["memory_per_device"]["peak_estimate_bytes"]
+    peak_bytes = step.analysis.memory_per_device.peak_estimate_bytes
     fits = budget is None or peak_bytes <= budget
-    result = {"status": "ok", "analysis": step.analysis, "memory_budget_bytes": budget,
+    result = {"status": "ok", "analysis": step.analysis.to_json(), "memory_budget_bytes": budget,
               "fits": fits}  # fmt: skip
     if not fits:
         result |= {
@@ -201,7 +201,7 @@ def _time(spec: dict[str, Any], point, step) -> dict[str, Any]:
     median = timing["step_time_s"]["median"]
     # Emulated CPU devices share one machine, so they share its one measured peak.
     peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
-    model_flops = step.analysis["flops_per_step"]["model"]
+    model_flops = step.analysis.flops_per_step.model
     losses = timing["losses"][: budget_steps or None]
     # The loss's evidence: its median over the last quarter of the steps (at least the samples
     # the round's comparison needs), with that median's interval.

@@ -1,0 +1,102 @@
+"""The collectives of a compiled program as records: each one with how often it runs per step
+(`CollectiveOp`, what the cluster model times), and their totals per kind (`Collectives`, what
+reports show). t5scale/analysis/hlo.py finds them in the HLO text."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, Self
+
+from t5scale.analysis.jsonform import JsonRecord
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+UNKNOWN_LOOPS = "unknown_trip_count_loops"
+WIDENED = "widened_by_backend"
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp(JsonRecord):
+    """One collective of the program, as the cluster model times it: its kind, how often it
+    runs per executed step, its bytes per run on one device, the first of its replica groups
+    (devices as positions in the mesh's device list), where it is, and the trip counts of the
+    `while` loops around it, outermost first."""
+
+    kind: str
+    count: int
+    bytes: float  # result bytes (a share of them, once the cluster model combines messages)
+    operand_bytes: float
+    group: tuple[int, ...] | None  # None: every device
+    computation: str  # the computation it is in: XLA's combiners merge only within one
+    loops: tuple[int, ...] = ()
+    loop_names: tuple[str, ...] = ()  # each loop's op_name (JAX's trace path, `…/encoder/while`)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindTotal(JsonRecord):
+    """One kind's collectives per device per executed step."""
+
+    count: int = 0
+    bytes: int = 0  # result bytes
+    operand_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Collectives:
+    """Per kind, the collectives' totals per device per executed step (kinds that do not occur
+    are absent), and notes: loops of unknown trip count, whose bodies were counted once, and
+    collectives XLA:CPU widened to f32, counted at the 16-bit size the program asked for.
+    In JSON the kinds and the notes are the keys of one object."""
+
+    by_kind: dict[str, KindTotal]
+    unknown_trip_count_loops: int = 0
+    widened_by_backend: int = 0
+
+    @classmethod
+    def of(cls, ops: Iterable[CollectiveOp], unknown_loops: int = 0, widened: int = 0) -> Self:
+        totals: dict[str, KindTotal] = {}
+        for op in ops:
+            total = totals.get(op.kind, KindTotal())
+            totals[op.kind] = KindTotal(
+                total.count + op.count,
+                total.bytes + op.count * op.bytes,
+                total.operand_bytes + op.count * op.operand_bytes,
+            )
+        by_kind = {kind: totals[kind] for kind in KINDS if kind in totals}
+        return cls(by_kind, unknown_loops, widened)
+
+    def to_json(self) -> dict[str, Any]:
+        notes = {UNKNOWN_LOOPS: self.unknown_trip_count_loops, WIDENED: self.widened_by_backend}
+        kinds = {kind: total.to_json() for kind, total in self.by_kind.items()}
+        return kinds | {name: count for name, count in notes.items() if count}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        by_kind = {kind: KindTotal.from_json(data[kind]) for kind in KINDS if kind in data}
+        return cls(by_kind, data.get(UNKNOWN_LOOPS, 0), data.get(WIDENED, 0))
+
+    def summary(self) -> str:
+        """One line, e.g. `all-gather 24× 1.5 MiB, reduce-scatter 12× 819.2 KiB` (result
+        bytes)."""
+        parts = [
+            f"{kind} {total.count}× {format_bytes(total.bytes)}"
+            for kind, total in self.by_kind.items()
+        ]
+        line = ", ".join(parts) or "no collectives"
+        if loops := self.unknown_trip_count_loops:
+            line += f" ({loops} loop{'s' if loops > 1 else ''} of unknown trip count counted once)"
+        return line
+
+
+def format_bytes(size: float) -> str:
+    """Bytes in binary units: `512 B`, `1.5 KiB`, `3.0 MiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def collective_summary(stats: Mapping[str, Any]) -> str:
+    """`Collectives.summary` of their JSON form (collective_stats')."""
+    return Collectives.from_json(stats).summary()
