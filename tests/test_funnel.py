@@ -2,20 +2,29 @@
 winner and what is tied with it, and the simulated funnel's survival and saving
 (t5scale/study/funnel.py, known_truth.py). The real study runs are in test_study.py."""
 
+import dataclasses
+
 import numpy as np
 
 from t5scale.study import funnel, known_truth
 from t5scale.study.config import Point
+from t5scale.study.evidence import median_interval
 from t5scale.study.known_truth import Noise
+from t5scale.study.records import StepTimes, TrialRecord, TrialResult, TrialTiming
 
 OBJ = "tokens_per_s_per_device"
 
 
-def _timed(stage: int, step_times: list[float], losses: list[float], repeat: int = 0) -> dict:
+def _timed(
+    stage: int, step_times: list[float], losses: list[float], repeat: int = 0
+) -> TrialRecord:
     point = Point("m", stage, 1, "none", 1e-3, devices=2)
-    return {"status": "ok", "config": point.as_dict(), "tokens_per_step": 200, "repeat": repeat,
-            "step_time_s": {"warmup_samples": 1}, "step_times_s": [9.0, *step_times],
-            "loss_samples": losses}  # fmt: skip
+    steps = StepTimes(**median_interval(step_times).as_dict(), warmup_samples=1)
+    timing = TrialTiming(step_time_s=steps, step_times_s=(9.0, *step_times), tokens_per_step=200,
+                         tokens_per_s_per_device=100 / steps.median,
+                         loss_interval=median_interval(losses), loss_samples=tuple(losses))  # fmt: skip
+    return TrialRecord(key=f"timed:{stage}:{repeat}", kind="timed", point=point, repeat=repeat,
+                       result=TrialResult(status="ok", timing=timing))  # fmt: skip
 
 
 def test_pruning_one_trial_each_drops_what_lies_wholly_below():
@@ -27,7 +36,10 @@ def test_pruning_one_trial_each_drops_what_lies_wholly_below():
         _timed(2, noisy(1.5), noisy(4.01)),  # 50% slower: dropped by speed; tied on loss
         _timed(3, noisy(1.0, 3), noisy(9.0, 3)),  # too few samples to say anything: kept
     ]
-    runs.append({**_timed(3, [1.0], [1.0]), "status": "timeout"})
+    late = _timed(3, [1.0], [1.0])
+    runs.append(
+        dataclasses.replace(late, result=dataclasses.replace(late.result, status="timeout"))
+    )
     by_speed = funnel.prune_on_evidence(runs, OBJ, confidence=0.95)
     assert [(d.configuration.stage, d.best.stage) for d in by_speed] == [(2, 0)]
     assert by_speed[0].interval.high < by_speed[0].best_interval.low and by_speed[0].lead > 0
@@ -38,7 +50,7 @@ def test_pruning_one_trial_each_drops_what_lies_wholly_below():
     assert [d.configuration.stage for d in by_loss] == [0] and by_loss[0].best.stage in (1, 2)
     assert "is lower by more than" in by_loss[0].evidence("loss")
     (winner,) = funnel.winners(runs, OBJ, confidence=0.95).values()
-    assert winner.record is runs[0] and {r["config"]["stage"] for r, _ in winner.tied} == {1, 3}
+    assert winner.record is runs[0] and {r.point.stage for r, _ in winner.tied} == {1, 3}
 
 
 def test_pruning_over_repeated_trials_counts_the_trial_to_trial_spread():
@@ -50,15 +62,13 @@ def test_pruning_over_repeated_trials_counts_the_trial_to_trial_spread():
     centres = [1.0, 1.0, 1.1, 1.1, 1.6, 1.6, 1.0, 1.0]  # stages 0, 1, 2, 3: two trials each
     runs = [_timed(i // 2, trial(c * f), [1.0] * 6, repeat=i % 2)
             for i, (c, f) in enumerate(zip(centres, factors, strict=True))]  # fmt: skip
-    one_each = [r for r in runs if r["repeat"] == 0]
+    one_each = [r for r in runs if r.repeat == 0]
     assert {d.configuration.stage for d in funnel.prune_on_evidence(one_each, OBJ, 0.95)} == {1, 2}
     dropped = funnel.prune_on_evidence(runs, OBJ, 0.95)
     assert [d.configuration.stage for d in dropped] == [2]  # 60% slower: beyond the spread
     assert dropped[0].interval.of == "trials" and dropped[0].interval.samples == 2
     (winner,) = funnel.winners(runs, OBJ, 0.95).values()
-    assert {r["config"]["stage"] for r, _ in winner.tied} == {0, 1, 3} - {
-        winner.record["config"]["stage"]
-    }
+    assert {r.point.stage for r, _ in winner.tied} == {0, 1, 3} - {winner.record.point.stage}
 
 
 def test_the_simulated_funnel_keeps_the_best_and_saves_device_time():

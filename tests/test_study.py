@@ -21,6 +21,7 @@ from conftest import REPO, fake_slurm_env, read_scalars, run_cli
 from t5scale.errors import ConfigError
 from t5scale.study import funnel
 from t5scale.study.config import Point, StudyConfig
+from t5scale.study.records import TrialRecord, TrialResult
 from t5scale.study.trial import run_trial
 
 GRID = [
@@ -40,6 +41,11 @@ OBJ = "tokens_per_s_per_device"
 def records(study_dir: Path) -> list[dict]:
     lines = (study_dir / "results.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def typed(lines: list[dict]) -> list[TrialRecord]:
+    """results.jsonl's lines as the study reads them."""
+    return [TrialRecord.from_json(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +97,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     assert sorted((r["config"]["stage"], r["repeat"]) for r in on_two) == [
         (0, 0), (0, 1), (3, 0), (3, 1)
     ]  # fmt: skip
-    dropped = {d.configuration.stage for d in funnel.prune_on_evidence(on_two, OBJ)}
+    dropped = {d.configuration.stage for d in funnel.prune_on_evidence(typed(on_two), OBJ)}
     on_four = [r for r in timed if r["config"]["devices"] == 4]
     assert {r["config"]["stage"] for r in on_four} == {0, 3} - dropped
     assert len(on_four) == 2 * len({0, 3} - dropped)
@@ -101,9 +107,9 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     assert f"| 2: 2 devices, timed | 2 | 4 | - | {len(dropped)} | {2 - len(dropped)} |" in text
     assert f"| 3: 4 devices, compile only | {2 - len(dropped)} |" in text
     assert ("Dropped in round" in text) == bool(dropped)
-    winner = funnel.winners(timed, OBJ)["mt5_tiny"].record
-    assert winner in on_four
-    assert f"ZeRO stage {winner['config']['stage']}" in text and "saved" in text
+    winner = funnel.winners(typed(timed), OBJ)["mt5_tiny"].record
+    assert winner in typed(on_four)
+    assert f"ZeRO stage {winner.point.stage}" in text and "saved" in text
     assert len(compiled) == 2 + len(on_four) // 2 and all(r["status"] == "ok" for r in compiled)
 
     # TensorBoard: one run per timed trial, its steps' losses and times readable by TensorBoard.
@@ -183,6 +189,22 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     assert timing["statistic"] == "median of periods' mean step times"
     assert timing["steps_per_sample"] == 2 and len(result["losses"]) == 12  # 6 rounds
     assert np.isfinite(result["final_loss"])
+
+
+def test_a_results_line_from_before_a_rename_is_the_same_trial():
+    """StudyConfig.gradient_accumulation is now micro_batches: a line that names the old field
+    is read under the new name, with the key a restarted study looks for."""
+    point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, micro_batches=2)
+    result = TrialResult(status="compile error", error="x", wall_s=1.0, log="l")
+    now = TrialRecord(key=point.key("compile"), kind="compile", point=point, result=result)
+    line = now.to_json()
+    assert TrialRecord.from_json(json.loads(json.dumps(line))) == now
+    for name in ("config", "config_point"):
+        line[name]["gradient_accumulation"] = line[name].pop("micro_batches")
+    fields = dataclasses.asdict(point)
+    fields["gradient_accumulation"] = fields.pop("micro_batches")
+    line["key"] = "compile:" + ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
+    assert TrialRecord.from_json(line) == now
 
 
 def test_study_config_errors_are_one_line(tmp_path):

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
+from t5scale.analysis.jsonform import fields_from_json
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.zero import check_stages
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
+# Point fields by an earlier name, as results.jsonl's older lines hold them
+RENAMED_POINT_FIELDS = {"gradient_accumulation": "micro_batches"}
 SEARCHES = ("funnel", "grid")
 
 
@@ -254,3 +258,9 @@ class Point:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"batch_size": self.batch_size}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Point:
+        """A point from its JSON form (`as_dict`'s or the fields'): a field a study before it
+        lacks takes its default, and a field by an earlier name is read as it is now named."""
+        return fields_from_json(cls, {RENAMED_POINT_FIELDS.get(k, k): v for k, v in data.items()})

@@ -7,12 +7,13 @@ import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import scipy.stats
 
 from t5scale.study.config import Configuration, Point
 from t5scale.study.evidence import Interval, median_interval, samples_needed
+from t5scale.study.records import TrialRecord
 
 # The study's default: the truly best configuration survives the funnel with this probability
 # (simulated: docs/funnel.md). Each trial's own timing interval is at 95% (evidence.py).
@@ -20,24 +21,24 @@ CONFIDENCE = 0.99
 
 
 def objective_interval(
-    record: dict[str, Any], objective: str, confidence: float | None = None
+    record: TrialRecord, objective: str, confidence: float | None = None
 ) -> Interval:
     """The record's objective and its interval, higher is better: tokens/s per device (from
     the step time's interval), or the negated loss over the last window of steps. With a
     `confidence`, the interval is computed again from the record's samples at that level."""
+    timing = record.result.timing
     if objective == "loss":
-        stored, samples = record.get("loss_interval", {}), record.get("loss_samples")
+        stored, samples = timing.loss_interval, timing.loss_samples
     else:
-        stored = record["step_time_s"]
-        samples = record.get("step_times_s", [])[stored.get("warmup_samples", 0) :]
+        stored = timing.step_time_s.interval
+        samples = timing.step_times_s[timing.step_time_s.warmup_samples :]
     if samples:
-        interval = median_interval(samples, confidence or stored.get("confidence", 0.95))
+        interval = median_interval(list(samples), confidence or stored.confidence)
     else:
-        fields = {f.name for f in dataclasses.fields(Interval)}
-        interval = Interval(**{name: value for name, value in stored.items() if name in fields})
+        interval = stored
     if objective == "loss":
         return interval.map(lambda loss: -loss)
-    per_device = record["tokens_per_step"] / record["config"]["devices"]
+    per_device = timing.tokens_per_step / record.point.devices
     return interval.map(lambda t: per_device / t)
 
 
@@ -55,9 +56,9 @@ class Comparison:
     share of 1 − confidence, so the truly best is dropped with probability below it."""
 
     level: float
-    best: dict[str, Any]
+    best: TrialRecord
     top: Interval
-    others: list[tuple[dict[str, Any], Interval]]
+    others: list[tuple[TrialRecord, Interval]]
     pooled: tuple[float, int] | None = None
     confidence: float = CONFIDENCE
 
@@ -85,7 +86,7 @@ class Comparison:
 
 
 def _compared(
-    records: Sequence[dict[str, Any]], objective: str, confidence: float
+    records: Sequence[TrialRecord], objective: str, confidence: float
 ) -> dict[str, Comparison]:
     """Per model, an interval for each of its m configurations at 1 − (1 − confidence)/m
     (Bonferroni: all m hold at once with probability ≥ confidence) and what `Comparison.worse`
@@ -95,9 +96,9 @@ def _compared(
     study's `repeats`), the evidence comes from the trials' medians, so that it includes how
     much a trial's own process moves the median (`replicated_intervals`); otherwise from each
     trial's step samples (`objective_interval`), which see only the noise within a trial."""
-    by_model: dict[str, dict[Configuration, list[dict[str, Any]]]] = defaultdict(dict)
+    by_model: dict[str, dict[Configuration, list[TrialRecord]]] = defaultdict(dict)
     for record in records:
-        by_model[record["config"]["model"]].setdefault(configuration_of(record), []).append(record)
+        by_model[record.point.model].setdefault(configuration_of(record), []).append(record)
     result = {}
     for model, trials in by_model.items():
         level = 1 - (1 - confidence) / len(trials)
@@ -115,8 +116,8 @@ def _compared(
 
 
 def replicated_intervals(
-    trials: dict[Configuration, list[dict[str, Any]]], objective: str, level: float
-) -> tuple[list[tuple[dict[str, Any], Interval]], tuple[float, int]]:
+    trials: dict[Configuration, list[TrialRecord]], objective: str, level: float
+) -> tuple[list[tuple[TrialRecord, Interval]], tuple[float, int]]:
     """(first trial, interval) per configuration from its trials' medians — a t-interval on
     the log of the objective, its `samples` trials, not steps — and (the pooled standard
     deviation of one trial's log median, its degrees of freedom): one variance for all
@@ -139,7 +140,7 @@ def replicated_intervals(
     return result, (spread, freedom)
 
 
-def _objective_value(record: dict[str, Any], objective: str) -> float:
+def _objective_value(record: TrialRecord, objective: str) -> float:
     """A trial's median of the objective, as a positive number (tokens/s per device, loss)."""
     return abs(objective_interval(record, objective).median)
 
@@ -181,11 +182,11 @@ def _show(interval: Interval, sign: int, level: float = 0.0) -> str:
 
 
 def prune_on_evidence(
-    records: Sequence[dict[str, Any]], objective: str, confidence: float = CONFIDENCE
+    records: Sequence[TrialRecord], objective: str, confidence: float = CONFIDENCE
 ) -> list[Dropped]:
     """The configurations, per model, worse than the best with the stated confidence (see
     `Comparison`). The rest go on, ties included."""
-    ok = [r for r in records if r["status"] == "ok"]
+    ok = [r for r in records if r.result.status == "ok"]
     dropped = []
     for comparison in _compared(ok, objective, confidence).values():
         for record, interval in comparison.others:
@@ -201,25 +202,25 @@ def prune_on_evidence(
 class Winner:
     """A model's best trial, and those it does not beat with the stated confidence."""
 
-    record: dict[str, Any]
+    record: TrialRecord
     interval: Interval
-    tied: list[tuple[dict[str, Any], Interval]]  # best first
+    tied: list[tuple[TrialRecord, Interval]]  # best first
     level: float  # each interval's confidence (Bonferroni over the final round)
     rivals: int  # the other configurations of its model in that round
 
 
 def winners(
-    timed: Sequence[dict[str, Any]], objective: str, confidence: float = CONFIDENCE
+    timed: Sequence[TrialRecord], objective: str, confidence: float = CONFIDENCE
 ) -> dict[str, Winner]:
     """Per model, the best ok trial at the largest device count any of its trials reached,
     with the others there that it does not beat with the stated confidence: tied within the
     evidence."""
-    ok = [r for r in timed if r["status"] == "ok"]
+    ok = [r for r in timed if r.result.status == "ok"]
     largest: dict[str, int] = {}
     for record in ok:
-        model = record["config"]["model"]
-        largest[model] = max(largest.get(model, 0), record["config"]["devices"])
-    final = [r for r in ok if r["config"]["devices"] == largest[r["config"]["model"]]]
+        model = record.point.model
+        largest[model] = max(largest.get(model, 0), record.point.devices)
+    final = [r for r in ok if r.point.devices == largest[r.point.model]]
     result = {}
     for model, comparison in _compared(final, objective, confidence).items():
         tied = [
@@ -232,21 +233,17 @@ def winners(
     return result
 
 
-def _synchronised(config: dict[str, Any]) -> str:
+def _synchronised(point: Point) -> str:
     """How the point's replicas synchronise, in words."""
-    sync = config.get("sync", "every_step")
-    if sync == "every_step":
+    if point.sync == "every_step":
         return "synchronised every step"
-    mode, _, every = sync.partition("/")
-    return f"{mode.replace('_', ' ')} every {every} steps over {config['replicas']} replicas"
+    mode, _, every = point.sync.partition("/")
+    return f"{mode.replace('_', ' ')} every {every} steps over {point.replicas} replicas"
 
 
-def configuration_of(record: dict[str, Any]) -> Configuration:
+def configuration_of(record: TrialRecord) -> Configuration:
     """The record's configuration (a field a study before it lacks: its default)."""
-    config = record["config"]
-    return Configuration(
-        *(config.get(f.name, f.default) for f in dataclasses.fields(Configuration))
-    )
+    return record.point.configuration
 
 
 @dataclasses.dataclass
@@ -255,7 +252,7 @@ class Round:
 
     name: str
     entered: int
-    records: list[dict[str, Any]]
+    records: list[TrialRecord]
     left: int = 0
     dropped: list[Dropped] = dataclasses.field(default_factory=list)  # worse, with evidence
     note: str = ""
@@ -265,22 +262,26 @@ class Round:
         return len(self.dropped)
 
     def reasons(self) -> Counter:
-        return Counter(r["status"] for r in self.records if r["status"] != "ok")
+        return Counter(r.result.status for r in self.records if r.result.status != "ok")
 
     def wall_s(self) -> float:
-        return sum(r["wall_s"] for r in self.records)
+        return sum(r.wall_s for r in self.records)
 
     def device_s(self) -> float:
-        return sum(r["wall_s"] * r["config"]["devices"] for r in self.records)
+        return sum(r.wall_s * r.point.devices for r in self.records)
 
 
 class Trials(Protocol):
     """What runs the funnel's trials: real processes (runner.py) or a simulation."""
 
-    def compile(self, configurations: list[Configuration], devices: int, name: str) -> list[dict]:
+    def compile(
+        self, configurations: list[Configuration], devices: int, name: str
+    ) -> list[TrialRecord]:
         """Compile-only trials: a record each, status 'ok' where the point fits."""
 
-    def time(self, configurations: list[Configuration], devices: int, name: str) -> list[dict]:
+    def time(
+        self, configurations: list[Configuration], devices: int, name: str
+    ) -> list[TrialRecord]:
         """Timed trials: a record each (each of a configuration's repeats), with the objective's
         samples where status is 'ok'."""
 
@@ -291,8 +292,8 @@ class Trials(Protocol):
 @dataclasses.dataclass
 class Search:
     rounds: list[Round]
-    compile_records: list[dict[str, Any]]
-    timed_records: list[dict[str, Any]]
+    compile_records: list[TrialRecord]
+    timed_records: list[TrialRecord]
 
 
 def search(
@@ -325,10 +326,13 @@ def search(
         if funnel:
             records = trials.compile(todo, d, f"{per}, compile")
             result.compile_records += records
-            todo = [configuration_of(r) for r in records if r["status"] == "ok"]
+            todo = [configuration_of(r) for r in records if r.result.status == "ok"]
             # A crash or timeout is no matter of device count: that configuration is out. One
             # that does not fit, or does not divide this mesh, may still run on another count.
-            alive -= {configuration_of(r) for r in records if r["status"] in ("crash", "timeout")}
+            failed = {
+                configuration_of(r) for r in records if r.result.status in ("crash", "timeout")
+            }
+            alive -= failed
             result.rounds.append(Round(
                 f"{len(result.rounds) + 1}: {per}, compile only", len(records), records,
                 left=len(todo), note="XLA's per-device memory estimate against the budget",
@@ -336,8 +340,8 @@ def search(
         entered = len(todo)
         records = trials.time(todo, d, f"{per}, timed")
         result.timed_records += records
-        alive -= {configuration_of(r) for r in records if r["status"] != "ok"}
-        ok = [r for r in records if r["status"] == "ok" and configuration_of(r) in alive]
+        alive -= {configuration_of(r) for r in records if r.result.status != "ok"}
+        ok = [r for r in records if r.result.status == "ok" and configuration_of(r) in alive]
         note, dropped = "", []
         last = index == len(devices) - 1
         if funnel and not last and d > 1 and ok:
@@ -366,8 +370,8 @@ def timed_kind(repeat: int) -> str:
 
 def full_grid_estimate(
     grid: Sequence[Point],
-    compile_records: Iterable[dict[str, Any]],
-    timed_records: Iterable[dict[str, Any]],
+    compile_records: Iterable[TrialRecord],
+    timed_records: Iterable[TrialRecord],
     repeats: int = 1,
 ) -> tuple[float, float]:
     """(wall s, device s) that timing every grid point would have cost, as estimated here.
@@ -381,9 +385,9 @@ def full_grid_estimate(
     measured = {}
     walls: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for record in [*compile_records, *timed_records]:
-        wall = record.get("measured_wall_s", record["wall_s"])
-        measured[record["key"]] = (record["status"], wall)
-        walls[record["kind"], record["config"]["model"], record["config"]["devices"]].append(wall)
+        wall = record.wall_s if record.measured_wall_s is None else record.measured_wall_s
+        measured[record.key] = (record.result.status, wall)
+        walls[record.kind, record.point.model, record.point.devices].append(wall)
 
     def estimate(kind: str, model: str, devices: int) -> float:
         near = sorted((abs(d - devices), d) for k, m, d in walls if k == kind and m == model)
@@ -408,12 +412,39 @@ def full_grid_estimate(
     return wall, device
 
 
-def remat_words(record: dict[str, Any]) -> str:
+def remat_words(record: TrialRecord) -> str:
     """The trial's remat policy, with what 'auto' chose."""
-    chosen = record.get("analysis", {}).get("remat", {})
-    if chosen.get("requested") == "auto":
-        return f"auto → {chosen['policy']}"
-    return record["config"]["remat"]
+    analysis = record.result.analysis
+    if analysis is not None and analysis.remat.requested == "auto":
+        return f"auto → {analysis.remat.policy}"
+    return record.point.remat
+
+
+def _winner_lines(model: str, winner: Winner, objective: str) -> list[str]:
+    """funnel.md's lines on a model's winner and what it does not beat."""
+    sign = -1 if objective == "loss" else 1
+    unit = "loss" if objective == "loss" else "tokens/s/device"
+    point, timing = winner.record.point, winner.record.result.timing
+    lines = [
+        f"- **{model}**: ZeRO stage {point.stage}, micro-batch {point.micro_batch_size}, remat "
+        f"{remat_words(winner.record)}, lr {point.learning_rate:g}, {_synchronised(point)} at "
+        f"{point.devices} devices: {_show(winner.interval, sign, winner.level)} {unit}, step "
+        f"{timing.step_time_s.median:.3g} s, final loss {timing.final_loss:.4f}"
+    ]
+    if winner.tied:
+        lines.append(f"  - tied within the evidence (not beaten with the stated confidence): "
+                     f"{len(winner.tied)}")  # fmt: skip
+        lines += [
+            f"    - {configuration_of(r).label()}: {_show(interval, sign, winner.level)}"
+            for r, interval in winner.tied
+        ]
+    elif winner.rivals:
+        lines.append(f"  - ahead of the {winner.rivals} other(s) of its last round with the "
+                     "stated confidence")  # fmt: skip
+    else:
+        lines.append("  - the only one of its model left in the last round (the earlier "
+                     "rounds dropped the others on the evidence above)")  # fmt: skip
+    return lines
 
 
 def render(
@@ -459,30 +490,8 @@ def render(
     lines += ["", "## Winner", ""]
     if not best:
         lines.append("No configuration ran to the end.")
-    sign = -1 if objective == "loss" else 1
-    unit = "loss" if objective == "loss" else "tokens/s/device"
     for model, winner in sorted(best.items()):
-        config = winner.record["config"]
-        lines.append(
-            f"- **{model}**: ZeRO stage {config['stage']}, micro-batch {config['micro_batch_size']}, remat "
-            f"{remat_words(winner.record)}, lr {config['learning_rate']:g}, {_synchronised(config)} at "
-            f"{config['devices']} devices: {_show(winner.interval, sign, winner.level)} {unit}, step "
-            f"{winner.record['step_time_s']['median']:.3g} s, final loss "
-            f"{winner.record['final_loss']:.4f}"
-        )
-        if winner.tied:
-            lines.append(f"  - tied within the evidence (not beaten with the stated confidence): "
-                         f"{len(winner.tied)}")  # fmt: skip
-            lines += [
-                f"    - {configuration_of(r).label()}: {_show(interval, sign, winner.level)}"
-                for r, interval in winner.tied
-            ]
-        elif winner.rivals:
-            lines.append(f"  - ahead of the {winner.rivals} other(s) of its last round with the "
-                         "stated confidence")  # fmt: skip
-        else:
-            lines.append("  - the only one of its model left in the last round (the earlier "
-                         "rounds dropped the others on the evidence above)")  # fmt: skip
+        lines += _winner_lines(model, winner, objective)
     wall, device = spent
     lines += ["", "## Device time", "", f"Spent: {wall:.0f} s of trials, {device:.0f} device·s "
               "(trial wall time × its device count)."]  # fmt: skip

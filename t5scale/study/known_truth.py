@@ -25,11 +25,11 @@ import functools
 import math
 import random
 from collections.abc import Sequence
-from typing import Any
 
 from t5scale.study import funnel
-from t5scale.study.config import Configuration
+from t5scale.study.config import Configuration, Point
 from t5scale.study.evidence import TimingRule, measure
+from t5scale.study.records import StepTimes, TrialRecord, TrialResult, TrialTiming
 
 MICRO_BATCH_EFFICIENCY = {1: 0.45, 2: 0.7, 4: 0.9, 8: 1.0}
 REMAT_EFFICIENCY = {"none": 1.0, "full": 0.75}
@@ -89,12 +89,16 @@ class SimulatedTrials:
         self.noise, self.rule, self.costs, self.repeats = noise, rule, costs, repeats
         self.rng = random.Random(seed)
 
-    def _record(self, c: Configuration, devices: int, kind: str, wall: float) -> dict[str, Any]:
-        config = dataclasses.asdict(c) | {"devices": devices}
-        return {"key": f"{kind}:{c}:{devices}", "kind": kind, "status": "ok", "config": config,
-                "wall_s": wall}  # fmt: skip
+    def _record(
+        self, c: Configuration, devices: int, kind: str, wall: float,
+        timing: TrialTiming | None = None, repeat: int = 0,
+    ) -> TrialRecord:  # fmt: skip
+        point = Point(**dataclasses.asdict(c), devices=devices)
+        result = TrialResult(status="ok", timing=timing, wall_s=wall)
+        return TrialRecord(key=f"{kind}:{c}:{devices}", kind=kind, point=point, result=result,
+                           repeat=repeat)  # fmt: skip
 
-    def compile(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+    def compile(self, configurations, devices: int, name: str) -> list[TrialRecord]:
         wall = self.costs.start_s + self.costs.compile_s
         return [self._record(c, devices, "compile", wall) for c in configurations]
 
@@ -114,14 +118,15 @@ class SimulatedTrials:
                 wall = self.costs.start_s + sum(drawn)
                 if compile_first and repeat == 0:
                     wall += self.costs.compile_s
-                record = self._record(c, devices, funnel.timed_kind(repeat), wall)
                 tokens = c.micro_batch_size * TOKENS_PER_SEQUENCE * devices
-                records.append(record | {
-                    "step_time_s": found.summary(), "step_times_s": found.samples,
-                    "tokens_per_step": tokens, "repeat": repeat,
-                    "tokens_per_s_per_device": tokens / devices / found.interval.median,
-                    "final_loss": 0.0, "true_step_time_s": true_step_time(c, devices),
-                })  # fmt: skip
+                timing = TrialTiming(
+                    step_time_s=StepTimes.from_json(found.summary()),
+                    step_times_s=tuple(found.samples), tokens_per_step=tokens,
+                    tokens_per_s_per_device=tokens / devices / found.interval.median,
+                    final_loss=0.0,
+                )  # fmt: skip
+                kind = funnel.timed_kind(repeat)
+                records.append(self._record(c, devices, kind, wall, timing, repeat))
         return records
 
     def _draw(self, truth: float, drawn: list[float]) -> float:
@@ -143,8 +148,8 @@ class _GridTrials(SimulatedTrials):
 RULE, COSTS = TimingRule(), TrialCosts()  # the study's defaults
 
 
-def device_seconds(records: Sequence[dict[str, Any]]) -> float:
-    return sum(r["wall_s"] * r["config"]["devices"] for r in records)
+def device_seconds(records: Sequence[TrialRecord]) -> float:
+    return sum(r.wall_s * r.point.devices for r in records)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,9 +172,7 @@ def run_funnel(
     truly_best = max(grid, key=lambda c: true_tokens_per_s_per_device(c, last))
     found = funnel.search(grid, DEVICES, SimulatedTrials(noise, seed, rule, costs),
                           "tokens_per_s_per_device", confidence=confidence)  # fmt: skip
-    final = {
-        funnel.configuration_of(r) for r in found.timed_records if r["config"]["devices"] == last
-    }
+    final = {funnel.configuration_of(r) for r in found.timed_records if r.point.devices == last}
     (winner,) = funnel.winners(found.timed_records, "tokens_per_s_per_device", confidence).values()
     return Outcome(
         best_survived=truly_best in final,

@@ -7,64 +7,71 @@ full rows are in results.jsonl).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from t5scale.analysis.collectives import collective_summary
 from t5scale.errors import ConfigError
+from t5scale.study.records import TrialRecord, parse_results
 
 GIB = 2**30
 STAGE_COLOURS = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868", 3: "#c44e52"}
 
 
-def load_results(study_dir: str | Path) -> list[dict[str, Any]]:
+def load_results(study_dir: str | Path) -> list[TrialRecord]:
     path = Path(study_dir, "results.jsonl")
     if not path.exists():
         raise ConfigError(f"{path} does not exist: run `t5scale study` with that STUDY_DIR first")
-    records = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            records[record["key"]] = record
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut by a kill; the study reruns that trial
-    return list(records.values())
+    # a line cut by a kill is left out; the study reruns that trial
+    return list(parse_results(path.read_text(encoding="utf-8")).values())
 
 
-def best_timed(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict[str, Any]]:
+PointKey = tuple[str, int, int]  # model, stage, devices
+
+
+def _point_of(record: TrialRecord) -> PointKey:
+    return record.point.model, record.point.stage, record.point.devices
+
+
+def best_timed(records: Sequence[TrialRecord]) -> dict[PointKey, TrialRecord]:
     """(model, stage, devices) → the ok timed trial with the most tokens/s per device."""
-    best: dict[tuple[str, int, int], dict[str, Any]] = {}
+    best: dict[PointKey, TrialRecord] = {}
     for record in records:
-        if record["kind"] != "timed" or record["status"] != "ok" or record.get("repeat", 0):
+        if record.kind != "timed" or record.result.status != "ok" or record.repeat:
             continue  # a point's first trial (its repeats are in results.jsonl)
-        key = (record["config"]["model"], record["config"]["stage"], record["config"]["devices"])
-        if (
-            key not in best
-            or record["tokens_per_s_per_device"] > best[key]["tokens_per_s_per_device"]
-        ):
+        key = _point_of(record)
+        speed = record.result.timing.tokens_per_s_per_device
+        if key not in best or speed > best[key].result.timing.tokens_per_s_per_device:
             best[key] = record
     return best
 
 
-def memory_points(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int, int], dict]:
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    """A point's smallest compiled memory: XLA's per-device peak and the ZeRO formula's."""
+
+    xla_peak: int
+    formula: float
+    budget: int | None
+    fits: bool
+
+
+def memory_points(records: Sequence[TrialRecord]) -> dict[PointKey, MemoryPoint]:
     """(model, stage, devices) → the smallest XLA estimate compiled (out-of-memory included)."""
-    points: dict[tuple[str, int, int], dict] = {}
+    points: dict[PointKey, MemoryPoint] = {}
     for record in records:
-        if "analysis" not in record:
+        analysis = record.result.analysis
+        if analysis is None:
             continue
-        key = (record["config"]["model"], record["config"]["stage"], record["config"]["devices"])
-        peak = record["analysis"]["memory_per_device"]["peak_estimate_bytes"]
-        if key not in points or peak < points[key]["xla_peak"]:
-            points[key] = {
-                "xla_peak": peak,
-                "formula": record["analysis"]["model_state_per_device"]["zero_formula_bytes"][
-                    "total"
-                ],
-                "budget": record.get("memory_budget_bytes"),
-                "fits": record["status"] != "out-of-memory",
-            }
+        key = _point_of(record)
+        peak = analysis.memory_per_device.peak_estimate_bytes
+        if key not in points or peak < points[key].xla_peak:
+            points[key] = MemoryPoint(
+                xla_peak=peak,
+                formula=analysis.model_state_per_device.zero_formula_bytes.total,
+                budget=record.result.memory_budget_bytes,
+                fits=record.result.status != "out-of-memory",
+            )
     return points
 
 
@@ -73,7 +80,7 @@ def write_report(study_dir: str | Path) -> Path:
     records = load_results(study_dir)
     best = best_timed(records)
     memory = memory_points(records)
-    models = sorted({r["config"]["model"] for r in records}, key=_model_order)
+    models = sorted({r.point.model for r in records}, key=_model_order)
     plots = {
         "step_time.png": _plot_lines(best, models, "step", "seconds per step", "Step time"),
         "tokens_per_device.png": _plot_lines(
@@ -94,23 +101,24 @@ def _model_order(name: str) -> int:
     return next((i for i, size in enumerate(order) if name.endswith("_" + size)), len(order))
 
 
-def _value(record: dict[str, Any], what: str) -> float:
+def _value(record: TrialRecord, what: str) -> float:
+    timing = record.result.timing
     if what == "step":
-        return record["step_time_s"]["median"]
+        return timing.step_time_s.median
     if what == "per_device":
-        return record["tokens_per_s_per_device"]
-    return 100 * record["mfu"]
+        return timing.tokens_per_s_per_device
+    return 100 * timing.mfu
 
 
-def _bounds(record: dict[str, Any], what: str) -> tuple[float, float]:
+def _bounds(record: TrialRecord, what: str) -> tuple[float, float]:
     """The interval of the step time's median (min and max in a study before intervals), or of
     tokens/s per device derived from it."""
-    step = record["step_time_s"]
-    low, high = step.get("low", step["min"]), step.get("high", step["max"])
+    timing = record.result.timing
+    step = timing.step_time_s
     if what == "step":
-        return low, high
-    per_device = record["tokens_per_s_per_device"] * step["median"]
-    return per_device / high, per_device / low
+        return step.low, step.high
+    per_device = timing.tokens_per_s_per_device * step.median
+    return per_device / step.high, per_device / step.low
 
 
 def _gib(value: float | None) -> str:
@@ -163,8 +171,8 @@ def _plot_memory(memory, models):
         for index, count in enumerate(device_counts):
             stages = [s for s in range(4) if (model, s, count) in memory]
             xs = [s - 0.4 + width * (index + 0.5) for s in stages]
-            peaks = [memory[model, s, count]["xla_peak"] / GIB for s in stages]
-            formula = [memory[model, s, count]["formula"] / GIB for s in stages]
+            peaks = [memory[model, s, count].xla_peak / GIB for s in stages]
+            formula = [memory[model, s, count].formula / GIB for s in stages]
             ax.bar(xs, peaks, width * 0.9, label=f"XLA, {count} dev", alpha=0.8)
             ax.scatter(xs, formula, marker="_", s=200, color="black", zorder=3,
                        label="ZeRO formula (model state)" if index == 0 else None)  # fmt: skip
@@ -180,45 +188,7 @@ def _plot_memory(memory, models):
 
 
 def _markdown(study_dir, records, best, memory, models) -> str:
-    machine = next((record["machine"] for record in records if "machine" in record), {})
-    peak = next(
-        (record["peak_flops_per_s"] for record in records if "peak_flops_per_s" in record), 0.0
-    )
-    timed = [record for record in records if record["kind"] == "timed"]
-    steps = next((record["step_time_s"] for record in timed if record["status"] == "ok"), None)
-    lines = [
-        f"# Study report: {study_dir}",
-        "",
-        f"Machine: {machine.get('device_kind', '?')} ({machine.get('backend', '?')}); peak "
-        f"{peak / 1e12:.3g} TFLOP/s per device ({machine.get('peak_source', '?')}).",
-    ]
-    extra = next((record["gin_bindings"] for record in records if "gin_bindings" in record), [])
-    shared = [b for b in extra if b.startswith("ModelConfig.") and "remat" not in b
-              and "dtype" not in b]  # fmt: skip
-    if shared:
-        lines.append(f"Every trial's model also had: `{'`, `'.join(shared)}`.")
-    precisions = sorted({
-        (record["config"].get("dtype", "?"), record["analysis"]["precision"]["mode"])
-        for record in records if "precision" in record.get("analysis", {})
-    })  # fmt: skip
-    if precisions:
-        said = ", ".join(f"{dtype} compute with {mode} model state" for dtype, mode in precisions)
-        lines.append(f"Precision: {said} (t5scale/train/precision.py).")
-    if steps:
-        lines.append(
-            "Step time: the median of the timed steps, each to block_until_ready, after the "
-            "warm-up steps found in the timings (t5scale/study/evidence.py); [low, high]: the "
-            f"median's distribution-free interval ({100 * steps.get('confidence', 0.95):.0f}% or "
-            "more), n: the timed samples; the plots draw it as error bars. Compile time from "
-            "the compile-only round where there was one. Memory at run time: the allocator's "
-            "peak where the backend reports one (— where it does not, as on the CPU)."
-        )
-    if machine.get("backend") == "cpu":
-        lines.append(
-            "On the CPU the emulated devices share this machine's cores and its one measured "
-            "peak: more devices cannot be faster here, and tokens/s per device falls by "
-            "construction. What the CPU shows truly is memory per device and the collectives."
-        )
+    lines = [f"# Study report: {study_dir}", "", *_preamble(records)]
     lines += [
         "",
         "![step time](step_time.png)",
@@ -234,42 +204,90 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     compile_time = {
-        record["key"].split(":", 1)[1]: record["analysis"]["compile_time_s"]
+        record.key.split(":", 1)[1]: record.result.analysis.compile_time_s
         for record in records
-        if record["kind"] == "compile" and "analysis" in record
+        if record.kind == "compile" and record.result.analysis is not None
     }
-    for (model, stage, devices), record in sorted(
-        best.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1:])
-    ):
-        analysis = record["analysis"]
-        low, high = _bounds(record, "step")
-        compiled_s = compile_time.get(record["key"].split(":", 1)[1], analysis["compile_time_s"])
-        lines.append(
-            f"| {model} | {stage} | {devices} | {record['config']['batch_size']} | "
-            f"{record['step_time_s']['median']:.3g}{' †' if 'same_program_as' in record else ''} "
-            f"[{low:.3g}, {high:.3g}] | {record['step_time_s'].get('samples', '?')} | "
-            f"{record['tokens_per_s']:,.0f} | {record['tokens_per_s_per_device']:,.0f} | "
-            f"{100 * record['mfu']:.1f}% | {analysis['memory_per_device']['peak_estimate_bytes'] / GIB:.2f} | "
-            f"{_gib(record.get('allocator_peak_bytes'))} | "
-            f"{analysis['model_state_per_device']['zero_formula_bytes']['total'] / GIB:.2f} "
-            f"({analysis['model_state_per_device'].get('zero_formula', '?')}) | "
-            f"{compiled_s:.1f} | {collective_summary(analysis['collectives'])} |"
-        )
-    if any("same_program_as" in record for record in best.values()):
+    ordered = sorted(best.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1:]))
+    lines += [_timed_row(point, record, compile_time) for point, record in ordered]
+    if any(record.same_program_as is not None for record in best.values()):
         lines += ["", "† the same compiled program as another stage's trial at this device count "
                   "(on one device every stage is): its timing is reused, not measured again."]  # fmt: skip
-    failed = [record for record in records if record["status"] != "ok"]
+    failed = [record for record in records if record.result.status != "ok"]
     lines += ["", f"## Trials that did not run ({len(failed)})", ""]
     if failed:
         lines += ["| kind | model | stage | devices | micro-batch | remat | status | why |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for record in failed:
-            config = record["config"]
+            point, result = record.point, record.result
             lines.append(
-                f"| {record['kind']} | {config['model']} | {config['stage']} | {config['devices']} | "
-                f"{config['micro_batch_size']} | {config['remat']} | {record['status']} | {record.get('error', '')} |"
+                f"| {record.kind} | {point.model} | {point.stage} | {point.devices} | "
+                f"{point.micro_batch_size} | {point.remat} | {result.status} | {result.error or ''} |"
             )
     funnel = Path(study_dir, "funnel.md")
     if funnel.exists():
         lines += ["", "The funnel's rounds: [funnel.md](funnel.md)."]
     return "\n".join(lines) + "\n"
+
+
+def _preamble(records: Sequence[TrialRecord]) -> list[str]:
+    """report.md's paragraph on the machine, the trials' shared settings and how they were
+    measured."""
+    ran = next((record for record in records if record.machine is not None), None)
+    machine = ran.machine if ran else None
+    peak = next((r.peak_flops_per_s for r in records if r.peak_flops_per_s is not None), 0.0)
+    timed = [record for record in records if record.kind == "timed"]
+    steps = next((r.result.timing.step_time_s for r in timed if r.result.status == "ok"), None)
+    kind, backend, source = (
+        (machine.device_kind, machine.backend, machine.peak_source) if machine else ("?",) * 3
+    )
+    lines = [
+        f"Machine: {kind} ({backend}); peak {peak / 1e12:.3g} TFLOP/s per device ({source}).",
+    ]
+    extra = ran.gin_bindings if ran else ()
+    shared = [b for b in extra if b.startswith("ModelConfig.") and "remat" not in b
+              and "dtype" not in b]  # fmt: skip
+    if shared:
+        lines.append(f"Every trial's model also had: `{'`, `'.join(shared)}`.")
+    precisions = sorted({
+        (record.point.dtype, record.result.analysis.precision.mode)
+        for record in records if record.result.analysis is not None
+    })  # fmt: skip
+    if precisions:
+        said = ", ".join(f"{dtype} compute with {mode} model state" for dtype, mode in precisions)
+        lines.append(f"Precision: {said} (t5scale/train/precision.py).")
+    if steps:
+        lines.append(
+            "Step time: the median of the timed steps, each to block_until_ready, after the "
+            "warm-up steps found in the timings (t5scale/study/evidence.py); [low, high]: the "
+            f"median's distribution-free interval ({100 * (steps.confidence or 0.95):.0f}% or "
+            "more), n: the timed samples; the plots draw it as error bars. Compile time from "
+            "the compile-only round where there was one. Memory at run time: the allocator's "
+            "peak where the backend reports one (— where it does not, as on the CPU)."
+        )
+    if backend == "cpu":
+        lines.append(
+            "On the CPU the emulated devices share this machine's cores and its one measured "
+            "peak: more devices cannot be faster here, and tokens/s per device falls by "
+            "construction. What the CPU shows truly is memory per device and the collectives."
+        )
+    return lines
+
+
+def _timed_row(point: PointKey, record: TrialRecord, compile_time: dict[str, float]) -> str:
+    """The row of report.md's table of timed trials for `point`'s best trial."""
+    (model, stage, devices), result = point, record.result
+    analysis, timing = result.analysis, result.timing
+    low, high = _bounds(record, "step")
+    compiled_s = compile_time.get(record.key.split(":", 1)[1], analysis.compile_time_s)
+    state = analysis.model_state_per_device
+    return (
+        f"| {model} | {stage} | {devices} | {record.point.batch_size} | "
+        f"{timing.step_time_s.median:.3g}{' †' if record.same_program_as is not None else ''} "
+        f"[{low:.3g}, {high:.3g}] | {timing.step_time_s.samples or '?'} | "
+        f"{timing.tokens_per_s:,.0f} | {timing.tokens_per_s_per_device:,.0f} | "
+        f"{100 * timing.mfu:.1f}% | {analysis.memory_per_device.peak_estimate_bytes / GIB:.2f} | "
+        f"{_gib(timing.allocator_peak_bytes)} | "
+        f"{state.zero_formula_bytes.total / GIB:.2f} ({state.zero_formula}) | "
+        f"{compiled_s:.1f} | {analysis.collectives.summary()} |"
+    )

@@ -8,6 +8,7 @@ rounds replay the same decisions and only the missing trials run.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shlex
@@ -19,7 +20,9 @@ from typing import Any
 from t5scale.analysis.memory import cpu_memory_budget
 from t5scale.study import funnel
 from t5scale.study.config import Point, StudyConfig
-from t5scale.study.trial import run_trial
+from t5scale.study.evidence import TimingRule
+from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
+from t5scale.study.trial import run_spec, run_trial
 
 
 class Results:
@@ -27,25 +30,22 @@ class Results:
 
     def __init__(self, path: Path):
         self.path = path
-        self.records: dict[str, dict[str, Any]] = {}
         text = path.read_text(encoding="utf-8") if path.exists() else ""
         if text and not text.endswith("\n"):
             # A line cut by a kill mid-write: cut it off, so that appends start a fresh line.
             print(f"study: {path} ends in a cut line; its trial runs again", flush=True)
             text = text[: text.rfind("\n") + 1]
             path.write_text(text, encoding="utf-8")
-        if text:
-            for number, line in enumerate(text.splitlines(), 1):
-                try:
-                    record = json.loads(line)
-                    self.records[record["key"]] = record
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    print(f"study: {path}:{number} is not a record; ignored", flush=True)
 
-    def add(self, record: dict[str, Any]) -> None:
-        self.records[record["key"]] = record
+        def skipped(number: int) -> None:
+            print(f"study: {path}:{number} is not a record; ignored", flush=True)
+
+        self.records: dict[str, TrialRecord] = parse_results(text, skipped)
+
+    def add(self, record: TrialRecord) -> None:
+        self.records[record.key] = record
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record.to_json()) + "\n")
 
 
 class Progress:
@@ -88,8 +88,8 @@ def run_study(
     machine = _machine(config, study_dir)
     show(
         f"study: {len(config.configurations())} configurations × devices {list(config.devices)} "
-        f"on {machine['device_kind']} ({machine['backend']}); peak "
-        f"{machine['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({machine['peak_source']})"
+        f"on {machine.device_kind} ({machine.backend}); peak "
+        f"{machine.peak_flops_per_s / 1e12:.3g} TFLOP/s ({machine.peak_source})"
     )
     configurations = config.configurations()
     devices = sorted(config.devices)
@@ -107,13 +107,12 @@ def run_study(
     best = funnel.winners(timed_records, config.objective, config.confidence)
     if config.profile_winner:
         for model, winner in sorted(best.items()):
-            point = Point(**winner.record["config_point"])
-            record, _ = runner.run_one(point, "profile", "profile of the winner")
-            show(f"profile of {model}'s winner: {record.get('profile_dir') or record['status']}")
-    spent_wall = sum(r["wall_s"] for r in compile_records + timed_records)
-    spent_device = sum(
-        r["wall_s"] * r["config"]["devices"] for r in compile_records + timed_records
-    )
+            record, _ = runner.run_one(winner.record.point, "profile", "profile of the winner")
+            show(
+                f"profile of {model}'s winner: {record.result.profile_dir or record.result.status}"
+            )
+    spent_wall = sum(r.wall_s for r in compile_records + timed_records)
+    spent_device = sum(r.wall_s * r.point.devices for r in compile_records + timed_records)
     full = None
     if config.search == "funnel":
         grid = [config.point(c, d) for c in configurations for d in devices]
@@ -137,11 +136,11 @@ def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
     return alive * len(devices) * (config.repeats + (config.search == "funnel"))
 
 
-def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
+def _machine(config: StudyConfig, study_dir: Path) -> Machine:
     """The backend, its peak FLOP/s and memory: probed once per study, in a child process."""
     path = study_dir / "machine.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return Machine.from_json(json.loads(path.read_text()))
     result = run_trial(
         {"kind": "machine", "dtype": config.dtype, "devices_per_process": 1},
         study_dir / "trials", "machine", 300,
@@ -149,14 +148,14 @@ def _machine(config: StudyConfig, study_dir: Path) -> dict[str, Any]:
     if result["status"] != "ok":
         raise RuntimeError(f"could not probe the machine: {result.get('error')} ({result['log']})")
     path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return Machine.from_json(result)
 
 
 class _TrialRunner:
     """funnel.Trials as isolated processes, recorded in results.jsonl."""
 
     def __init__(
-        self, config: StudyConfig, study_dir: Path, results: Results, machine: dict,
+        self, config: StudyConfig, study_dir: Path, results: Results, machine: Machine,
         progress: Progress,
     ):  # fmt: skip
         self.config, self.study_dir, self.results = config, study_dir, results
@@ -168,9 +167,9 @@ class _TrialRunner:
     def budget(self, devices: int) -> int | None:
         if self.config.device_memory_gb is not None:
             return int(self.config.device_memory_gb * 2**30)
-        if self.machine["backend"] == "cpu":
-            return cpu_memory_budget(self.machine["host_memory_bytes"], devices)
-        return self.machine.get("device_memory_limit_bytes")
+        if self.machine.backend == "cpu":
+            return cpu_memory_budget(self.machine.host_memory_bytes, devices)
+        return self.machine.device_memory_limit_bytes
 
     def hosts(self, devices: int) -> int:
         per_host = self.config.devices_per_host
@@ -183,29 +182,30 @@ class _TrialRunner:
             return []
         return shlex.split(self.config.trial_launcher.format(hosts=hosts, devices=devices))
 
-    def spec(self, point: Point, kind: str, repeat: int = 0) -> dict[str, Any]:
+    def spec(self, point: Point, kind: str, repeat: int = 0) -> TrialSpec:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
-        return {
-            "kind": kind,
-            "devices_per_process": point.devices // self.hosts(point.devices),
-            "point": point.__dict__,
-            "memory_budget_bytes": self.budget(point.devices),
-            "timing": {"precision": study.timing_precision,
-                       "min_samples": self.min_samples, "max_samples": study.max_timed_steps,
-                       "max_seconds": study.max_timing_s},
-            "token_budget": study.token_budget if study.objective == "loss" else 0,
-            "peak_flops_per_s": self.machine["peak_flops_per_s"],
-            "extra_bindings": list(study.extra_bindings),
+        return TrialSpec(
+            kind=kind,
+            point=point,
+            devices_per_process=point.devices // self.hosts(point.devices),
+            memory_budget_bytes=self.budget(point.devices),
+            timing=TimingRule(
+                precision=study.timing_precision, min_samples=self.min_samples,
+                max_samples=study.max_timed_steps, max_seconds=study.max_timing_s,
+            ),
+            token_budget=study.token_budget if study.objective == "loss" else 0,
+            peak_flops_per_s=self.machine.peak_flops_per_s,
+            extra_bindings=study.extra_bindings,
             # one TensorBoard run per timed trial, so that trials compare in one TensorBoard
-            "tensorboard_dir": str(self.study_dir / "tensorboard" / run_name)
+            tensorboard_dir=str(self.study_dir / "tensorboard" / run_name)
             if kind == "timed" else None,
-            "profile_dir": str(self.study_dir / "profile" / point.run_name()),
-        }  # fmt: skip
+            profile_dir=str(self.study_dir / "profile" / point.run_name()),
+        )  # fmt: skip
 
     def run_one(
         self, point: Point, kind: str, round_name: str, repeat: int = 0
-    ) -> tuple[dict[str, Any], bool]:
+    ) -> tuple[TrialRecord, bool]:
         """(record, whether it ran now): a trial found in results.jsonl is not run again."""
         key = point.key(funnel.timed_kind(repeat) if kind == "timed" else kind)
         if key in self.results.records:
@@ -213,34 +213,29 @@ class _TrialRunner:
         if kind == "timed" and (twin := self._timed_twin(point, repeat)):
             # The same compiled program (e.g. every stage on one device) runs the same steps:
             # its timing is reused rather than measured again, and says so.
-            record = twin | {"key": key, "round": round_name, "config": point.as_dict(),
-                             "config_point": point.__dict__, "same_program_as": twin["key"],
-                             "wall_s": 0.0, "measured_wall_s": twin["wall_s"]}  # fmt: skip
+            record = dataclasses.replace(
+                twin, key=key, round=round_name, point=point, same_program_as=twin.key,
+                result=dataclasses.replace(twin.result, wall_s=0.0), measured_wall_s=twin.wall_s,
+            )  # fmt: skip
             self.results.add(record)
             return record, False
         self.counter += 1
         spec = self.spec(point, kind, repeat)
-        result = run_trial(
+        result = run_spec(
             spec, self.study_dir / "trials", f"{self.counter:04d}-{kind}",
             self.config.trial_timeout_s, self.launcher(point.devices),
         )  # fmt: skip
-        record = {
-            "key": key,
-            "kind": kind,
-            "round": round_name,
-            "config": point.as_dict(),
-            "config_point": point.__dict__,
-            "gin_bindings": point.gin_bindings() + list(self.config.extra_bindings),
-            "machine": {k: self.machine[k] for k in ("backend", "device_kind", "peak_source")},
-            "peak_flops_per_s": self.machine["peak_flops_per_s"],
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "tensorboard_dir": spec["tensorboard_dir"],
-            "repeat": repeat,
-        } | result
+        record = TrialRecord(
+            key=key, kind=kind, round=round_name, point=point, result=result,
+            gin_bindings=(*point.gin_bindings(), *self.config.extra_bindings),
+            machine=self.machine.label(), peak_flops_per_s=self.machine.peak_flops_per_s,
+            finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            tensorboard_dir=spec.tensorboard_dir, repeat=repeat,
+        )  # fmt: skip
         self.results.add(record)
         return record, True
 
-    def _timed_twin(self, point: Point, repeat: int) -> dict[str, Any] | None:
+    def _timed_twin(self, point: Point, repeat: int) -> TrialRecord | None:
         """A timed trial (the same repeat), already run, whose compile-only trial produced this
         point's program."""
         fingerprint = self._fingerprint(point)
@@ -248,25 +243,25 @@ class _TrialRunner:
             return None
         for record in self.results.records.values():
             if (
-                record["kind"] == "timed"
-                and "same_program_as" not in record
-                and record.get("repeat", 0) == repeat
-                and record["status"] == "ok"
-                and self._fingerprint(Point(**record["config_point"])) == fingerprint
+                record.kind == "timed"
+                and record.same_program_as is None
+                and record.repeat == repeat
+                and record.result.status == "ok"
+                and self._fingerprint(record.point) == fingerprint
             ):
                 return record
         return None
 
     def _fingerprint(self, point: Point) -> str | None:
-        compiled = self.results.records.get(point.key("compile"), {})
-        return compiled.get("program_fingerprint")
+        compiled = self.results.records.get(point.key("compile"))
+        return compiled.result.program_fingerprint if compiled else None
 
-    def compile(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+    def compile(self, configurations, devices: int, name: str) -> list[TrialRecord]:
         return self.run_all(
             [self.config.point(c, devices) for c in configurations], "compile", name
         )
 
-    def time(self, configurations, devices: int, name: str) -> list[dict[str, Any]]:
+    def time(self, configurations, devices: int, name: str) -> list[TrialRecord]:
         """Each configuration in `repeats` trials, the rounds of trials in alternating order
         (forwards, backwards) so that a machine whose speed drifts favours none."""
         # With one trial each, enough steps that each trial's interval can take part in the
@@ -287,14 +282,14 @@ class _TrialRunner:
 
     def run_all(
         self, points: list[Point], kind: str, round_name: str, repeat: int = 0
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrialRecord]:
         """Compile-only trials run `compile_workers` at a time; timed trials one by one."""
         workers = 1
         if kind == "compile":
             workers = self.config.compile_workers or (
-                os.cpu_count() or 1 if self.machine["backend"] == "cpu" else 1
+                os.cpu_count() or 1 if self.machine.backend == "cpu" else 1
             )
-        records: list[dict[str, Any]] = []
+        records: list[TrialRecord] = []
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = [pool.submit(self.run_one, p, kind, round_name, repeat) for p in points]
             for point, future in zip(points, futures, strict=True):
@@ -308,19 +303,18 @@ class _TrialRunner:
         return records
 
 
-def _outcome(record: dict[str, Any]) -> str:
-    status = record["status"]
-    if status != "ok":
-        return f"{status} ({record.get('error', '')})"
-    memory = record["analysis"]["memory_per_device"]["peak_estimate_bytes"] / 2**30
-    if record["kind"] == "compile":
-        remat = record["analysis"].get("remat", {})
-        chosen = f" with remat {remat['policy']}" if remat.get("requested") == "auto" else ""
-        return (
-            f"fits{chosen}, {memory:.2f} GiB/device, compiled in "
-            f"{record['analysis']['compile_time_s']:.1f} s"
-        )
+def _outcome(record: TrialRecord) -> str:
+    result = record.result
+    if result.status != "ok":
+        return f"{result.status} ({result.error or ''})"
+    analysis = result.analysis
+    memory = analysis.memory_per_device.peak_estimate_bytes / 2**30
+    if record.kind == "compile":
+        remat = analysis.remat
+        chosen = f" with remat {remat.policy}" if remat.requested == "auto" else ""
+        return f"fits{chosen}, {memory:.2f} GiB/device, compiled in {analysis.compile_time_s:.1f} s"
+    timing = result.timing
     return (
-        f"{record['step_time_s']['median']:.3g} s/step, "
-        f"{record['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {100 * record['mfu']:.1f}%"
+        f"{timing.step_time_s.median:.3g} s/step, "
+        f"{timing.tokens_per_s_per_device:,.0f} tokens/s/device, MFU {100 * timing.mfu:.1f}%"
     )

@@ -2,8 +2,8 @@
 
     python -m t5scale.study.trial SPEC.json RESULT.json
 
-The study starts each trial with `run_trial`, which gives it a time limit and turns whatever
-happens to it into a status: ok, out-of-memory, compile error, timeout or crash. A trial that
+The study starts each trial with `run_spec` (`run_trial` for its records), which gives it a
+time limit and turns whatever happens to it into a status: ok, out-of-memory, compile error, timeout or crash. A trial that
 dies takes nothing else with it. Kind 'machine' probes the backend once per study (peak FLOP/s,
 device kind and memory), so that the study's own process never starts an accelerator.
 """
@@ -31,9 +31,9 @@ from t5scale.analysis.peaks import device_peak
 from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
 from t5scale.parallel.distributed import DistributedConfig, join_processes
-from t5scale.study.config import Point
-from t5scale.study.evidence import TimingRule, median_interval
+from t5scale.study.evidence import median_interval
 from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
+from t5scale.study.records import Machine, StepTimes, TrialResult, TrialSpec, TrialTiming
 from t5scale.train.setup import build_setup
 from t5scale.train.tensorboard import ScalarWriter
 
@@ -93,6 +93,14 @@ def run_trial(
     return result | {"wall_s": wall, "log": str(log_path)}
 
 
+def run_spec(
+    spec: TrialSpec, work_dir: Path, name: str, timeout_s: float, launcher: Sequence[str] = ()
+) -> TrialResult:
+    """A study's trial in its own process: `run_trial` with the records JSON is made from and
+    read into at its files' edges."""
+    return TrialResult.from_json(run_trial(spec.to_json(), work_dir, name, timeout_s, launcher))
+
+
 def _crash_reason(code: int, log_path: Path) -> str:
     if code < 0:
         reason = f"killed by {signal.Signals(-code).name}"
@@ -106,138 +114,141 @@ def _crash_reason(code: int, log_path: Path) -> str:
 # ---- inside the child process ------------------------------------------------------------
 
 
-def _machine(spec: dict[str, Any]) -> dict[str, Any]:
+def _machine(dtype: str) -> Machine:
     device = jax.devices()[0]
-    peak, source = device_peak(spec["dtype"])
+    peak, source = device_peak(dtype)
     stats = device.memory_stats() or {}
-    return {
-        "status": "ok",
-        "backend": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "peak_flops_per_s": peak,
-        "peak_source": source,
-        "device_memory_limit_bytes": stats.get("bytes_limit"),
-        "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-    }
+    return Machine(
+        backend=jax.default_backend(),
+        device_kind=device.device_kind,
+        device_count=jax.device_count(),
+        peak_flops_per_s=peak,
+        peak_source=source,
+        device_memory_limit_bytes=stats.get("bytes_limit"),
+        host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    )
 
 
-def _point_run(spec: dict[str, Any]):
-    point = Point(**spec["point"])
-    parse_gin(point.gin_files(), point.gin_bindings() + list(spec.get("extra_bindings", ())))
+def _point_run(spec: TrialSpec):
+    point = spec.point
+    parse_gin(point.gin_files(), point.gin_bindings() + list(spec.extra_bindings))
     return point, build_run_config()
 
 
-def _trial(spec: dict[str, Any]) -> dict[str, Any]:
+def _trial(spec: TrialSpec) -> TrialResult:
     """Compile the point; if it fits and the trial is timed, time it."""
     point, run = _point_run(spec)
     if point.devices > jax.device_count():
-        return {
-            "status": "crash",
-            "error": f"{point.devices} devices asked, {jax.device_count()} here",
-        }
-    step, result = _compile(run, jax.devices()[: point.devices], spec.get("memory_budget_bytes"))
-    if result["status"] != "ok":
+        return TrialResult(
+            status="crash", error=f"{point.devices} devices asked, {jax.device_count()} here"
+        )
+    step, result = _compile(run, jax.devices()[: point.devices], spec.memory_budget_bytes)
+    if result.status != "ok":
         return result
-    if spec["kind"] == "profile":
-        profile_steps(step, spec["profile_dir"])
-        return result | {"profile_dir": spec["profile_dir"]}
-    if spec["kind"] == "compile":
+    if spec.kind == "profile":
+        profile_steps(step, spec.profile_dir)
+        return dataclasses.replace(result, profile_dir=spec.profile_dir)
+    if spec.kind == "compile":
         # Identical programs (every stage on one device) are timed once: see runner.py.
-        result["program_fingerprint"] = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
+        fingerprint = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
         step.setup.compile_state_init()  # cached for the timed trial of this point, if any
-        return result
-    return result | _time(spec, point, step)
+        return dataclasses.replace(result, program_fingerprint=fingerprint)
+    return _time(spec, step, result)
 
 
-def _compile(run, devices, budget: int | None) -> tuple[Any, dict[str, Any]]:
+def _compile(run, devices, budget: int | None) -> tuple[Any, TrialResult]:
     """(compiled step or None, result): out-of-memory by the ZeRO formula before compiling,
     or by XLA's estimate after."""
     try:
         lower_bound = model_state_per_device(run, devices)
         if budget is not None and lower_bound > budget:  # no need to compile to know
-            return None, {"status": "out-of-memory", "memory_budget_bytes": budget, "fits": False,
-                          "error": f"the ZeRO formula's model state alone, "
-                          f"{lower_bound / 2**30:.2f} GiB per device, exceeds the budget "
-                          f"{budget / 2**30:.2f} GiB"}  # fmt: skip
+            return None, TrialResult(
+                status="out-of-memory", memory_budget_bytes=budget, fits=False,
+                error=f"the ZeRO formula's model state alone, {lower_bound / 2**30:.2f} GiB per "
+                f"device, exceeds the budget {budget / 2**30:.2f} GiB",
+            )  # fmt: skip
         step = build_setup(run, devices).compile(memory_budget_bytes=budget)
     except (ConfigError, MeshError) as error:
-        return None, {"status": "compile error", "error": str(error)}
+        return None, TrialResult(status="compile error", error=str(error))
     except Exception as error:  # XLA's own compile failures
-        return None, {"status": _failure_status(error, "compile error"), "error": _one_line(error)}
+        return None, TrialResult(
+            status=_failure_status(error, "compile error"), error=_one_line(error)
+        )
     peak_bytes = step.analysis.memory_per_device.peak_estimate_bytes
     fits = budget is None or peak_bytes <= budget
-    result = {"status": "ok", "analysis": step.analysis.to_json(), "memory_budget_bytes": budget,
-              "fits": fits}  # fmt: skip
+    result = TrialResult(status="ok", analysis=step.analysis, memory_budget_bytes=budget, fits=fits)
     if not fits:
-        result |= {
-            "status": "out-of-memory",
-            "error": f"XLA's per-device estimate {peak_bytes / 2**30:.2f} GiB exceeds the budget "
+        result = dataclasses.replace(
+            result, status="out-of-memory",
+            error=f"XLA's per-device estimate {peak_bytes / 2**30:.2f} GiB exceeds the budget "
             f"{budget / 2**30:.2f} GiB",
-        }
+        )  # fmt: skip
     return step, result
 
 
-def _time(spec: dict[str, Any], point, step) -> dict[str, Any]:
+def _time(spec: TrialSpec, step, compiled: TrialResult) -> TrialResult:
     """Time the step until its median is known to the spec's precision (or the budget is
     spent); with a token budget (the loss objective), at least the steps it takes, and the
     loss is read there. With TrainConfig.steps_per_execution k > 1 the k-step program is
     compiled and timed (the one-step program's memory decided whether the point fits)."""
     run = step.setup.run
     tokens_per_step = run.tokens_per_step
-    rule = TimingRule(**spec["timing"])
-    budget_steps = (
-        math.ceil(spec["token_budget"] / tokens_per_step) if spec.get("token_budget") else 0
-    )
+    rule = spec.timing
+    budget_steps = math.ceil(spec.token_budget / tokens_per_step) if spec.token_budget else 0
     if budget_steps:
         rule = dataclasses.replace(rule, max_samples=max(rule.max_samples, budget_steps))
     try:
         program = step
         if run.train.steps_per_execution > 1:
             program = step.setup.compile(run.train.steps_per_execution)
-        timing = time_steps(program, rule, min_steps=budget_steps)
+        measured = time_steps(program, rule, min_steps=budget_steps)
     except Exception as error:
-        return {"status": _failure_status(error, "crash"), "error": _one_line(error)}
-    median = timing["step_time_s"]["median"]
+        return dataclasses.replace(
+            compiled, status=_failure_status(error, "crash"), error=_one_line(error)
+        )
+    steps = StepTimes.from_json(measured["step_time_s"])
     # Emulated CPU devices share one machine, so they share its one measured peak.
-    peak_devices = 1 if jax.default_backend() == "cpu" else point.devices
-    model_flops = step.analysis.flops_per_step.model
-    losses = timing["losses"][: budget_steps or None]
+    peak_devices = 1 if jax.default_backend() == "cpu" else spec.point.devices
+    losses = measured["losses"][: budget_steps or None]
     # The loss's evidence: its median over the last quarter of the steps (at least the samples
     # the round's comparison needs), with that median's interval.
     window = min(len(losses), max(rule.floor, len(losses) // 4))
-    result = timing | {
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step / median,
-        "tokens_per_s_per_device": tokens_per_step / median / point.devices,
-        "mfu": mfu(model_flops, median, spec["peak_flops_per_s"], peak_devices),
-        "final_loss": losses[-1],
-        "loss_interval": median_interval(losses[-window:], rule.confidence).as_dict(),
-        "loss_samples": losses[-window:],
-        "tokens_seen": tokens_per_step * len(losses),
-    }
-    if spec.get("tensorboard_dir"):
-        _write_events(spec["tensorboard_dir"], result)
-    return result
+    timing = TrialTiming(
+        step_time_s=steps,
+        step_times_s=tuple(measured["step_times_s"]),
+        losses=tuple(measured["losses"]),
+        allocator_peak_bytes=measured["allocator_peak_bytes"],
+        tokens_per_step=tokens_per_step,
+        tokens_per_s=tokens_per_step / steps.median,
+        tokens_per_s_per_device=tokens_per_step / steps.median / spec.point.devices,
+        mfu=mfu(step.analysis.flops_per_step.model, steps.median, spec.peak_flops_per_s,
+                peak_devices),
+        final_loss=losses[-1],
+        loss_interval=median_interval(losses[-window:], rule.confidence),
+        loss_samples=tuple(losses[-window:]),
+        tokens_seen=tokens_per_step * len(losses),
+    )  # fmt: skip
+    if spec.tensorboard_dir:
+        _write_events(spec.tensorboard_dir, timing)
+    return dataclasses.replace(compiled, timing=timing)
 
 
-def _write_events(logdir: str, result: dict[str, Any]) -> None:
+def _write_events(logdir: str, timing: TrialTiming) -> None:
     """The trial's steps as one TensorBoard run: loss per step, step time per sample."""
+    steps = timing.step_time_s
     with ScalarWriter(logdir) as writer:
-        for index, loss in enumerate(result["losses"], 1):
+        for index, loss in enumerate(timing.losses, 1):
             writer.write(index, {"loss": loss})
-        per_sample = result["step_time_s"]["steps_per_sample"]
-        for index, seconds in enumerate(result["step_times_s"], 1):
-            writer.write(index * per_sample, {"step_time_s": seconds})
-        last = len(result["losses"])
+        for index, seconds in enumerate(timing.step_times_s, 1):
+            writer.write(index * steps.steps_per_sample, {"step_time_s": seconds})
+        last = len(timing.losses)
         writer.write(last, {
-            "tokens_per_s_per_device": result["tokens_per_s_per_device"], "mfu": result["mfu"],
-            "step_time_s/median": result["step_time_s"]["median"],
-            "step_time_s/low": result["step_time_s"]["low"],
-            "step_time_s/high": result["step_time_s"]["high"],
+            "tokens_per_s_per_device": timing.tokens_per_s_per_device, "mfu": timing.mfu,
+            "step_time_s/median": steps.median, "step_time_s/low": steps.low,
+            "step_time_s/high": steps.high,
         })  # fmt: skip
-        if result.get("allocator_peak_bytes") is not None:
-            writer.write(last, {"memory/allocator_peak_bytes": result["allocator_peak_bytes"]})
+        if timing.allocator_peak_bytes is not None:
+            writer.write(last, {"memory/allocator_peak_bytes": timing.allocator_peak_bytes})
 
 
 def _failure_status(error: BaseException, otherwise: str) -> str:
@@ -262,7 +273,10 @@ def main(argv: list[str]) -> int:
     # Under a launcher (srun, several hosts) each process joins the others; one writes.
     processes = join_processes(DistributedConfig())
     xla_cpu.patch_cpu_collectives()
-    result = _machine(spec) if spec["kind"] == "machine" else _trial(spec)
+    if spec["kind"] == "machine":
+        result = {"status": "ok"} | _machine(spec["dtype"]).to_json()
+    else:
+        result = _trial(TrialSpec.from_json(spec)).to_json()
     if jax.process_index() == 0:
         write_result(Path(result_path), result)
     processes.done()
