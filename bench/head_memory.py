@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from t5scale.model.sizes import ModelConfig
-from t5scale.study.plan import PlanConfig, stage_run
+from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import build_setup
 
@@ -33,7 +33,7 @@ GB = 1e9
 def compiled_memory(model: str, remat: str, chunk: int | None, batch: int) -> dict:
     run = RunConfig(model=ModelConfig(name=model, dtype="bfloat16", remat=remat,
                                       loss_chunk_tokens=chunk))  # fmt: skip
-    run = stage_run(run, PlanConfig(devices=1, stages=(0,), micro_batch_size=batch), 0)
+    run = WeakScaling(0, 1, batch, run.train.micro_batches).run(run)
     step = build_setup(run, jax.devices()[:1]).compile()
     memory = step.analysis.memory_per_device
     return {

@@ -11,6 +11,7 @@ from t5scale.analysis.jsonform import fields_from_json
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.zero import check_stages
+from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
@@ -23,9 +24,8 @@ SEARCHES = ("funnel", "grid")
 class StudyConfig:
     """The grid (every axis a list), how each trial runs, and how the funnel prunes.
 
-    The batch is weak-scaled, as DeepSpeed's `train_micro_batch_size_per_gpu`: the global batch
-    is micro_batch_size × data-parallel devices × micro_batches (gradient accumulation steps,
-    as TrainConfig.micro_batches).
+    The batch is weak-scaled (t5scale/study/weak_scaling.py): micro_batch_size per data-parallel
+    device, micro_batches of them accumulated per step.
     search: 'funnel' (at each device count, smallest first, compile and drop what does not
     fit, then time and drop what is worse than its model's best with the stated confidence:
     t5scale/study/funnel.py) or 'grid' (every point timed).
@@ -207,18 +207,25 @@ class Point:
         return Configuration(*(getattr(self, f.name) for f in dataclasses.fields(Configuration)))
 
     @property
+    def scaling(self) -> WeakScaling:
+        """The stage, mesh and batch: ZeRO over every device synchronised every step, as
+        DeepSpeed, or inside each of `replicas` replicas."""
+        replicas = 1 if self.sync == "every_step" else self.replicas
+        return WeakScaling(self.stage, self.devices, self.micro_batch_size, self.micro_batches,
+                           self.tensor, replicas)  # fmt: skip
+
+    @property
     def batch_size(self) -> int:
-        return self.micro_batch_size * (self.devices // self.tensor) * self.micro_batches
+        return self.scaling.batch_size
 
     def gin_files(self) -> list[str]:
         return [f"gin/models/{self.model}.gin"]
 
     def _replication(self) -> list[str]:
-        if self.sync == "every_step":  # ZeRO over every device, as DeepSpeed
-            return ["ParallelConfig.replica=1", "ParallelConfig.zero_across_hosts=True"]
+        if self.sync == "every_step":
+            return ["ParallelConfig.zero_across_hosts=True"]
         sync = replica_sync(self.sync)
         return [  # a replica per host where there are several: ZeRO inside each
-            f"ParallelConfig.replica={self.replicas}",
             "ParallelConfig.zero_across_hosts=False",
             f"ReplicaSyncConfig.mode='{sync.mode}'",
             f"ReplicaSyncConfig.every={sync.every}",
@@ -227,17 +234,13 @@ class Point:
     def gin_bindings(self) -> list[str]:
         """The run this point is, as --gin.NAME=VALUE bindings over its model's gin file."""
         return [
-            f"ParallelConfig.zero_stage={self.stage}",
+            *self.scaling.gin_bindings(),
             *self._replication(),
-            "ParallelConfig.zero=-1",
-            f"ParallelConfig.tensor={self.tensor}",
             f"ModelConfig.remat='{self.remat}'",
             f"ModelConfig.dtype='{self.dtype}'",
             f"PrecisionConfig.mode='{self.precision}'",
             f"OptimizerConfig.name='{self.optimizer}'",
             f"OptimizerConfig.learning_rate={self.learning_rate!r}",
-            f"BATCH_SIZE={self.batch_size}",
-            f"MICRO_BATCHES={self.micro_batches}",
             f"INPUT_LENGTH={self.input_length}",
             f"TARGET_LENGTH={self.target_length}",
             f"DATA_SOURCE='{self.data_source}'",

@@ -20,6 +20,7 @@ from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.records import StatePrecision, StepAnalysis
 from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
+from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import build_setup
 
@@ -29,7 +30,7 @@ GIB = 2**30
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """devices: the mesh to plan for (zero = devices / tensor, replica 1); the batch is
-    micro_batch_size × data-parallel devices × MICRO_BATCHES, as in the study."""
+    weak-scaled as in the study (t5scale/study/weak_scaling.py), MICRO_BATCHES accumulated."""
 
     devices: int = 8
     device_memory_gb: float = 80.0
@@ -47,20 +48,6 @@ class PlanConfig:
         if self.device_memory_gb <= 0 or self.micro_batch_size < 1:
             raise ConfigError("PlanConfig.device_memory_gb must be > 0, micro_batch_size >= 1")
         check_stages(self.stages, "PlanConfig.stages")
-
-
-def stage_run(run: RunConfig, plan: PlanConfig, stage: int, replicas: int = 1) -> RunConfig:
-    """The run the planner compiles for `stage`: zero over every data-parallel device (of each
-    of `replicas` replicas: local SGD, DiLoCo)."""
-    data_parallel = plan.devices // plan.tensor
-    batch = plan.micro_batch_size * data_parallel * run.train.micro_batches
-    parallel = dataclasses.replace(
-        run.parallel, zero_stage=stage, replica=replicas, zero=data_parallel // replicas,
-        tensor=plan.tensor,
-    )  # fmt: skip
-    return dataclasses.replace(
-        run, parallel=parallel, train=dataclasses.replace(run.train, batch_size=batch)
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +121,11 @@ class Plan:
 
 
 def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> StagePlan:
-    staged = stage_run(run, plan, stage)
+    """The stage compiled with zero over every data-parallel device (replica 1)."""
+    scaling = WeakScaling(
+        stage, plan.devices, plan.micro_batch_size, run.train.micro_batches, plan.tensor
+    )
+    staged = scaling.run(run)
     budget = plan.device_memory_gb * 1e9
     step = build_setup(staged, devices).compile(memory_budget_bytes=int(budget))
     return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget)

@@ -32,7 +32,7 @@ from t5scale.cluster_model.step_time import (
 )
 from t5scale.errors import ConfigError
 from t5scale.parallel.zero import check_stages
-from t5scale.study.plan import PlanConfig, stage_run
+from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
@@ -87,8 +87,10 @@ def step_analysis(
     the cluster's device memory); cached across calls on disk (keyed by the whole run,
     stage, device count and the JAX version), since compiling a large model on 64 devices takes
     tens of seconds."""
-    plan = PlanConfig(devices=devices, micro_batch_size=micro_batch_size, tensor=tensor)
-    staged = stage_run(run, plan, stage, replicas)
+    scaling = WeakScaling(
+        stage, devices, micro_batch_size, run.train.micro_batches, tensor, replicas
+    )
+    staged = scaling.run(run)
     key_text = json.dumps(
         [dataclasses.asdict(staged.model), dataclasses.asdict(staged.parallel),
          dataclasses.asdict(staged.precision),
