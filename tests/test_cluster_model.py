@@ -12,6 +12,7 @@ from conftest import REPO, run_cli, tiny_setup
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import first_group
+from t5scale.analysis.peaks import GPU_DATASHEET
 from t5scale.cluster_model.collectives import Placement, collective_seconds, placement
 from t5scale.cluster_model.compute import ComputeTime, step_compute
 from t5scale.cluster_model.hardware import ClusterConfig
@@ -27,9 +28,10 @@ from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 
-# Round figures, so that every expected time below can be checked by hand.
+# Round figures, so that every expected time below can be checked by hand (the peaks too: given,
+# they replace the GPU's datasheet figures).
 CLUSTER = ClusterConfig(
-    name="round", gpus_per_node=8, peak_flops=100e12, peak_flops_float32=50e12,
+    name="round", gpu="NVIDIA A100", gpus_per_node=8, peak_flops=100e12, peak_flops_float32=50e12,
     gemm_efficiency=1.0, memory_efficiency=1.0, roofline_fraction=1.0, memory_bandwidth=1e12,
     device_memory_gb=80, nvlink_bus_bandwidth=200e9, network_bus_bandwidth=100e9,
     nvlink_latency_s=1e-6, network_latency_s=10e-6, collective_launch_s=5e-6,
@@ -226,3 +228,16 @@ def test_a_bad_cluster_file_is_one_line_and_exit_2(tmp_path, edit, named):
 def test_cluster_config_refuses_an_efficiency_above_one():
     with pytest.raises(ConfigError, match="gemm_efficiency"):
         dataclasses.replace(CLUSTER, gemm_efficiency=1.5)
+
+
+def test_a_cluster_files_gpu_peaks_are_the_datasheet_tables():
+    for name, gpu in (("a100", "NVIDIA A100"), ("h100", "NVIDIA H100")):
+        parse_gin([f"gin/clusters/{name}.gin"], [])
+        cluster = build_study_config("cluster")
+        peaks = GPU_DATASHEET[gpu]
+        assert (cluster.peak_flops, cluster.peak_flops_float32) == (
+            peaks["bfloat16"],
+            peaks["float32"],
+        )
+    with pytest.raises(ConfigError, match="ClusterConfig.gpu must be one of NVIDIA H200"):
+        dataclasses.replace(CLUSTER, gpu="NVIDIA Z9")

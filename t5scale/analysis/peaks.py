@@ -14,12 +14,16 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense (no sparsity) tensor-core FLOP/s from NVIDIA's datasheets, per device kind prefix.
+# Dense (no sparsity) tensor-core FLOP/s per GPU, float32 as TF32: the one table of GPU peaks,
+# for MFU on a GPU and for the cluster files (ClusterConfig.gpu). Keyed by the device kind JAX
+# reports, as a prefix (the first that matches wins). From NVIDIA's datasheets, which give the
+# sparse figures, twice these: H100 Tensor Core GPU (SXM5, PCIe), H200 Tensor Core GPU, A100
+# Tensor Core GPU (SXM4).
 GPU_DATASHEET = {
     "NVIDIA H200": {"bfloat16": 989.4e12, "float32": 494.7e12},
     "NVIDIA H100 PCIe": {"bfloat16": 756.0e12, "float32": 378.0e12},
     "NVIDIA H100": {"bfloat16": 989.4e12, "float32": 494.7e12},  # SXM
-    "NVIDIA A100": {"bfloat16": 312.0e12, "float32": 156.0e12},
+    "NVIDIA A100": {"bfloat16": 312.0e12, "float32": 156.0e12},  # SXM
 }
 
 
@@ -44,22 +48,24 @@ def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     return inner * 2 * size**3 / statistics.median(times)
 
 
+def _datasheet_gpu() -> str | None:
+    """This process's GPU as GPU_DATASHEET names it; None elsewhere (the CPU, other GPUs)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    return next((gpu for gpu in GPU_DATASHEET if device.device_kind.startswith(gpu)), None)
+
+
 def datasheet_peak(dtype: str) -> float | None:
     """One device's datasheet peak FLOP/s in `dtype`, where it has one (the GPUs above)."""
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        for prefix, peaks in GPU_DATASHEET.items():
-            if device.device_kind.startswith(prefix):
-                return peaks[dtype]
-    return None
+    gpu = _datasheet_gpu()
+    return None if gpu is None else GPU_DATASHEET[gpu][dtype]
 
 
 def device_peak(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
+    if (gpu := _datasheet_gpu()) is not None:
+        return GPU_DATASHEET[gpu][dtype], f"datasheet, {gpu}, dense {dtype}"
     device = jax.devices()[0]
-    if device.platform == "gpu":
-        for prefix, peaks in GPU_DATASHEET.items():
-            if device.device_kind.startswith(prefix):
-                return peaks[dtype], f"datasheet, {prefix}, dense {dtype}"
     peak = matmul_peak(dtype, repeats=3)
     return peak, f"measured: 4096² {dtype} matmul on {device.device_kind}, median of 3"

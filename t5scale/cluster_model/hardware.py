@@ -1,15 +1,20 @@
 """A GPU cluster as the cluster model sees it. Each figure in gin/clusters/*.gin names its source.
 
-There are no defaults: a cluster file that leaves a figure out is an error, not an A100.
+There are no defaults: a cluster file that leaves a figure out is an error, not an A100. Its
+GPU's peak FLOP/s are the datasheet's, from the one table of them (t5scale/analysis/peaks.py),
+unless the file gives its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from t5scale.analysis.peaks import GPU_DATASHEET
 from t5scale.errors import ConfigError
 
 EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
+NAMES = ("name", "gpu")
+PEAKS = {"peak_flops": "bfloat16", "peak_flops_float32": "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +27,8 @@ class ClusterConfig:
     """
 
     name: str
+    gpu: str  # a GPU of t5scale/analysis/peaks.py's GPU_DATASHEET, e.g. 'NVIDIA H100' (SXM)
     gpus_per_node: int
-    peak_flops: float  # dense 16-bit tensor cores, datasheet
-    peak_flops_float32: float  # dense TF32 tensor cores (fp32 compute), datasheet
     gemm_efficiency: float  # fraction of the peak that large GEMMs reach
     memory_bandwidth: float  # HBM, datasheet
     memory_efficiency: float  # fraction of it that streaming kernels reach
@@ -38,11 +42,20 @@ class ClusterConfig:
     nvlink_latency_s: float  # one ring step inside a node
     network_latency_s: float  # one ring (or tree) step between nodes
     collective_launch_s: float  # fixed cost of one collective
+    # dense 16-bit and TF32 (fp32 compute) tensor cores; None: the GPU's datasheet figure
+    peak_flops: float | None = None
+    peak_flops_float32: float | None = None
 
     def __post_init__(self) -> None:
+        if self.gpu not in GPU_DATASHEET:
+            raise ConfigError(f"ClusterConfig.gpu must be one of {', '.join(GPU_DATASHEET)}, "
+                              f"got {self.gpu!r}")  # fmt: skip
+        for name, dtype in PEAKS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, GPU_DATASHEET[self.gpu][dtype])
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "name":
+            if field.name in NAMES:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"ClusterConfig.{field.name} must be a number, got {value!r}")
