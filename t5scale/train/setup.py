@@ -19,20 +19,17 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from t5scale.analysis.memory import ModelStateBytes, compiled_memory, device_memory_budget
+from t5scale.analysis.memory import compiled_memory, device_memory_budget
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER
-from t5scale.parallel.layout import StateLayout
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
-from t5scale.train.precision import Precision
 from t5scale.train.state import StateForm, TrainState, build_form
 from t5scale.train.step import (
     batch_sharding,
@@ -76,6 +73,11 @@ class CompiledStep:
         return analysis | {"remat": self.remat or {"requested": policy, "policy": policy}}
 
 
+def _of_form(name: str, doc: str) -> property:
+    """A read-only attribute of Setup that is its form's `name`."""
+    return property(lambda setup: getattr(setup.form, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Everything a train step needs, derived from one RunConfig on one set of devices: the
@@ -85,34 +87,14 @@ class Setup:
     mesh: Mesh
     form: StateForm
 
-    @property
-    def tx(self) -> optax.GradientTransformation:
-        return self.form.tx
-
-    @property
-    def layout(self) -> StateLayout:
-        return self.form.layout
-
-    @property
-    def precision(self) -> Precision:
-        return self.form.precision
-
-    @property
-    def state(self) -> TrainState:
-        """The abstract state in its at-rest shardings: what the step compiles for."""
-        return self.form.state
-
-    # The form's own names are form.shardings, form.model_state_bytes() and
-    # form.to_canonical: these serve callers outside train/ (analysis/step.py, tests/conftest.py).
-    @property
-    def state_shardings(self) -> TrainState:
-        return self.form.shardings
-
-    def model_state_bytes(self) -> ModelStateBytes:
-        return self.form.model_state_bytes()
-
-    def to_checkpoint(self, state: TrainState) -> TrainState:
-        return self.form.to_canonical(state)
+    # The form's parts a step is built from, as every caller reads them.
+    layout = _of_form("layout", "The stage's layout of parameters, gradients, optimizer state.")
+    precision = _of_form("precision", "The dtypes the state is kept in.")
+    state = _of_form("state", "The abstract state in its at-rest shardings: what steps take.")
+    # Older names that callers outside train/ still use (analysis/step.py, tests/conftest.py).
+    state_shardings = _of_form("shardings", "StateForm.shardings.")
+    model_state_bytes = _of_form("model_state_bytes", "StateForm.model_state_bytes.")
+    to_checkpoint = _of_form("to_canonical", "StateForm.to_canonical.")
 
     def batch_sharding(self, stacked: bool = False) -> NamedSharding:
         return batch_sharding(self.layout, stacked)
@@ -138,7 +120,7 @@ class Setup:
         if self.run.model.remat == "auto":
             raise ConfigError("remat 'auto' is chosen by Setup.compile: use its step's setup")
         return make_train_step(
-            self.run.model, self.layout, self.tx, self.run.train, self.form.shardings,
+            self.run.model, self.layout, self.form.tx, self.run.train, self.form.shardings,
             self.precision,
             skip_nonfinite=self.run.checkpoint.on_nonfinite == "skip",
             steps_per_execution=steps_per_execution,
