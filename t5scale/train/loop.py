@@ -1,4 +1,5 @@
-"""The training loop: config → mesh → plan → state (fresh or restored) → compiled step → steps.
+"""The training loop: config → setup (mesh, the state's form) → state (fresh or restored) →
+compiled step → steps.
 
 A run with a MODEL_DIR checkpoints there (t5scale/train/checkpoint.py) and, started again with
 the same command, resumes from its newest good checkpoint: the same state, the data stream at
