@@ -26,7 +26,7 @@ from conftest import (
 from t5scale.analysis.hlo import mesh_axes
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.optim import OptimizerConfig
-from t5scale.train.replicas import ReplicaSyncConfig, combine_replica_metrics
+from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import Setup, build_setup
 
 BF16 = dataclasses.replace(TINY_MODEL, dtype="bfloat16")
@@ -96,14 +96,9 @@ def _equal_weight_batches(setup: Setup, steps: int) -> list:
 
 def _train(setup: Setup, steps: int):
     """(losses, canonical state on the host) after `steps` steps, the outer step where due."""
-    step, state, losses = setup.compile().compiled, setup.create_state(seed=0), []
-    for index, batch in enumerate(_equal_weight_batches(setup, steps), start=1):
-        state, metrics = step(state, batch)
-        metrics = jax.device_get(metrics)
-        if setup.run.sync.local:
-            metrics = combine_replica_metrics(metrics)
-            if setup.run.sync.due(index):
-                state = setup.compiled_outer.compiled(state)
+    step, state, losses = setup.compile(), setup.create_state(seed=0), []
+    for done, batch in enumerate(_equal_weight_batches(setup, steps)):
+        state, metrics = step.execute(state, batch, done)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(setup.form.to_canonical(state))
 

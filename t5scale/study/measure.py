@@ -8,14 +8,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
 from t5scale.train.config import RunConfig
-from t5scale.train.replicas import combine_replica_metrics
+from t5scale.train.profiling import StepTrace, step_annotation
 from t5scale.train.setup import CompiledStep, build_setup
 
 
@@ -70,11 +69,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
         for _ in range(executions_per_sample):
             batch = next_batch()
             started = time.perf_counter()
-            state, metrics = step.compiled(state, batch)
-            if local:
-                if run.sync.due(len(losses) + k):
-                    state = setup.compiled_outer.compiled(state)
-                metrics = combine_replica_metrics(multihost_utils.process_allgather(metrics, True))
+            state, metrics = step.execute(state, batch, len(losses))
             jax.block_until_ready((state, metrics))
             elapsed += time.perf_counter() - started
             losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
@@ -113,14 +108,14 @@ def profile_steps(step: CompiledStep, logdir: str, steps: int = 3) -> None:
     ]
     if step.steps_per_execution > 1:
         raise ConfigError("profile the one-step program (steps_per_execution = 1)")
-    state = setup.create_state()
-    state, metrics = step.compiled(state, batches[0])
+    state, metrics = step.execute(setup.create_state(), batches[0], 0)
     jax.block_until_ready((state, metrics))
-    jax.profiler.start_trace(logdir, create_perfetto_trace=True)
+    trace = StepTrace(logdir, 1, steps)
+    trace.before(1, steps)
     try:
         for index, batch in enumerate(batches[1:], 1):
-            with jax.profiler.StepTraceAnnotation("train", step_num=index):
-                state, metrics = step.compiled(state, batch)
+            with step_annotation(index):
+                state, metrics = step.execute(state, batch, index)
                 jax.block_until_ready((state, metrics))
     finally:
-        jax.profiler.stop_trace()
+        trace.close()

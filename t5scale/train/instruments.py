@@ -17,6 +17,7 @@ from t5scale.analysis.flops import mfu
 from t5scale.analysis.memory import allocator_peak
 from t5scale.analysis.peaks import datasheet_peak
 from t5scale.train.config import RunConfig
+from t5scale.train.profiling import StepTrace
 from t5scale.train.tensorboard import ScalarWriter
 
 # metrics.jsonl's names → TensorBoard's tags (the loop's other metrics keep their names)
@@ -45,7 +46,7 @@ class Instruments:
         self.peak = datasheet_peak(run.model.dtype)
         self.profile = cfg.profile_steps
         self.profile_dir = Path(cfg.model_dir, "profile") if self.profile else None
-        self.tracing = False
+        self.trace = StepTrace(self.profile_dir, *self.profile) if self.profile else None
 
     def measures(self, step_time_s: float) -> dict[str, Any]:
         """The step's MFU and memory: each None (null in metrics.jsonl) where not known."""
@@ -59,19 +60,15 @@ class Instruments:
     def before(self, first: int, last: int) -> None:
         """Before the execution of steps first..last: start the trace if it holds the first
         profiled step."""
-        if self.profile and not self.tracing and first <= self.profile[0] <= last:
-            jax.profiler.start_trace(str(self.profile_dir), create_perfetto_trace=True)
-            self.tracing = True
+        if self.trace:
+            self.trace.before(first, last)
 
     def after(self, last: int) -> None:
         """After steps up to `last` (finished on the device): stop the trace at its last."""
-        if self.tracing and last >= self.profile[1]:
-            jax.profiler.stop_trace()
-            self.tracing = False
-            if jax.process_index() == 0:
-                print(f"profile of steps {self.profile[0]}-{self.profile[1]}: "
-                      f"{self.profile_dir} (tensorboard --logdir, or ui.perfetto.dev)",
-                      flush=True)  # fmt: skip
+        if self.trace and self.trace.after(last) and jax.process_index() == 0:
+            print(f"profile of steps {self.profile[0]}-{self.profile[1]}: "
+                  f"{self.profile_dir} (tensorboard --logdir, or ui.perfetto.dev)",
+                  flush=True)  # fmt: skip
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -85,8 +82,7 @@ class Instruments:
         self.train_board.flush()
 
     def close(self) -> None:
-        if self.tracing:  # the run ended (or failed) inside the profiled steps
-            jax.profiler.stop_trace()
-            self.tracing = False
+        if self.trace:  # the run may have ended (or failed) inside the profiled steps
+            self.trace.close()
         self.train_board.close()
         self.validation_board.close()

@@ -26,7 +26,7 @@ from t5scale.train import optim
 from t5scale.train.config import RunConfig
 from t5scale.train.instruments import Instruments
 from t5scale.train.metrics import MetricsLog
-from t5scale.train.replicas import combine_replica_metrics
+from t5scale.train.profiling import step_annotation
 from t5scale.train.setup import CompiledStep, Setup, build_setup
 
 
@@ -127,22 +127,11 @@ class StepPrograms:
         return 1 if any(stops) else steps
 
     def execute(self, state, batches: list, done: int) -> tuple:
-        """(state, metrics) after len(batches) steps after `done`; with several, a value per
-        step each.
-        Local SGD and DiLoCo: the replicas' metrics combined, and the outer step run where it
-        is due."""
+        """(state, metrics) after len(batches) steps after `done`, by the program of that many
+        steps (CompiledStep.execute); with several, a value per step each."""
         if len(batches) == 1:
-            state, metrics = self.single_step.compiled(state, batches[0])
-        else:
-            state, metrics = self.multi_step.compiled(state, self.setup.stack(batches))
-        if not self.run.sync.local:
-            return state, metrics
-        if self.run.sync.due(done + len(batches)):
-            state = self.setup.compiled_outer.compiled(state)
-        # Each replica's metrics live on its own devices (another process's, across hosts).
-        return state, combine_replica_metrics(
-            multihost_utils.process_allgather(metrics, tiled=True)
-        )
+            return self.single_step.execute(state, batches[0], done)
+        return self.multi_step.execute(state, self.setup.stack(batches), done)
 
 
 def _checkpoint_due(run: RunConfig, step: int) -> bool:
@@ -259,7 +248,7 @@ def _run_steps(
             chunk = [next(batches) for _ in range(executed)]  # the next prefetch
             instruments.before(done + 1, done + executed)
             started = time.perf_counter()
-            with jax.profiler.StepTraceAnnotation("train", step_num=done + 1):
+            with step_annotation(done + 1):
                 state, metrics = programs.execute(state, chunk, done)
                 metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
             # Steps of one execution share its time equally: it is all there is to measure.

@@ -30,6 +30,7 @@ from t5scale.model.sizes import REMAT_LADDER
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
+from t5scale.train.replicas import combine_replica_metrics
 from t5scale.train.state import StateForm, TrainState, build_form
 from t5scale.train.step import (
     batch_sharding,
@@ -71,6 +72,22 @@ class CompiledStep:
         analysis = analyze_step(self.compiled, self.setup, self.compile_time_s, outer)
         policy = self.setup.run.model.remat
         return analysis | {"remat": self.remat or {"requested": policy, "policy": policy}}
+
+    def execute(self, state: TrainState, batch: Any, done: int) -> tuple[TrainState, Any]:
+        """(state, metrics) after one execution: the steps after `done` (`batch`: their batches,
+        stacked when there are several). With local SGD or DiLoCo, the outer step follows where
+        it is due after them, and the replicas' metrics come back combined, on the host: one
+        value per step."""
+        state, metrics = self.compiled(state, batch)
+        sync = self.setup.run.sync
+        if not sync.local:
+            return state, metrics
+        if sync.due(done + self.steps_per_execution):
+            state = self.setup.compiled_outer.compiled(state)
+        # Each replica's metrics live on its own devices (another process's, across hosts).
+        return state, combine_replica_metrics(
+            multihost_utils.process_allgather(metrics, tiled=True)
+        )
 
 
 def _of_form(name: str, doc: str) -> property:
