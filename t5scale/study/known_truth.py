@@ -120,7 +120,7 @@ class SimulatedTrials:
                     wall += self.costs.compile_s
                 tokens = c.micro_batch_size * TOKENS_PER_SEQUENCE * devices
                 timing = TrialTiming(
-                    step_time_s=StepTimes.from_json(found.summary()),
+                    step_time_s=StepTimes.measured(found),
                     step_times_s=tuple(found.samples), tokens_per_step=tokens,
                     tokens_per_s_per_device=tokens / devices / found.interval.median,
                     final_loss=0.0,

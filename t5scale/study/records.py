@@ -17,7 +17,7 @@ from typing import Any, Self
 from t5scale.analysis.jsonform import JsonRecord, fields_to_json, written_when_none
 from t5scale.analysis.records import StepAnalysis
 from t5scale.study.config import RENAMED_POINT_FIELDS, Point
-from t5scale.study.evidence import Interval, TimingRule
+from t5scale.study.evidence import Interval, Measurement, TimingRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,12 @@ class StepTimes(JsonRecord):
             "high": data.get("high", data.get("max")),
         }
         return super().from_json(dict(data) | bounds)
+
+    @classmethod
+    def measured(cls, found: Measurement) -> Self:
+        """What `evidence.measure` found, before how the samples were taken is added."""
+        return cls(**found.interval.as_dict(), warmup_samples=found.warmup,
+                   precise=found.precise, stopped_by=found.stopped_by)  # fmt: skip
 
     @property
     def interval(self) -> Interval:
