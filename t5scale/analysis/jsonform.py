@@ -4,7 +4,8 @@
 Between modules a record travels as a dataclass; JSON is made and read only where a file is
 written or read. The form follows the fields: a nested record is an object, a tuple a list, a
 dict an object. A field whose default is None is left out while it is None (the files never
-held it then); a field without a default is always written, null included. A record whose
+held it then), unless it is declared `written_when_none()`; a field without a default is always
+written, null included. A record whose
 file form differs from its fields overrides `to_json`/`from_json`, and nested records are read
 and written through those.
 """
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Self, TypeVar
 
 T = TypeVar("T")
+_WRITTEN_WHEN_NONE = "written_when_none"
 
 
 class JsonRecord:
@@ -30,6 +32,11 @@ class JsonRecord:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         return fields_from_json(cls, data)
+
+
+def written_when_none() -> Any:
+    """A field that defaults to None and that the JSON form holds as null, not leaves out."""
+    return dataclasses.field(default=None, metadata={_WRITTEN_WHEN_NONE: True})
 
 
 def to_json(value: Any) -> Any:
@@ -45,11 +52,14 @@ def to_json(value: Any) -> Any:
 
 
 def fields_to_json(record: Any) -> dict[str, Any]:
-    """Each field of `record` by name, left out where it is None and None is its default."""
+    """Each field of `record` by name, left out where it is None and None is its default
+    (unless the field is `written_when_none`)."""
     return {
         field.name: to_json(getattr(record, field.name))
         for field in dataclasses.fields(record)
-        if not (getattr(record, field.name) is None and field.default is None)
+        if getattr(record, field.name) is not None
+        or field.default is not None
+        or field.metadata.get(_WRITTEN_WHEN_NONE)
     }
 
 
