@@ -57,7 +57,7 @@ def analyze_step(
         lengths=(run.data.input_length, run.data.target_length),
         backend=jax.default_backend(),
         compile_time_s=compile_time_s,
-        parameters=setup.model_state_bytes().count,
+        parameters=setup.form.model_state_bytes().count,
         precision=StatePrecision(
             precision.name, precision.param_dtype.name, precision.grad_dtype.name, precision.mixed
         ),
@@ -70,7 +70,7 @@ def analyze_step(
         layers=Layers(run.model.num_encoder_layers, run.model.num_decoder_layers),
         replica_sync=dataclasses.replace(
             replica_sync(run.sync, dict(layout.mesh.shape), ops, outer_step),
-            outer_state_bytes_per_device=outer_state_bytes(setup.state, setup.state_shardings),
+            outer_state_bytes_per_device=outer_state_bytes(setup.state, setup.form.shardings),
         ),
         remat=RematChoice.from_json(remat or {"requested": policy, "policy": policy}),
     )
@@ -79,7 +79,7 @@ def analyze_step(
 def model_state_per_device(setup, memory: MemoryPerDevice) -> ModelStatePerDevice:
     """Parameters, gradients and optimizer state per device: from XLA's memory analysis of the
     step, under the state's shardings, and by the ZeRO formula."""
-    layout, state, shardings = setup.layout, setup.state, setup.state_shardings
+    layout, state, shardings = setup.layout, setup.state, setup.form.shardings
     batch = setup.abstract_batch()
     batch_per_device = per_device_bytes(batch, {name: x.sharding for name, x in batch.items()})
     params_opt = per_device_bytes(
@@ -89,7 +89,7 @@ def model_state_per_device(setup, memory: MemoryPerDevice) -> ModelStatePerDevic
     grads = layout.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.at_rest(scattered), setup.precision.grad_dtype)
     )
-    state_bytes = setup.model_state_bytes()
+    state_bytes = setup.form.model_state_bytes()
     return ModelStatePerDevice(
         xla_parameters_and_optimizer_bytes=memory.argument_bytes - batch_per_device,
         sharded_parameters_and_optimizer_bytes=params_opt,
