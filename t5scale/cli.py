@@ -205,7 +205,7 @@ def study_command(call: Invocation) -> None:
         tied = summary["tied"][model]
         ties = f", tied within the evidence with {len(tied)}" if tied else ""
         print(f"winner for {model}: {funnel.configuration_of(record).label()} at "
-              f"{record['config']['devices']} devices{ties} (funnel.md)")  # fmt: skip
+              f"{record.point.devices} devices{ties} (funnel.md)")  # fmt: skip
     print(f"report: {write_report(study.study_dir)}")
 
 
@@ -219,7 +219,7 @@ def plan_command(call: Invocation) -> None:
     config = build_study_config("plan")
     show = _emulate_cpu_devices(config.devices, call.args.json)
     result = plan.run_plan(run, config, show)
-    print(json.dumps(result, indent=2) if call.args.json else plan.format_plan(result))
+    print(json.dumps(result.to_json(), indent=2) if call.args.json else plan.format_plan(result))
 
 
 def simulate_command(call: Invocation) -> None:
@@ -235,7 +235,11 @@ def simulate_command(call: Invocation) -> None:
     config = build_study_config("simulate")
     show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
     result = simulate.simulate(run, cluster, config, show)
-    print(json.dumps(result, indent=2) if call.args.json else simulate.format_simulation(result))
+    print(
+        json.dumps(result.to_json(), indent=2)
+        if call.args.json
+        else simulate.format_simulation(result)
+    )
 
 
 def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
