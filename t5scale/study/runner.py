@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from t5scale.analysis.memory import cpu_memory_budget
-from t5scale.study import funnel
+from t5scale.study import funnel, funnel_report
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.evidence import TimingRule
 from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
@@ -116,8 +116,12 @@ def run_study(
     full = None
     if config.search == "funnel":
         grid = [config.point(c, d) for c in configurations for d in devices]
-        full = funnel.full_grid_estimate(grid, compile_records, timed_records, config.repeats)
-    text = funnel.render(found.rounds, best, config.objective, (spent_wall, spent_device), full)
+        full = funnel_report.full_grid_estimate(
+            grid, compile_records, timed_records, config.repeats
+        )
+    text = funnel_report.render(
+        found.rounds, best, config.objective, (spent_wall, spent_device), full
+    )
     (study_dir / "funnel.md").write_text(text, encoding="utf-8")
     return {
         "rounds": found.rounds,
