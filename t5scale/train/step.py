@@ -98,51 +98,11 @@ def make_train_step(
     if steps_per_execution < 1:
         raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
     gradients = gradient_fn(model, layout, precision, train.micro_batches, train.z_loss)
-
-    def update(state: TrainState, grads, sums):
-        """(parameters, optimizer state, metrics) after the update of one replica (or all of
-        them, when they step together)."""
-        params, opt_state = apply_update(tx, layout, precision, state, grads)
-        metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(cast(grads, jnp.float32))}
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
-        if skip_nonfinite:
-
-            def keep(new_tree, old_tree):
-                return jax.tree.map(
-                    lambda new_leaf, old_leaf: jnp.where(finite, new_leaf, old_leaf),
-                    new_tree,
-                    old_tree,
-                )
-
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-        return params, opt_state, metrics
-
+    update = _update_fn(tx, layout, precision, skip_nonfinite)
     if layout.sync_replicas:
-
-        def step(state: TrainState, batch: Batch):
-            grads, sums = gradients(state.params, batch)
-            params, opt_state, metrics = update(state, grads, sums)
-            return TrainState(state.step + 1, params, opt_state), metrics
-
+        step = _synchronous_step(gradients, update)
     else:
-        replicas = layout.mesh.shape["replica"]
-        slices_sharding = NamedSharding(layout.mesh, P("replica", "zero"))
-
-        def step(state: TrainState, batch: Batch):
-            # Each replica's slice of the global batch on a leading axis (no data moves).
-            slices = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
-            grads, sums = gradients(
-                state.params, lax.with_sharding_constraint(slices, slices_sharding)
-            )
-
-            def one_replica(params, opt_state, grads, sums):
-                return update(TrainState(state.step, params, opt_state), grads, sums)
-
-            params, opt_state, metrics = jax.vmap(one_replica, spmd_axis_name="replica")(
-                state.params, state.opt_state, grads, sums
-            )
-            return TrainState(state.step + 1, params, opt_state, state.outer), metrics
+        step = _step_of_each_replica(layout, gradients, update)
 
     def steps(state: TrainState, batches: Batch):
         return lax.scan(step, state, batches, length=steps_per_execution)
@@ -156,6 +116,65 @@ def make_train_step(
         out_shardings=(state_shardings, NamedSharding(layout.mesh, metrics_spec)),
         donate_argnums=0,
     )
+
+
+def _update_fn(
+    tx: optax.GradientTransformation, layout: StateLayout, precision: Precision, skip: bool
+):
+    """update(state, grads, sums) → (parameters, optimizer state, metrics) after the update of
+    one replica (or all of them, when they step together)."""
+
+    def update(state: TrainState, grads, sums):
+        params, opt_state = apply_update(tx, layout, precision, state, grads)
+        metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(cast(grads, jnp.float32))}
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        if skip:  # a non-finite step leaves the state as it was
+
+            def keep(new_tree, old_tree):
+                return jax.tree.map(
+                    lambda new_leaf, old_leaf: jnp.where(finite, new_leaf, old_leaf),
+                    new_tree,
+                    old_tree,
+                )
+
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        return params, opt_state, metrics
+
+    return update
+
+
+def _synchronous_step(gradients, update):
+    """step(state, batch) → (state, metrics) of replicas that step together."""
+
+    def step(state: TrainState, batch: Batch):
+        grads, sums = gradients(state.params, batch)
+        params, opt_state, metrics = update(state, grads, sums)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return step
+
+
+def _step_of_each_replica(layout: StateLayout, gradients, update):
+    """step(state, batch) → (state, metrics) of replicas that step on their own (local SGD,
+    DiLoCo): each on its slice of the global batch, a metric per replica."""
+    replicas = layout.mesh.shape["replica"]
+    slices_sharding = NamedSharding(layout.mesh, P("replica", "zero"))
+
+    def step(state: TrainState, batch: Batch):
+        # Each replica's slice of the global batch on a leading axis (no data moves).
+        slices = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
+        grads, sums = gradients(state.params, lax.with_sharding_constraint(slices, slices_sharding))
+
+        def one_replica(params, opt_state, grads, sums):
+            return update(TrainState(state.step, params, opt_state), grads, sums)
+
+        params, opt_state, metrics = jax.vmap(one_replica, spmd_axis_name="replica")(
+            state.params, state.opt_state, grads, sums
+        )
+        return TrainState(state.step + 1, params, opt_state, state.outer), metrics
+
+    return step
 
 
 def make_outer_step(
