@@ -1,4 +1,4 @@
-"""The tiled output layer and loss (t5scale/train/loss.py) against the whole logits: the same
+"""The tiled output layer and loss (t5scale/model/head.py) against the whole logits: the same
 loss and gradients, chunk sizes that divide the tokens or not, on every stage and mesh."""
 
 import dataclasses
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import relative_difference, synthetic_batches, tiny_setup
 
+from t5scale.model.head import HeadLoss, chunk_tokens, head_loss, loss_sums
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.loss import HeadLoss, chunk_tokens, head_loss, loss_sums
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.step import gradient_fn_jitted
 

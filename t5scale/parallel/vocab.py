@@ -12,7 +12,7 @@ device keeps its slice of the vocabulary and the batch's activations travel inst
 - output projection: the decoder's output is all-gathered over the group, each device computes
   the logits of its vocabulary slice for every token of the group, chunk by chunk, and the
   softmax's max, sum of exponentials and target logit are combined across slices
-  (t5scale/train/loss.py). The gradient of the local slice needs no collective; that of the
+  (t5scale/model/head.py). The gradient of the local slice needs no collective; that of the
   decoder's output is the reduce-scatter (the gather's transpose) of its partial sums over
   slices.
 
@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import look_up_rows
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives
-from t5scale.train.loss import model_loss_sums
 
 AXIS = "zero"
 
@@ -76,18 +76,19 @@ def loss_sums(
     model: ModelConfig,
     decoded: jax.Array,
     lm_head: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array,
+    batch: dict[str, jax.Array],
     z_loss: float,
     constrain,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss, cross-entropy sum, z-loss sum) of this device's target tokens [b, T], from the
-    decoder's output [b, T, d] and this device's slice of lm_head [d, V/N] (columns at or past
-    the vocabulary size, the padding of a vocabulary the zero size does not divide, take no
-    part): what t5scale.train.loss computes from the whole head, in chunks, for the group's
-    tokens against this slice. The loss's gradient is that of the group's loss with respect to
-    the slice and this slice's part of the group's decoder output (t5scale/train/loss.py); the
-    all-gather's transpose sums those parts back to the devices whose examples they are."""
+    """(loss, cross-entropy sum, z-loss sum) of this device's examples of `batch` (their target
+    tokens [b, T] and loss weights), from the decoder's output [b, T, d] and this device's
+    slice of lm_head [d, V/N] (columns at or past the vocabulary size, the padding of a
+    vocabulary the zero size does not divide, take no part): what t5scale.model.head computes
+    from the whole head, in chunks, for the group's tokens against this slice. The loss's
+    gradient is that of the group's loss with respect to the slice and this slice's part of the
+    group's decoder output (t5scale/model/head.py); the all-gather's transpose sums those parts
+    back to the devices whose examples they are."""
+    targets, weights = batch["decoder_target_tokens"], batch["decoder_loss_weights"]
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
     as_float = collectives.ordered_after(weights.astype(jnp.float32), group_targets)

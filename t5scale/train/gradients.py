@@ -43,12 +43,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from t5scale.model.head import loss_sums, model_loss_sums
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
-from t5scale.train.loss import loss_sums, model_loss_sums
 from t5scale.train.precision import Precision
 from t5scale.train.replicas import specs_over_replicas
 
@@ -181,7 +181,7 @@ def dense_loss_sums(
     model: ModelConfig, hooks: ShardingHooks, params: Any, batch: Batch, z_loss: float
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, cross-entropy sum, z-loss sum) with the whole output projection on every device,
-    in chunks of tokens (t5scale/train/loss.py), or with loss_chunk_tokens = 0 from the whole
+    in chunks of tokens (t5scale/model/head.py), or with loss_chunk_tokens = 0 from the whole
     logits (the untiled reference)."""
     targets, weights = batch["decoder_target_tokens"], batch["decoder_loss_weights"]
     module = MT5(model, hooks)
@@ -214,10 +214,7 @@ def vocabulary_parallel_loss_sums(
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
-    return vocab.loss_sums(
-        model, decoded, params["lm_head"], batch["decoder_target_tokens"],
-        batch["decoder_loss_weights"], z_loss, _constrain,
-    )  # fmt: skip
+    return vocab.loss_sums(model, decoded, params["lm_head"], batch, z_loss, _constrain)
 
 
 def micro_batch_loss(

@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import MT5
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import StateLayout
@@ -26,7 +27,6 @@ from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import replicas as replicas_module
 from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
-from t5scale.train.loss import model_loss_sums
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.state import TrainState

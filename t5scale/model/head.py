@@ -1,5 +1,10 @@
-"""The training loss: cross-entropy plus z-loss (log Z squared, as T5 and PaLM use it), summed
-over target tokens with padding masked out; the step divides by the token count.
+"""The output layer and the training loss in one: cross-entropy plus z-loss (log Z squared, as
+T5 and PaLM use it), summed over target tokens with padding masked out; the step divides by
+the token count.
+
+It sits beside the model, below parallel/ and train/, because both use it: the train step's
+dense loss (t5scale/train/gradients.py) and stage 3's vocabulary-parallel one
+(t5scale/parallel/vocab.py). It depends on nothing but JAX and the model's configuration.
 
 mT5's output layer is the largest array of a step: batch 32 at length 229 makes 7,328 × 250,112
 logits, 7.3 GB in fp32 and as much again for their gradient. `head_loss` never holds them: it
