@@ -61,7 +61,7 @@ def _analysis(precision: PrecisionConfig, stage: int) -> dict:
     setup = tiny_setup(
         ParallelConfig(zero_stage=stage, zero=8), model=SMALL_VOCABULARY, precision=precision
     )
-    return setup.compile().analysis
+    return setup.compile().analysis.to_json()
 
 
 # DeepSpeed's per-device model-state bytes in mixed precision (ZeRO paper, K = 12).

@@ -26,7 +26,7 @@ def _peaks() -> dict[str, int]:
 
     def peak(policy: str) -> int:
         analysis = _setup().with_remat(policy).compile().analysis
-        return analysis["memory_per_device"]["peak_estimate_bytes"]
+        return analysis.memory_per_device.peak_estimate_bytes
 
     return {policy: peak(policy) for policy in REMAT_LADDER}
 
@@ -45,7 +45,7 @@ def test_auto_takes_the_cheapest_policy_that_fits(policy):
     budget = _peaks()[policy]  # this one fits exactly; every cheaper one is over
     step = _setup().compile(memory_budget_bytes=budget)
     assert step.setup.run.model.remat == policy
-    chosen = step.analysis["remat"]
+    chosen = step.analysis.to_json()["remat"]
     assert chosen["requested"] == "auto" and chosen["policy"] == policy and chosen["fits"]
     assert [t["policy"] for t in chosen["tried"]] == list(
         REMAT_LADDER[: REMAT_LADDER.index(policy) + 1]
@@ -55,13 +55,13 @@ def test_auto_takes_the_cheapest_policy_that_fits(policy):
 
 def test_auto_falls_back_to_full_and_says_it_does_not_fit():
     step = _setup().compile(memory_budget_bytes=_peaks()["full"] - 1)
-    chosen = step.analysis["remat"]
+    chosen = step.analysis.to_json()["remat"]
     assert chosen["policy"] == "full" and not chosen["fits"]
 
 
 def test_a_fixed_policy_is_recorded_and_auto_is_never_traced_unchosen():
     step = _setup().with_remat("minimal").compile()
-    assert step.analysis["remat"] == {"requested": "minimal", "policy": "minimal"}
+    assert step.analysis.to_json()["remat"] == {"requested": "minimal", "policy": "minimal"}
     with pytest.raises(ConfigError, match="chosen by Setup.compile"):
         _setup().train_step()
     with pytest.raises(ValueError, match="none, minimal, full or auto"):

@@ -41,7 +41,7 @@ def _setup(stage: int, sync: ReplicaSyncConfig, tensor: int = 1, **changes) -> S
 def _analysis(stage: int, mixed: bool, outer_dtype: str, tensor: int) -> dict:
     sync = ReplicaSyncConfig("diloco", every=4, outer_dtype=outer_dtype)
     setup = _setup(stage, sync, tensor, **({"model": BF16} if mixed else {}))
-    return setup.compile().analysis
+    return setup.compile().analysis.to_json()
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import jax
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.memory import allocator_peak
 from t5scale.analysis.peaks import datasheet_peak
+from t5scale.analysis.records import StepAnalysis
 from t5scale.train.config import RunConfig
 from t5scale.train.profiling import StepTrace
 from t5scale.train.tensorboard import ScalarWriter
@@ -33,14 +34,14 @@ TENSORBOARD_TAGS = {
 
 
 class Instruments:
-    def __init__(self, run: RunConfig, mesh, analysis: dict[str, Any]):
+    def __init__(self, run: RunConfig, mesh, analysis: StepAnalysis):
         cfg = run.train
         board = Path(cfg.model_dir) if cfg.model_dir and cfg.tensorboard else None
         self.train_board = ScalarWriter(board / "train" if board else None)
         self.validation_board = ScalarWriter(board / "validation" if board else None)
         self.mesh = mesh
-        self.model_flops = analysis["flops_per_step"]["model"]
-        self.xla_estimate = analysis["memory_per_device"]["peak_estimate_bytes"]
+        self.model_flops = analysis.flops_per_step.model
+        self.xla_estimate = analysis.memory_per_device.peak_estimate_bytes
         # MFU against the datasheet's peak; None where the device has none (the CPU: the study
         # measures the CPU's peak, a run does not spend seconds on it)
         self.peak = datasheet_peak(run.model.dtype)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from t5scale.analysis.records import StepAnalysis
 from t5scale.data.loader import Batches
 from t5scale.errors import ConfigError
 from t5scale.parallel.mesh import describe_mesh
@@ -144,13 +145,17 @@ def _validation_due(run: RunConfig, step: int) -> bool:
     return bool(every) and (step % every == 0 or step == run.train.steps)
 
 
-def _write_run_files(model_dir: str | None, operative_config: str | None, analysis: dict) -> None:
+def _write_run_files(
+    model_dir: str | None, operative_config: str | None, analysis: StepAnalysis
+) -> None:
     if not model_dir:
         return
     Path(model_dir).mkdir(parents=True, exist_ok=True)
     if operative_config is not None:
         Path(model_dir, "config.gin").write_text(operative_config, encoding="utf-8")
-    Path(model_dir, "step_analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
+    Path(model_dir, "step_analysis.json").write_text(
+        json.dumps(analysis.to_json(), indent=2) + "\n"
+    )
 
 
 def validation_loss(setup: Setup, held_out: Batches):

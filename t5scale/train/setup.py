@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from t5scale.analysis.memory import compiled_memory, device_memory_budget
+from t5scale.analysis.records import StepAnalysis
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.errors import ConfigError
@@ -66,12 +67,10 @@ class CompiledStep:
     remat: dict[str, Any] | None = None
 
     @functools.cached_property
-    def analysis(self) -> dict[str, Any]:
+    def analysis(self) -> StepAnalysis:
         """step_analysis.json: memory per device, FLOPs, collectives (t5scale/analysis/step.py)."""
         outer = self.setup.compiled_outer.compiled if self.setup.run.sync.local else None
-        analysis = analyze_step(self.compiled, self.setup, self.compile_time_s, outer)
-        policy = self.setup.run.model.remat
-        return analysis | {"remat": self.remat or {"requested": policy, "policy": policy}}
+        return analyze_step(self.compiled, self.setup, self.compile_time_s, outer, self.remat)
 
     def execute(self, state: TrainState, batch: Any, done: int) -> tuple[TrainState, Any]:
         """(state, metrics) after one execution: the steps after `done` (`batch`: their batches,
