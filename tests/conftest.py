@@ -123,7 +123,7 @@ def train_tiny(parallel: ParallelConfig, devices: int = 8, steps: int = 5,
     parameters in their checkpointed form (fp32, the model's shapes: the master when mixed)."""
     setup = tiny_setup(parallel, devices, **changes)
     state, losses = run_steps(setup, setup.create_state(seed=0), 0, steps - 1)
-    return losses, jax.device_get(setup.to_checkpoint(state).params)
+    return losses, jax.device_get(setup.form.to_canonical(state).params)
 
 
 @functools.cache  # per process: under xdist a module's tests may interleave with others'

@@ -107,10 +107,6 @@ class Setup:
     layout = _of_form("layout", "The stage's layout of parameters, gradients, optimizer state.")
     precision = _of_form("precision", "The dtypes the state is kept in.")
     state = _of_form("state", "The abstract state in its at-rest shardings: what steps take.")
-    # Older names that callers outside train/ still use (analysis/step.py, tests/conftest.py).
-    state_shardings = _of_form("shardings", "StateForm.shardings.")
-    model_state_bytes = _of_form("model_state_bytes", "StateForm.model_state_bytes.")
-    to_checkpoint = _of_form("to_canonical", "StateForm.to_canonical.")
 
     def batch_sharding(self, stacked: bool = False) -> NamedSharding:
         return batch_sharding(self.layout, stacked)
