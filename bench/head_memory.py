@@ -7,7 +7,7 @@ Compile only (nothing is allocated or run): one device, stage 0, batch 32 at the
 pretraining lengths 1024/229, bf16 compute with mixed precision (fp32 master and AdamW state),
 the configuration of `t5scale plan --gin.DEVICES=1 --gin.PlanConfig.micro_batch_size=32
 --gin.ModelConfig.dtype="'bfloat16'"`. `--chunks 0` is the untiled head (the whole
-[tokens, vocab] logits, as before t5scale/train/loss.py tiled it); `auto` the default chunks.
+[tokens, vocab] logits, as before t5scale/model/head.py tiled it); `auto` the default chunks.
 The figures are those of this machine's XLA (the CPU compiler): a GPU's compiler fuses and
 schedules differently, so its temporaries differ; the shapes that dominate do not.
 """
