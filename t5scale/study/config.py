@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
-from typing import Any
+import re
+import shlex
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, get_args
 
 from t5scale.analysis.jsonform import fields_from_json
-from t5scale.errors import ConfigError
-from t5scale.model.sizes import REMAT_LADDER
+from t5scale.data.config import DataConfig
+from t5scale.errors import ConfigError, check_field_types
+from t5scale.model.sizes import REMAT_LADDER, SIZES, DType
 from t5scale.parallel.zero import check_stages
 from t5scale.study.weak_scaling import WeakScaling
+from t5scale.train.optim import OptimizerConfig
+from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
 # Point fields by an earlier name, as results.jsonl's older lines hold them
@@ -84,33 +93,78 @@ class StudyConfig:
     profile_winner: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # first: a bare word would otherwise split into characters
         for field in ("models", "stages", "devices", "micro_batch_sizes", "remats",
                       "learning_rates", "replica_syncs", "extra_bindings"):  # fmt: skip
             object.__setattr__(self, field, tuple(getattr(self, field)))  # gin gives lists
-        for axis in (
-            "models",
-            "stages",
-            "devices",
-            "micro_batch_sizes",
-            "remats",
-            "learning_rates",
-            "replica_syncs",
-        ):
+        self._check_grid()
+        self._check_trial_settings()
+        self._check_search()
+        self._check_hosts()
+
+    def _check_grid(self) -> None:
+        """Every axis non-empty and each value one a trial can run."""
+        for axis in ("models", "stages", "devices", "micro_batch_sizes", "remats",
+                     "learning_rates", "replica_syncs"):  # fmt: skip
             if not getattr(self, axis):
                 raise ConfigError(f"StudyConfig.{axis} is empty")
+        if bad := [m for m in self.models if not _is_model(m)]:
+            raise ConfigError(
+                f"StudyConfig.models {bad}: each must be a size ({', '.join(SIZES)}) or have "
+                "its gin/models/<name>.gin"
+            )
         for sync in self.replica_syncs:
             replica_sync(sync)  # a ConfigError naming it
-        if self.replicas < 1:
-            raise ConfigError("StudyConfig.replicas must be >= 1")
-        check_stages(self.stages, "StudyConfig.stages")
+        _reraise("StudyConfig.stages", lambda: check_stages(self.stages, "StudyConfig.stages"))
+        if self.tensor < 1:  # before `%` below
+            raise ConfigError(f"StudyConfig.tensor must be >= 1, got {self.tensor}")
         if bad := [d for d in self.devices if d < 1 or d % self.tensor]:
             raise ConfigError(
                 f"StudyConfig.devices {bad}: each must be a positive multiple of tensor={self.tensor}"
             )
+        if bad := [m for m in self.micro_batch_sizes if m < 1]:
+            raise ConfigError(f"StudyConfig.micro_batch_sizes {bad}: each must be >= 1")
         if bad := [r for r in self.remats if r not in (*REMAT_LADDER, "auto")]:
             raise ConfigError(
                 f"StudyConfig.remats {bad}: each must be one of {', '.join(REMAT_LADDER)} or auto"
             )
+        if bad := [rate for rate in self.learning_rates if not rate > 0]:
+            raise ConfigError(f"StudyConfig.learning_rates {bad}: each must be > 0")
+
+    def _check_trial_settings(self) -> None:
+        """What every trial shares, by the validators its run applies (so that no trial of the
+        grid fails on them one by one)."""
+        if self.replicas < 1:
+            raise ConfigError(f"StudyConfig.replicas must be >= 1, got {self.replicas}")
+        if self.micro_batches < 1:
+            raise ConfigError(f"StudyConfig.micro_batches must be >= 1, got {self.micro_batches}")
+        if self.input_length < 2 or self.target_length < 2:
+            raise ConfigError(
+                "StudyConfig.input_length and target_length must be >= 2, got "
+                f"{self.input_length} and {self.target_length}"
+            )
+        if self.dtype not in get_args(DType):
+            raise ConfigError(
+                f"StudyConfig.dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}"
+            )
+        _reraise("StudyConfig.precision", lambda: PrecisionConfig(mode=self.precision))
+        _reraise("StudyConfig.optimizer", lambda: OptimizerConfig(name=self.optimizer))
+        _reraise("StudyConfig.data_source", lambda: DataConfig(source=self.data_source))
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise ConfigError(
+                f"StudyConfig.device_memory_gb must be None or > 0, got {self.device_memory_gb}"
+            )
+        if self.compile_workers < 0:
+            raise ConfigError(
+                f"StudyConfig.compile_workers must be >= 0 (0: one per core), got "
+                f"{self.compile_workers}"
+            )
+        if bad := [b for b in self.extra_bindings if not _BINDING.fullmatch(b)]:
+            raise ConfigError(f"StudyConfig.extra_bindings {bad}: each must be NAME=VALUE")
+        if Path(self.study_dir).exists() and not Path(self.study_dir).is_dir():
+            raise ConfigError(f"StudyConfig.study_dir {self.study_dir!r} is not a directory")
+
+    def _check_search(self) -> None:
         if self.search not in SEARCHES:
             raise ConfigError(f"StudyConfig.search must be one of {SEARCHES}, got {self.search!r}")
         if self.objective not in OBJECTIVES:
@@ -123,20 +177,34 @@ class StudyConfig:
             raise ConfigError(
                 "StudyConfig.timing_precision must be in (0, 1) and confidence in (0.5, 1)"
             )
-        if self.devices_per_host < 1:
-            raise ConfigError("StudyConfig.devices_per_host must be >= 1")
-        if self.trial_launcher and any(
-            d > self.devices_per_host and d % self.devices_per_host for d in self.devices
-        ):
-            raise ConfigError(
-                f"StudyConfig.devices: counts above devices_per_host={self.devices_per_host} "
-                "must be whole hosts"
-            )
         if self.repeats < 1:
             raise ConfigError("StudyConfig.repeats must be >= 1")
         if self.max_timed_steps < 1 or self.max_timing_s <= 0 or self.trial_timeout_s <= 0:
             raise ConfigError("StudyConfig: max_timed_steps >= 1, max_timing_s > 0 and "
                               "trial_timeout_s > 0")  # fmt: skip
+
+    def _check_hosts(self) -> None:
+        if self.devices_per_host < 1:
+            raise ConfigError("StudyConfig.devices_per_host must be >= 1")
+        if not self.trial_launcher:
+            return
+        if any(d > self.devices_per_host and d % self.devices_per_host for d in self.devices):
+            raise ConfigError(
+                f"StudyConfig.devices: counts above devices_per_host={self.devices_per_host} "
+                "must be whole hosts"
+            )
+        try:  # as the runner fills it in (runner._TrialRunner.launcher)
+            words = shlex.split(self.trial_launcher.format(hosts=1, devices=1))
+        except (ValueError, KeyError, IndexError) as error:
+            raise ConfigError(
+                f"StudyConfig.trial_launcher {self.trial_launcher!r}: {error!r} (it may name "
+                "only {hosts} and {devices})"
+            ) from None
+        if not words or shutil.which(words[0]) is None:
+            raise ConfigError(
+                f"StudyConfig.trial_launcher {self.trial_launcher!r}: "
+                f"{words[0] if words else 'no program'!r} is not on PATH"
+            )
 
     def configurations(self) -> list[Configuration]:
         """Every configuration of the grid, device count aside (the funnel's unit)."""
@@ -149,6 +217,24 @@ class StudyConfig:
         shared = {f.name for f in dataclasses.fields(Point)} - {"devices"}
         settings = {name: getattr(self, name) for name in shared if hasattr(self, name)}
         return Point(**dataclasses.asdict(configuration), devices=devices, **settings)
+
+
+_BINDING = re.compile(r"[A-Za-z_][\w.]*\s*=\s*\S.*")  # a gin NAME=VALUE
+
+
+def _is_model(name: str) -> bool:
+    """A size t5scale knows, or a custom model's gin file where Point.gin_files looks."""
+    return name in SIZES or Path(REPO_ROOT, "gin", "models", f"{name}.gin").is_file()
+
+
+def _reraise(where: str, check: Callable[[], Any]) -> None:
+    """`check()`, a validator of the run's configs, with its ValueError a ConfigError naming
+    the StudyConfig field `where` whose value it checks."""
+    try:
+        check()
+    except ValueError as error:
+        message = str(error)
+        raise ConfigError(message if where in message else f"{where}: {message}") from None
 
 
 @dataclasses.dataclass(frozen=True, order=True)
