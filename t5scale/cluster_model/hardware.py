@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.analysis.peaks import GPU_DATASHEET
-from t5scale.errors import ConfigError
+from t5scale.errors import ConfigError, check_field_types
 
 EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
 NAMES = ("name", "gpu")
@@ -47,6 +47,7 @@ class ClusterConfig:
     peak_flops_float32: float | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # gpus_per_node=8.0 or a bare word is not a figure
         if self.gpu not in GPU_DATASHEET:
             raise ConfigError(f"ClusterConfig.gpu must be one of {', '.join(GPU_DATASHEET)}, "
                               f"got {self.gpu!r}")  # fmt: skip
@@ -57,11 +58,8 @@ class ClusterConfig:
             value = getattr(self, field.name)
             if field.name in NAMES:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"ClusterConfig.{field.name} must be a number, got {value!r}")
-            if field.name == "gpus_per_node" and (int(value) != value or value < 1):
-                raise ConfigError(f"ClusterConfig.gpus_per_node must be a whole number >= 1, "
-                                  f"got {value!r}")  # fmt: skip
+            if field.name == "gpus_per_node" and value < 1:
+                raise ConfigError(f"ClusterConfig.gpus_per_node must be >= 1, got {value!r}")
             if field.name in EFFICIENCIES and not 0 < value <= 1:
                 raise ConfigError(f"ClusterConfig.{field.name} must be in (0, 1], got {value!r}")
             if value < 0 or (value == 0 and not field.name.endswith("_s")):

@@ -18,7 +18,7 @@ import jax
 
 from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.records import StatePrecision, StepAnalysis
-from t5scale.errors import ConfigError
+from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
 from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
@@ -39,7 +39,10 @@ class PlanConfig:
     tensor: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(self.stages))
+        check_field_types(self)
+        object.__setattr__(self, "stages", tuple(self.stages))  # gin gives lists
+        if self.tensor < 1:  # before the `%` below
+            raise ConfigError(f"PlanConfig.tensor must be >= 1, got {self.tensor}")
         if self.devices < 1 or self.devices % self.tensor:
             raise ConfigError(
                 f"PlanConfig.devices={self.devices} must be a positive multiple of "
@@ -48,6 +51,8 @@ class PlanConfig:
         if self.device_memory_gb <= 0 or self.micro_batch_size < 1:
             raise ConfigError("PlanConfig.device_memory_gb must be > 0, micro_batch_size >= 1")
         check_stages(self.stages, "PlanConfig.stages")
+        if not self.stages:
+            raise ConfigError("PlanConfig.stages is empty")
 
 
 @dataclasses.dataclass(frozen=True)

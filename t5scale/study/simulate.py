@@ -30,7 +30,7 @@ from t5scale.cluster_model.step_time import (
     StepTimePrediction,
     predict,
 )
-from t5scale.errors import ConfigError
+from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
 from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
@@ -52,7 +52,8 @@ class SimulateConfig:
     diloco_every: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nodes", tuple(self.nodes))
+        check_field_types(self)
+        object.__setattr__(self, "nodes", tuple(self.nodes))  # gin gives lists
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "diloco_every", tuple(self.diloco_every))
         if any(every < 1 for every in self.diloco_every):
@@ -62,6 +63,8 @@ class SimulateConfig:
             raise ConfigError("SimulateConfig: nodes, micro_batch_size, tensor and "
                               "combine_threshold_bytes must be >= 1")  # fmt: skip
         check_stages(self.stages, "SimulateConfig.stages")
+        if not self.stages:
+            raise ConfigError("SimulateConfig.stages is empty")
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
@@ -174,6 +177,9 @@ def simulate(
     run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print
 ) -> Simulation:
     rows = []
+    if cluster.gpus_per_node % config.tensor:  # tensor groups live inside a node
+        raise ConfigError(f"SimulateConfig.tensor={config.tensor} must divide "
+                          f"ClusterConfig.gpus_per_node={cluster.gpus_per_node}")  # fmt: skip
     needed = max(config.nodes) * cluster.gpus_per_node
     if jax.device_count() < needed:
         raise ConfigError(f"{needed} devices to emulate, {jax.device_count()} here")
