@@ -230,7 +230,7 @@ def parse_results(
     for number, line in enumerate(text.splitlines(), 1):
         try:
             record = TrialRecord.from_json(json.loads(line))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):  # e.g. "config": [1]
             skipped(number)
             continue
         records[record.key] = record

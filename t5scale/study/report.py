@@ -18,12 +18,28 @@ GIB = 2**30
 STAGE_COLOURS = {0: "#4c72b0", 1: "#dd8452", 2: "#55a868", 3: "#c44e52"}
 
 
-def load_results(study_dir: str | Path) -> list[TrialRecord]:
+def load_results(study_dir: str | Path) -> tuple[list[TrialRecord], list[int]]:
+    """results.jsonl's records, and the numbers of its lines that are no record (a line cut by
+    a kill, whose trial the study reruns, or one that is not results.jsonl's at all); a
+    ConfigError where no trial completed, since then there is nothing to plot."""
     path = Path(study_dir, "results.jsonl")
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"{path} does not exist: run `t5scale study` with that STUDY_DIR first")
-    # a line cut by a kill is left out; the study reruns that trial
-    return list(parse_results(path.read_text(encoding="utf-8")).values())
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot be read: {error}") from None
+    skipped: list[int] = []
+    records = list(parse_results(text, skipped.append).values())
+    if not any(record.result.status == "ok" for record in records):
+        bad = f"; lines {_numbers(skipped)} are not records" if skipped else ""
+        raise ConfigError(f"{path}: no completed trial to report ({len(records)} records{bad})")
+    return records, skipped
+
+
+def _numbers(numbers: Sequence[int], shown: int = 5) -> str:
+    more = f" and {len(numbers) - shown} more" if len(numbers) > shown else ""
+    return ", ".join(map(str, numbers[:shown])) + more
 
 
 PointKey = tuple[str, int, int]  # model, stage, devices
@@ -39,6 +55,8 @@ def best_timed(records: Sequence[TrialRecord]) -> dict[PointKey, TrialRecord]:
     for record in records:
         if record.kind != "timed" or record.result.status != "ok" or record.repeat:
             continue  # a point's first trial (its repeats are in results.jsonl)
+        if record.result.timing is None or record.result.analysis is None:
+            continue  # a line by hand or an older writer: nothing to plot
         key = _point_of(record)
         speed = record.result.timing.tokens_per_s_per_device
         if key not in best or speed > best[key].result.timing.tokens_per_s_per_device:
@@ -77,7 +95,7 @@ def memory_points(records: Sequence[TrialRecord]) -> dict[PointKey, MemoryPoint]
 
 def write_report(study_dir: str | Path) -> Path:
     study_dir = Path(study_dir)
-    records = load_results(study_dir)
+    records, skipped = load_results(study_dir)
     best = best_timed(records)
     memory = memory_points(records)
     models = sorted({r.point.model for r in records}, key=_model_order)
@@ -92,7 +110,11 @@ def write_report(study_dir: str | Path) -> Path:
     for name, figure in plots.items():
         figure.savefig(study_dir / name, dpi=110, bbox_inches="tight")
     path = study_dir / "report.md"
-    path.write_text(_markdown(study_dir, records, best, memory, models), encoding="utf-8")
+    text = _markdown(study_dir, records, best, memory, models)
+    if skipped:
+        text += (f"\n{len(skipped)} lines of results.jsonl are not records and are left out "
+                 f"(lines {_numbers(skipped)}).\n")  # fmt: skip
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -107,7 +129,7 @@ def _value(record: TrialRecord, what: str) -> float:
         return timing.step_time_s.median
     if what == "per_device":
         return timing.tokens_per_s_per_device
-    return 100 * timing.mfu
+    return float("nan") if timing.mfu is None else 100 * timing.mfu  # none: a simulated trial
 
 
 def _bounds(record: TrialRecord, what: str) -> tuple[float, float]:
@@ -119,6 +141,10 @@ def _bounds(record: TrialRecord, what: str) -> tuple[float, float]:
         return step.low, step.high
     per_device = timing.tokens_per_s_per_device * step.median
     return per_device / step.high, per_device / step.low
+
+
+def _or_dash(value: float | None, form: str) -> str:
+    return "—" if value is None else form.format(value)
 
 
 def _gib(value: float | None) -> str:
@@ -158,7 +184,8 @@ def _plot_lines(best, models, what: str, ylabel: str, title: str):
         ax.set_ylabel(ylabel)
         ax.set_title(model)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # none where every trial failed
+            ax.legend(fontsize=8)
     figure.suptitle(f"{title} (best micro-batch and remat per point; lines end where pruned)")
     return figure
 
@@ -181,8 +208,9 @@ def _plot_memory(memory, models):
         ax.set_title(model)
         ax.grid(alpha=0.3, axis="y")
     handles, labels = axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
-                  bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+    if labels:  # none where no trial compiled
+        figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8,
+                      bbox_to_anchor=(0.5, -0.08))  # fmt: skip
     figure.suptitle("Memory per device: XLA's compiled estimate (bars) and the ZeRO formula")
     return figure
 
@@ -237,7 +265,10 @@ def _preamble(records: Sequence[TrialRecord]) -> list[str]:
     machine = ran.machine if ran else None
     peak = next((r.peak_flops_per_s for r in records if r.peak_flops_per_s is not None), 0.0)
     timed = [record for record in records if record.kind == "timed"]
-    steps = next((r.result.timing.step_time_s for r in timed if r.result.status == "ok"), None)
+    steps = next(
+        (r.result.timing.step_time_s for r in timed if r.result.status == "ok" and r.result.timing),
+        None,
+    )
     kind, backend, source = (
         (machine.device_kind, machine.backend, machine.peak_source) if machine else ("?",) * 3
     )
@@ -285,8 +316,8 @@ def _timed_row(point: PointKey, record: TrialRecord, compile_time: dict[str, flo
         f"| {model} | {stage} | {devices} | {record.point.batch_size} | "
         f"{timing.step_time_s.median:.3g}{' †' if record.same_program_as is not None else ''} "
         f"[{low:.3g}, {high:.3g}] | {timing.step_time_s.samples or '?'} | "
-        f"{timing.tokens_per_s:,.0f} | {timing.tokens_per_s_per_device:,.0f} | "
-        f"{100 * timing.mfu:.1f}% | {analysis.memory_per_device.peak_estimate_bytes / GIB:.2f} | "
+        f"{_or_dash(timing.tokens_per_s, '{:,.0f}')} | {timing.tokens_per_s_per_device:,.0f} | "
+        f"{_or_dash(timing.mfu and 100 * timing.mfu, '{:.1f}%')} | {analysis.memory_per_device.peak_estimate_bytes / GIB:.2f} | "
         f"{_gib(timing.allocator_peak_bytes)} | "
         f"{state.zero_formula_bytes.total / GIB:.2f} ({state.zero_formula}) | "
         f"{compiled_s:.1f} | {analysis.collectives.summary()} |"
