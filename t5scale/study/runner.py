@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from t5scale.analysis.memory import cpu_memory_budget
+from t5scale.errors import ConfigError
 from t5scale.study import funnel, funnel_report
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.evidence import TimingRule
@@ -81,7 +82,10 @@ def run_study(
 ) -> dict[str, Any]:
     """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows."""
     study_dir = Path(config.study_dir)
-    study_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        study_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file there, or no permission
+        raise ConfigError(f"StudyConfig.study_dir {str(study_dir)!r}: {error.strerror}") from None
     if gin_config:
         (study_dir / "study.gin").write_text(gin_config, encoding="utf-8")
     results = Results(study_dir / "results.jsonl")

@@ -73,10 +73,14 @@ def run_trial(
     }
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        child = subprocess.Popen(
-            [*launcher, sys.executable, *program, str(spec_path), str(result_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+        try:
+            child = subprocess.Popen(
+                [*launcher, sys.executable, *program, str(spec_path), str(result_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+        except OSError as error:  # the launcher gone from PATH since StudyConfig checked it
+            return {"status": "crash", "error": f"cannot start the trial: {error}",
+                    "wall_s": 0.0, "log": str(log_path)}  # fmt: skip
         try:
             code = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
