@@ -99,8 +99,8 @@ def test_kubernetes_indexed_job_index_is_the_process_id():
         (DistributedConfig(num_processes=2), {}, "--coordinator_address"),
         (DistributedConfig(), {"JOB_COMPLETION_INDEX": "0", "T5SCALE_NUM_PROCESSES": "2"},
          "needs --coordinator_address"),
-        (DistributedConfig(num_processes=2, process_id=2, coordinator_address="h:1"), {},
-         "outside 0..1"),
+        (DistributedConfig(num_processes=2, coordinator_address="h:1"),
+         {"T5SCALE_PROCESS_ID": "2"}, "outside 0..1"),
         (DistributedConfig(num_processes=2, process_id=0, coordinator_address="h"), {},
          "not host:port"),
         (DistributedConfig(), {"T5SCALE_NUM_PROCESSES": "two"}, "must be an integer"),
@@ -109,6 +109,25 @@ def test_kubernetes_indexed_job_index_is_the_process_id():
 def test_incomplete_or_wrong_settings_are_one_clear_error(config, env, says):
     with pytest.raises(DistributedError, match=says):
         resolve_processes(config, env)
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"num_processes": 0}, "num_processes must be >= 1, got 0"),  # not "unset" (None is)
+        ({"num_processes": 1, "process_id": 3}, "process_id must be >= 0 and below num_processes"),
+        ({"process_id": -1}, "process_id must be >= 0, got -1"),
+        ({"num_processes": "2"}, "num_processes must be an integer or None, got '2'"),
+    ],
+)
+def test_config_counts_are_checked_when_given(fields, says):
+    with pytest.raises(ValueError, match=says):
+        DistributedConfig(**fields)
+
+
+def test_config_num_processes_wins_over_the_environment():
+    spec = resolve_processes(DistributedConfig(num_processes=1), {"T5SCALE_NUM_PROCESSES": "4"})
+    assert spec.source == "single" and spec.num_processes == 1
 
 
 def test_lost_after_must_come_before_jax_heartbeat_timeout():

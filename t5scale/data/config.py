@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from t5scale.errors import check_field_types
+
 #: The shipped corpus and vocabulary, beside the package in a checkout or an editable install.
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 SOURCES = ("synthetic", "corpus", "mc4")
@@ -44,6 +46,7 @@ class DataConfig:
     validation_batches: int = 2
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.source not in SOURCES:
             raise ValueError(
                 f"data source must be one of {', '.join(SOURCES)}, got {self.source!r}"
@@ -54,4 +57,8 @@ class DataConfig:
             raise ValueError(f"mixing_alpha must be in (0, 1], got {self.mixing_alpha}")
         if self.holdout_every < 2 or self.prefetch < 1 or self.validation_every < 0:
             raise ValueError("holdout_every must be >= 2, prefetch >= 1, validation_every >= 0")
+        for name, low in (("max_segments", 1), ("corpus_shuffle_buffer", 1),
+                          ("max_line_bytes", 1), ("extra_ids", 0), ("validation_batches", 1)):  # fmt: skip
+            if getattr(self, name) < low:
+                raise ValueError(f"DataConfig.{name} must be >= {low}, got {getattr(self, name)}")
         object.__setattr__(self, "languages", tuple(self.languages))

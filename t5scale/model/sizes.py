@@ -13,6 +13,8 @@ from typing import Literal
 
 import jax
 
+from t5scale.errors import check_field_types
+
 RematPolicy = Literal["none", "minimal", "full", "auto"]
 # Cheapest first: what `remat = 'auto'` tries until the compiled step fits (t5scale/train/setup.py).
 REMAT_LADDER: tuple[str, ...] = ("none", "minimal", "full")
@@ -78,6 +80,7 @@ class ModelConfig:
     loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         size = SIZES.get(self.name)
         if size is None:
             size = dict.fromkeys(DIMENSIONS)
@@ -105,6 +108,27 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+        self._check_numerics()
+
+    def _check_numerics(self) -> None:
+        buckets, distance = (
+            self.relative_attention_num_buckets,
+            self.relative_attention_max_distance,
+        )
+        # Half the buckets are exact offsets, the rest log-spaced up to max_distance (mt5.py).
+        if buckets < 2:
+            raise ValueError(
+                f"ModelConfig.relative_attention_num_buckets must be >= 2, got {buckets}"
+            )
+        if distance <= buckets // 2:
+            raise ValueError(
+                f"ModelConfig.relative_attention_max_distance must be > num_buckets // 2 "
+                f"({buckets // 2}), got {distance}"
+            )
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(
+                f"ModelConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon}"
+            )
 
 
 PRESETS: dict[str, ModelConfig] = {name: ModelConfig(name=name) for name in SIZES}

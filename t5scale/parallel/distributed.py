@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 import jax
 
-from t5scale.errors import PROCESSES_FAILED, DistributedError, JoinError
+from t5scale.errors import PROCESSES_FAILED, DistributedError, JoinError, check_field_types
 
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
@@ -61,6 +61,17 @@ class DistributedConfig:
     local_device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        count, process = self.num_processes, self.process_id
+        if count is not None and count < 1:  # 0 is not "unset": that is None
+            raise DistributedError(f"DistributedConfig.num_processes must be >= 1, got {count}")
+        if process is not None and (process < 0 or count is not None and process >= count):
+            bound = "" if count is None else f" and below num_processes ({count})"
+            raise DistributedError(
+                f"DistributedConfig.process_id must be >= 0{bound}, got {process}"
+            )
+        if self.local_device_ids is not None:  # gin gives a list
+            object.__setattr__(self, "local_device_ids", tuple(self.local_device_ids))
         if not 0 < self.lost_after_s < self.heartbeat_timeout_s:
             raise DistributedError(
                 f"DistributedConfig.lost_after_s ({self.lost_after_s}) must be positive and "
@@ -139,7 +150,8 @@ def resolve_processes(
         or env.get(f"{ENV_PREFIX}COORDINATOR_ADDRESS")
         or None,
         "num_processes": config.num_processes
-        or _int(env.get(f"{ENV_PREFIX}NUM_PROCESSES"), f"{ENV_PREFIX}NUM_PROCESSES"),
+        if config.num_processes is not None
+        else _int(env.get(f"{ENV_PREFIX}NUM_PROCESSES"), f"{ENV_PREFIX}NUM_PROCESSES"),
         "process_id": config.process_id
         if config.process_id is not None
         else _int(env.get(f"{ENV_PREFIX}PROCESS_ID"), f"{ENV_PREFIX}PROCESS_ID"),

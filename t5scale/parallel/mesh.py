@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from t5scale.errors import MeshError
+from t5scale.errors import MeshError, check_field_types
 from t5scale.parallel.zero import check_stages
 
 AXES = ("replica", "zero", "tensor")
@@ -41,6 +41,7 @@ class ParallelConfig:
     zero_across_hosts: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_stages([self.zero_stage], "ParallelConfig.zero_stage")
         sizes = (self.replica, self.zero, self.tensor)
         if any(s is not None and (s == 0 or s < -1) for s in sizes) or sizes.count(-1) > 1:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from t5scale.data.config import DataConfig
-from t5scale.errors import ConfigError
+from t5scale.errors import ConfigError, check_field_types
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
@@ -32,15 +33,19 @@ class TrainConfig:
     profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.steps < 0 or self.batch_size < 1 or self.micro_batches < 1:
             raise ConfigError("steps must be >= 0, batch_size and micro_batches >= 1")
+        for name, low in (("seed", 0), ("log_every", 1), ("z_loss", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"TrainConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if self.profile_steps is not None:
             object.__setattr__(self, "profile_steps", tuple(self.profile_steps))  # gin: a list
-            first, last = self.profile_steps if len(self.profile_steps) == 2 else (0, -1)
-            if not 1 <= first <= last:
+            first, last = self.profile_steps
+            if not 1 <= first <= last <= self.steps:  # a later step is never traced
                 raise ConfigError(
-                    f"TrainConfig.profile_steps must be (first, last) with 1 <= first <= last, "
-                    f"got {self.profile_steps}"
+                    f"TrainConfig.profile_steps must be (first, last) with 1 <= first <= last "
+                    f"<= steps ({self.steps}), got {self.profile_steps}"
                 )
             if not self.model_dir:
                 raise ConfigError("TrainConfig.profile_steps writes into MODEL_DIR: give "
@@ -49,6 +54,17 @@ class TrainConfig:
             raise ConfigError(
                 f"TrainConfig.steps_per_execution must be >= 1, got {self.steps_per_execution}"
             )
+
+
+def make_model_dir(path: str) -> None:
+    """MODEL_DIR, created if it is not there, or a ConfigError that says why it cannot be."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"MODEL_DIR {path!r} is a file, not a directory")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file on the way, no permission, /proc …
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"MODEL_DIR {path!r} cannot be used as a directory: {reason}") from None
 
 
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -69,6 +85,7 @@ class CheckpointConfig:
     on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.every < 0 or self.keep < 1:
             raise ConfigError("CheckpointConfig.every must be >= 0 and keep >= 1")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
@@ -91,6 +108,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         resolve(self.precision, self.model.dtype)  # a ValueError where the two disagree
+        if self.sync.local and self.parallel.replica == 1:  # the mesh checks an unset replica
+            raise ConfigError(
+                f"ReplicaSyncConfig.mode {self.sync.mode} needs replica >= 2, got "
+                "ParallelConfig.replica=1"
+            )
 
     @property
     def tokens_per_step(self) -> int:

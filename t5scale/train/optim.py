@@ -8,6 +8,8 @@ from typing import Literal
 import jax.numpy as jnp
 import optax
 
+from t5scale.errors import check_field_types
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -28,12 +30,31 @@ class OptimizerConfig:
     grad_clip_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.name not in ("adamw", "adafactor", "sgd"):
             raise ValueError(f"optimizer must be adamw, adafactor or sgd, got {self.name!r}")
         if self.warmup_shape not in ("linear", "constant"):
             raise ValueError(f"warmup_shape must be linear or constant, got {self.warmup_shape!r}")
         if self.warmup_steps < 1:
             raise ValueError("warmup_steps must be at least 1")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        wrong = [
+            f"{name} must be {rule}, got {getattr(self, name)}"
+            for name, rule, ok in (
+                ("learning_rate", "> 0", self.learning_rate > 0),
+                ("weight_decay", ">= 0", self.weight_decay >= 0),
+                ("b1", "in [0, 1)", 0 <= self.b1 < 1),
+                ("b2", "in [0, 1)", 0 <= self.b2 < 1),
+                ("eps", "> 0", self.eps > 0),
+                ("grad_clip_norm", "None or > 0",
+                 self.grad_clip_norm is None or self.grad_clip_norm > 0),
+            )
+            if not ok
+        ]  # fmt: skip
+        if wrong:
+            raise ValueError(f"OptimizerConfig.{wrong[0]}")
 
 
 def inverse_sqrt_schedule(config: OptimizerConfig) -> optax.Schedule:

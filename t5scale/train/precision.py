@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from t5scale.errors import check_field_types
+
 MODES = ("auto", "float32", "mixed")
 REDUCE_DTYPES = ("bfloat16", "float32")
 
@@ -40,6 +42,7 @@ class PrecisionConfig:
     reduce_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.mode not in MODES:
             raise ValueError(f"PrecisionConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.reduce_dtype not in REDUCE_DTYPES:

@@ -43,6 +43,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5scale.errors import check_field_types
+
 MODES = ("every_step", "local_sgd", "diloco")
 OUTER_DTYPES = ("float32", "bfloat16")
 
@@ -60,6 +62,7 @@ class ReplicaSyncConfig:
     outer_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.mode not in MODES:
             raise ValueError(f"ReplicaSyncConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.every < 1:
