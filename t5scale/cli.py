@@ -44,6 +44,7 @@ from t5scale.errors import (
     USAGE_ERROR,
     ConfigError,
     DataError,
+    DistributedError,
     JoinError,
     MeshError,
     UnsupportedJaxError,
@@ -56,7 +57,7 @@ from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
 from t5scale.study import funnel, plan, simulate
 from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
-from t5scale.train.config import RunConfig
+from t5scale.train.config import RunConfig, make_model_dir
 from t5scale.train.loop import train
 
 # Set in that child: it runs the command itself.
@@ -89,6 +90,8 @@ class Invocation:
 
 def train_command(call: Invocation) -> None:
     run = call.run_config()
+    if run.train.model_dir:
+        make_model_dir(run.train.model_dir)
     call.join_processes(run)
     history = train(run, operative_config())
     if jax.process_index() != 0:
@@ -150,6 +153,7 @@ def convert_command(call: Invocation) -> None:
     model_dir = run.train.model_dir
     if not model_dir:
         raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
+    make_model_dir(model_dir)  # before the (long) read of the checkpoint
     try:  # the compute dtype and the precision are this command's (gin), the rest the HF config's
         model, params = params_from_hf(call.args.hf_dir, run.model.dtype)
     except (ValueError, OSError) as error:
@@ -160,7 +164,6 @@ def convert_command(call: Invocation) -> None:
         f"PrecisionConfig.{name} = {value!r}\n"
         for name, value in dataclasses.asdict(run.precision).items()
     )
-    Path(model_dir).mkdir(parents=True, exist_ok=True)
     path = write_converted(model_dir, model, run.optimizer, params, model_gin)
     Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")
     count = sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(params))
@@ -252,6 +255,22 @@ def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
     return print
 
 
+def _count(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (argparse's own one-line error, exit code 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     help: str
@@ -267,7 +286,7 @@ COMMANDS: dict[str, Command] = {
     "params": Command("parameter count, nothing allocated", params_command, (JSON_FLAG,)),
     "data-bench": Command(
         "examples/s and tokens/s of the input pipeline alone", data_bench_command,
-        (("--batches", {"type": int, "default": 50, "help": "batches to time"}),),
+        (("--batches", {"type": _count(0), "default": 50, "help": "batches to time"}),),
     ),
     "convert": Command(
         "a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
@@ -305,8 +324,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--cpu_devices",
-        type=int,
-        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),
+        type=_count(1),
+        default=os.environ.get("JAX_NUM_CPU_DEVICES", "8"),  # a string: argparse checks it too
         help="CPU devices to emulate when JAX runs on the CPU (default 8)",
     )
     for flag, kind, what in (
@@ -386,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if call.processes is not None:
             call.processes.done()
         return 0
-    except (ConfigError, MeshError, DataError, UnsupportedJaxError) as error:
+    except (ConfigError, MeshError, DataError, DistributedError, UnsupportedJaxError) as error:
         return stop(str(error), USAGE_ERROR)
     except FloatingPointError as error:
         return stop(str(error), NONFINITE_STOP)

@@ -106,6 +106,11 @@ def check_macros_read() -> None:
         for reference in gin.config.iterate_references(gin.config._CONFIG)
         if reference.selector == "gin.macro"
     }
+    undefined = sorted(read - bound)  # gin would call the macro with no value, much later
+    if undefined:
+        raise ConfigError(
+            f"gin: macro {undefined[0]} is not defined (bind it: --gin.{undefined[0]}=…)"
+        )
     shipped = shipped_macros()
     unread = sorted(bound - read - shipped)
     if unread:

@@ -39,6 +39,11 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     """Train up to run.train.steps steps; return this call's per-step metrics."""
     cfg = run.train
     setup = build_setup(run, devices)
+    if run.sync.local and setup.mesh.shape["replica"] < 2:  # else it trains synchronously
+        raise ConfigError(
+            f"ReplicaSyncConfig.mode {run.sync.mode} needs replica >= 2, the mesh has "
+            f"replica={setup.mesh.shape['replica']} (set ParallelConfig.replica)"
+        )
     print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
     if run.sync.local and jax.process_index() == 0:
         print(
@@ -57,10 +62,12 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     start = restored.meta["step"] if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
-        if primary:
+        if primary and restored:
             print(
                 f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}: nothing to do"
             )
+        elif primary:
+            print(f"TrainConfig.steps is {cfg.steps}: nothing to do")
         if checkpoints:
             checkpoints.close()
         return []
