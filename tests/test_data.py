@@ -264,6 +264,21 @@ def test_mc4_tasks_without_prepared_data_stop_with_one_line(tmp_path, capsys):
     assert "mC4 (c4/multilingual:3.1.0) is not prepared" in err[0] and str(tmp_path) in err[0]
 
 
+def test_mc4_registers_its_default_languages_with_seqio_task_names(tmp_path):
+    """seqio refuses '-' in a task name: 'bg-Latn' is task mc4.bg_Latn, reading split bg-Latn."""
+    import seqio
+
+    from t5scale.data.tasks import MC4_LANGUAGES, register_mc4, vocabulary
+
+    config = DataConfig(source="mc4", tfds_data_dir=str(tmp_path))
+    assert register_mc4(config, vocabulary(config)) == "mc4"
+    tasks = [task.name for task in seqio.get_mixture_or_task("mc4").tasks]
+    assert len(tasks) == len(MC4_LANGUAGES) and "mc4.bg_Latn" in tasks
+    # seqio keeps the TFDS split map privately: the only place to read the split names from
+    splits = seqio.get_mixture_or_task("mc4.bg_Latn").source.tfds_dataset._split_map
+    assert splits == {"train": "bg-Latn", "validation": "bg-Latn-validation"}
+
+
 @pytest.mark.slow  # about 2 minutes: out of CI's budget, run with -m slow
 def test_learning_is_real_on_the_shipped_corpus(tmp_path, capsys):
     """mt5_tiny on the shipped corpus: the loss falls; validation loss is logged every N steps."""

@@ -38,6 +38,8 @@ MC4_LANGUAGES = tuple(
 def vocabulary(config: DataConfig) -> seqio.SentencePieceVocabulary:
     """The SentencePiece vocabulary with mT5's sentinels, checked before TensorFlow loads it."""
     path = Path(config.vocabulary)
+    if path.is_dir():
+        raise DataError(f"vocabulary {str(path)!r} is a directory, not a SentencePiece model file")
     if not path.is_file():
         raise DataError(f"vocabulary file {str(path)!r} does not exist")
     try:
@@ -146,16 +148,22 @@ def register_corpus(corpus: Corpus, config: DataConfig, vocab) -> str:
 def register_mc4(config: DataConfig, vocab) -> str:
     """Register `mc4.<lang>` tasks and the temperature-sampled `mc4` mixture; return 'mc4'."""
     languages = config.languages or MC4_LANGUAGES
-    for language in languages:
+    names = [mc4_task_name(language) for language in languages]
+    for language, name in zip(languages, names, strict=True):
         source = seqio.TfdsDataSource(
             tfds_name=MC4_TFDS_NAME,
             tfds_data_dir=config.tfds_data_dir,
             splits={"train": language, "validation": f"{language}-validation"},
         )
-        _add_task(f"mc4.{language}", source, vocab)
-    if "mc4" not in seqio.MixtureRegistry.names():
-        rate = functools.partial(
-            seqio.mixing_rate_num_examples, temperature=1.0 / config.mixing_alpha
-        )
-        seqio.MixtureRegistry.add("mc4", [f"mc4.{lang}" for lang in languages], default_rate=rate)
+        _add_task(name, source, vocab)
+    # Again on each call: an earlier call's languages or alpha must not stand for this one's.
+    seqio.MixtureRegistry.remove("mc4")
+    rate = functools.partial(seqio.mixing_rate_num_examples, temperature=1.0 / config.mixing_alpha)
+    seqio.MixtureRegistry.add("mc4", names, default_rate=rate)
     return "mc4"
+
+
+def mc4_task_name(language: str) -> str:
+    """The seqio task of an mC4 language: seqio's names allow letters, digits, '_', '.' and
+    ':' only, so 'bg-Latn' is task mc4.bg_Latn (its TFDS split keeps the '-')."""
+    return f"mc4.{language.replace('-', '_')}"

@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 checkpoints load)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from t5scale.model.mt5 import abstract_params
 from t5scale.model.sizes import ModelConfig
@@ -208,13 +208,28 @@ def _weight_plan(cfg: ModelConfig) -> list[_Weight]:
     ]
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a ValueError that names the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.is_file():
         return [single]
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise ValueError(f"{index}: no weight_map of tensor names to shard files")
         return [model_dir / name for name in sorted(set(weight_map.values()))]
     raise ValueError(
         f"{model_dir}: neither model.safetensors nor model.safetensors.index.json "
@@ -230,7 +245,10 @@ def _open_tensors(model_dir: Path) -> Iterator[dict[str, Any]]:
         for path in _checkpoint_files(model_dir):
             if not path.is_file():
                 raise ValueError(f"{path}: shard listed in the index is missing")
-            handle = stack.enter_context(safe_open(str(path), framework="np"))
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="np"))
+            except SafetensorError as error:
+                raise ValueError(f"{path}: not a safetensors file ({error})") from None
             for name in handle.keys():
                 if name in where:
                     raise ValueError(f"{model_dir}: tensor {name} is in more than one shard")
@@ -281,7 +299,7 @@ def params_from_hf(
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir}: no config.json")
-    cfg = model_config_from_hf(json.loads(config_path.read_text()), dtype)
+    cfg = model_config_from_hf(_json_object(config_path), dtype)
     plan = _weight_plan(cfg)
     with _open_tensors(model_dir) as where:
         wanted = [name for weight in plan for name in weight.hf_names()]
