@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import flax.linen as nn
 import jax
@@ -209,7 +210,15 @@ def study_command(call: Invocation) -> None:
         ties = f", tied within the evidence with {len(tied)}" if tied else ""
         print(f"winner for {model}: {funnel.configuration_of(record).label()} at "
               f"{record.point.devices} devices{ties} (funnel.md)")  # fmt: skip
-    print(f"report: {write_report(study.study_dir)}")
+    try:
+        print(f"report: {write_report(study.study_dir)}")
+    except ConfigError as error:
+        if "no completed trial" not in str(error):
+            raise
+        raise ConfigError(
+            f"no trial of the study completed ({summary['trials']} trials; why: "
+            f"{study.study_dir}/funnel.md and results.jsonl): the report is skipped"
+        ) from None
 
 
 def report_command(call: Invocation) -> None:
@@ -316,8 +325,17 @@ COMMANDS: dict[str, Command] = {
 }  # fmt: skip
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is the CLI's one line and exit code 2 like every bad input (the
+    usage text is what --help prints)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"t5scale: error: {self.prog}: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _OneLineParser(add_help=False)
     common.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     common.add_argument(
         "--gin_search_paths", action="append", default=[], help="where gin files are looked for"
@@ -334,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
         ("process_id", int, "this process's id, 0 … num_processes-1"),
     ):
         common.add_argument(f"--{flag}", type=kind, help=f"{what}; DistributedConfig.{flag}")
-    parser = argparse.ArgumentParser(prog="t5scale", description=__doc__.split("\n")[0])
+    parser = _OneLineParser(prog="t5scale", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         subparser = subparsers.add_parser(name, parents=[common], help=command.help)
