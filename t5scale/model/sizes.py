@@ -75,7 +75,7 @@ class ModelConfig:
     # What the layers keep for the backward pass (t5scale/model/mt5.py, remat_policy); 'auto':
     # the first of REMAT_LADDER whose compiled step fits the device, chosen at compile time.
     remat: RematPolicy = "none"
-    # Target tokens per chunk of the output projection and loss (t5scale/train/loss.py): None
+    # Target tokens per chunk of the output projection and loss (t5scale/model/head.py): None
     # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
     loss_chunk_tokens: int | None = None
 
