@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -13,6 +12,7 @@ from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
+from t5scale.study.records import StepTimes
 from t5scale.train.config import RunConfig
 from t5scale.train.profiling import StepTrace, step_annotation
 from t5scale.train.setup import CompiledStep, build_setup
@@ -25,7 +25,18 @@ def model_state_per_device(run: RunConfig, devices=None) -> float:
     return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)["total"]
 
 
-def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class TimedSteps:
+    """What timing a compiled step found: the step time with its interval and how it was
+    measured, every sample (the warm-up included), the losses and the allocator's peak."""
+
+    step_time_s: StepTimes
+    step_times_s: tuple[float, ...]
+    losses: tuple[float, ...]
+    allocator_peak_bytes: int | None  # None where the backend reports none (the CPU)
+
+
+def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> TimedSteps:
     """Run the compiled step on synthetic batches until `rule` is met (evidence.measure): the
     median step time's interval within the rule's precision, or its budget spent; at least
     `min_steps` steps. Each sample is timed to block_until_ready and the warm-up samples are
@@ -78,22 +89,22 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> dict
     found = measure(sample, rule)
     del state
     timed = found.samples[found.warmup :]
-    return {
-        "step_time_s": found.summary()
-        | {
-            "statistic": "median of periods' mean step times" if local else "median",
-            "steps_per_sample": steps_per_sample,
-            "timed_steps": len(timed) * steps_per_sample,
-            "warmup_steps": found.warmup * steps_per_sample,
-            "min": min(timed),
-            "max": max(timed),
-            "spread": (max(timed) - min(timed)) / found.interval.median,  # (max - min) / median
-            "precision_asked": rule.precision,
-        },
-        "step_times_s": found.samples,  # per sample, the warm-up included
-        "losses": losses,
-        "allocator_peak_bytes": allocator_peak(setup.mesh),
+    summary = found.summary() | {
+        "statistic": "median of periods' mean step times" if local else "median",
+        "steps_per_sample": steps_per_sample,
+        "timed_steps": len(timed) * steps_per_sample,
+        "warmup_steps": found.warmup * steps_per_sample,
+        "min": min(timed),
+        "max": max(timed),
+        "spread": (max(timed) - min(timed)) / found.interval.median,  # (max - min) / median
+        "precision_asked": rule.precision,
     }
+    return TimedSteps(
+        step_time_s=StepTimes.from_json(summary),
+        step_times_s=tuple(found.samples),
+        losses=tuple(losses),
+        allocator_peak_bytes=allocator_peak(setup.mesh),
+    )
 
 
 def profile_steps(step: CompiledStep, logdir: str, steps: int = 3) -> None:

@@ -33,7 +33,7 @@ from t5scale.errors import ConfigError, MeshError
 from t5scale.parallel.distributed import DistributedConfig, join_processes
 from t5scale.study.evidence import median_interval
 from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
-from t5scale.study.records import Machine, StepTimes, TrialResult, TrialSpec, TrialTiming
+from t5scale.study.records import Machine, TrialResult, TrialSpec, TrialTiming
 from t5scale.train.setup import build_setup
 from t5scale.train.tensorboard import ScalarWriter
 
@@ -210,18 +210,18 @@ def _time(spec: TrialSpec, step, compiled: TrialResult) -> TrialResult:
         return dataclasses.replace(
             compiled, status=_failure_status(error, "crash"), error=_one_line(error)
         )
-    steps = StepTimes.from_json(measured["step_time_s"])
+    steps = measured.step_time_s
     # Emulated CPU devices share one machine, so they share its one measured peak.
     peak_devices = 1 if jax.default_backend() == "cpu" else spec.point.devices
-    losses = measured["losses"][: budget_steps or None]
+    losses = measured.losses[: budget_steps or None]
     # The loss's evidence: its median over the last quarter of the steps (at least the samples
     # the round's comparison needs), with that median's interval.
     window = min(len(losses), max(rule.floor, len(losses) // 4))
     timing = TrialTiming(
         step_time_s=steps,
-        step_times_s=tuple(measured["step_times_s"]),
-        losses=tuple(measured["losses"]),
-        allocator_peak_bytes=measured["allocator_peak_bytes"],
+        step_times_s=measured.step_times_s,
+        losses=measured.losses,
+        allocator_peak_bytes=measured.allocator_peak_bytes,
         tokens_per_step=tokens_per_step,
         tokens_per_s=tokens_per_step / steps.median,
         tokens_per_s_per_device=tokens_per_step / steps.median / spec.point.devices,
