@@ -16,7 +16,7 @@ from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, DataError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
+from t5scale.train.config import CheckpointConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
@@ -96,12 +96,6 @@ def test_lists_stand_for_tuples_and_ints_for_floats():
         (lambda: TrainConfig(seed=-1), "TrainConfig.seed must be >= 0, got -1"),
         (lambda: TrainConfig(log_every=0), "TrainConfig.log_every must be >= 1, got 0"),
         (lambda: TrainConfig(steps=1, profile_steps=(2, 3), model_dir="/m"), "<= steps (1)"),
-        (
-            lambda: RunConfig(
-                parallel=ParallelConfig(replica=1), sync=ReplicaSyncConfig(mode="diloco")
-            ),
-            "mode diloco needs replica >= 2",
-        ),
     ],
 )
 def test_a_value_out_of_range_is_named_with_its_value(make, says):

@@ -107,12 +107,9 @@ class RunConfig:
     sync: ReplicaSyncConfig = ReplicaSyncConfig()
 
     def __post_init__(self) -> None:
-        resolve(self.precision, self.model.dtype)  # a ValueError where the two disagree
-        if self.sync.local and self.parallel.replica == 1:  # the mesh checks an unset replica
-            raise ConfigError(
-                f"ReplicaSyncConfig.mode {self.sync.mode} needs replica >= 2, got "
-                "ParallelConfig.replica=1"
-            )
+        # A ValueError where the two disagree. local SGD or DiLoCo on one replica is refused by
+        # the training loop only: `simulate` times its outer step on one node too.
+        resolve(self.precision, self.model.dtype)
 
     @property
     def tokens_per_step(self) -> int:
