@@ -88,7 +88,8 @@ def _describe(expected: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in args)
     if origin is typing.Literal:
-        return "one of " + ", ".join(repr(arg) for arg in args)
+        words = [str(arg) for arg in args]
+        return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
     if origin in (tuple, list):
         item = _describe(args[0]) if args else "values"
         return f"a list of {item.removeprefix('an ').removeprefix('a ')}s"

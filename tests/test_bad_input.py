@@ -47,7 +47,10 @@ def _one_line(code: int, err: str) -> str:
         (lambda: DataConfig(prefetch=2.5), "DataConfig.prefetch must be an integer"),
         (lambda: DataConfig(corpus_dir=5), "DataConfig.corpus_dir must be a string"),
         (lambda: ModelConfig(layer_norm_epsilon="tiny"), "layer_norm_epsilon must be a number"),
-        (lambda: ModelConfig(remat="some"), "ModelConfig.remat must be one of 'none'"),
+        (
+            lambda: ModelConfig(remat="some"),
+            "ModelConfig.remat must be none, minimal, full or auto, got 'some'",
+        ),
         (lambda: OptimizerConfig(learning_rate="fast"), "learning_rate must be a number"),
         (lambda: OptimizerConfig(warmup_steps=1.5), "warmup_steps must be an integer"),
         (lambda: CheckpointConfig(every=0.5), "CheckpointConfig.every must be an integer"),
