@@ -1,5 +1,6 @@
 # XLA flags for t5scale on NVIDIA GPUs, sourced by launch/slurm.sbatch and copied into the
-# Kubernetes manifest (tests/test_launch.py checks that the two agree and that the jaxlib in
+# Kubernetes manifest and given to compile-only GPU programs (t5scale/xla_gpu.py LAUNCH_FLAGS;
+# tests/test_launch.py checks that the three agree and that the jaxlib in
 # use knows every flag: XLA refuses unknown ones).
 #
 # ZeRO's collectives (the gradient reduce-scatter or all-reduce, the parameter all-gathers of

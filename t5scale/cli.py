@@ -36,7 +36,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale import xla_cpu
-from t5scale.config import build_run_config, build_study_config, operative_config, parse_gin
+from t5scale.config import (
+    build_cluster_config,
+    build_run_config,
+    build_study_config,
+    operative_config,
+    parse_gin,
+)
 from t5scale.data.loader import host_batches
 from t5scale.errors import (
     COMPILER_ABORTED,
@@ -229,8 +235,9 @@ def report_command(call: Invocation) -> None:
 def plan_command(call: Invocation) -> None:
     run = call.run_config()
     config = build_study_config("plan")
+    cluster = build_cluster_config()  # given: XLA's GPU compiler, for the cluster's GPUs
     show = _emulate_cpu_devices(config.devices, call.args.json)
-    result = plan.run_plan(run, config, show)
+    result = plan.run_plan(run, config, show, cluster)
     print(json.dumps(result.to_json(), indent=2) if call.args.json else plan.format_plan(result))
 
 

@@ -134,6 +134,15 @@ def build_study_config(name: str = "study"):
     return _build(_STUDY_CONFIGURABLES[name])
 
 
+def build_cluster_config() -> ClusterConfig | None:
+    """The ClusterConfig a cluster file (gin/clusters/) binds, or None where none is given."""
+    try:
+        gin.query_parameter("ClusterConfig.name")
+    except ValueError:
+        return None
+    return build_study_config("cluster")
+
+
 def build_run_config() -> RunConfig:
     """The RunConfig the parsed gin files describe; bad values become one-line ConfigErrors."""
     return _build(lambda: RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()}))

@@ -70,3 +70,11 @@ def test_local_sh_usage_error():
     result = subprocess.run([str(LAUNCH / "local.sh"), "two", "train"], capture_output=True)
     assert result.returncode == 2
     assert b"usage: launch/local.sh N" in result.stderr
+
+
+def test_compile_only_gpu_programs_use_the_launch_flags():
+    """A compile-only GPU program (plan, simulate) is compiled as a launched job's would be."""
+    from t5scale.xla_gpu import LAUNCH_FLAGS
+
+    flags = dict(flag.removeprefix("--").split("=") for flag in _gpu_flags().split())
+    assert flags == {name: str(value).lower() for name, value in LAUNCH_FLAGS.items()}

@@ -166,6 +166,9 @@ class StepAnalysis(JsonRecord):
     layers: Layers
     replica_sync: ReplicaSync
     remat: RematChoice
+    # The compiler that made the program, e.g. 'xla:cpu' or 'xla:gpu NVIDIA H100 80GB HBM3,
+    # 2 nodes x 8' (compile-only, t5scale/xla_gpu.py); None in files written before it was said.
+    compiler: str | None = None
 
     @property
     def data_parallel(self) -> int:

@@ -25,6 +25,7 @@ from t5scale.analysis.records import (
     SyncBytes,
     ZeroFormulaBytes,
 )
+from t5scale.xla_gpu import compiler_name
 
 
 def analyze_step(
@@ -55,7 +56,7 @@ def analyze_step(
         micro_batches=run.train.micro_batches,
         tokens_per_step=run.tokens_per_step,
         lengths=(run.data.input_length, run.data.target_length),
-        backend=jax.default_backend(),
+        backend=layout.mesh.devices.flat[0].platform,
         compile_time_s=compile_time_s,
         parameters=setup.form.model_state_bytes().count,
         precision=StatePrecision(
@@ -73,6 +74,7 @@ def analyze_step(
             outer_state_bytes_per_device=outer_state_bytes(setup.state, setup.form.shardings),
         ),
         remat=RematChoice.from_json(remat or {"requested": policy, "policy": policy}),
+        compiler=compiler_name(layout.mesh.devices.flat),
     )
 
 

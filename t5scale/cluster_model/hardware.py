@@ -11,9 +11,10 @@ import dataclasses
 
 from t5scale.analysis.peaks import GPU_DATASHEET
 from t5scale.errors import ConfigError, check_field_types
+from t5scale.xla_gpu import GpuTopology, target_names
 
 EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
-NAMES = ("name", "gpu")
+NAMES = ("name", "gpu", "compile_target")
 PEAKS = {"peak_flops": "bfloat16", "peak_flops_float32": "float32"}
 
 
@@ -45,6 +46,9 @@ class ClusterConfig:
     # dense 16-bit and TF32 (fp32 compute) tensor cores; None: the GPU's datasheet figure
     peak_flops: float | None = None
     peak_flops_float32: float | None = None
+    # XLA's description of the GPU to compile for without it: a name in t5scale/gpu_targets/
+    # ('h100_sxm') or a GpuTargetConfig file (t5scale/xla_gpu.py). None: no GPU compiles.
+    compile_target: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)  # gpus_per_node=8.0 or a bare word is not a figure
@@ -64,3 +68,13 @@ class ClusterConfig:
                 raise ConfigError(f"ClusterConfig.{field.name} must be in (0, 1], got {value!r}")
             if value < 0 or (value == 0 and not field.name.endswith("_s")):
                 raise ConfigError(f"ClusterConfig.{field.name} must be > 0, got {value!r}")
+
+    def topology(self, gpus: int) -> GpuTopology:
+        """`gpus` GPUs of this cluster to compile for: whole nodes, or part of one."""
+        if self.compile_target is None:
+            raise ConfigError(f"ClusterConfig {self.name!r} names no compile_target (a GPU of "
+                              f"t5scale/gpu_targets/: {', '.join(target_names())})")  # fmt: skip
+        per_node = min(gpus, self.gpus_per_node)
+        if gpus % per_node:
+            raise ConfigError(f"{gpus} GPUs are not whole nodes of {self.gpus_per_node}")
+        return GpuTopology(self.compile_target, gpus // per_node, per_node)

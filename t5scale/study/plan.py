@@ -18,11 +18,13 @@ import jax
 
 from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.records import StatePrecision, StepAnalysis
+from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
 from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import build_setup
+from t5scale.xla_gpu import compiler_name
 
 GIB = 2**30
 
@@ -107,15 +109,18 @@ class Plan:
     run: RunConfig
     plan: PlanConfig
     stages: tuple[StagePlan, ...]
+    compiler: str  # t5scale.xla_gpu.compiler_name: 'xla:cpu' or 'xla:gpu <GPU>, N nodes x G'
+    device_memory_gb: float
 
     def to_json(self) -> dict[str, Any]:
         """`t5scale plan --json`."""
         run = self.run
         return {
             "model": run.model.name,
+            "compiler": self.compiler,
             "devices": self.plan.devices,
             "tensor": self.plan.tensor,
-            "device_memory_gb": self.plan.device_memory_gb,
+            "device_memory_gb": self.device_memory_gb,
             "dtype": run.model.dtype,
             "precision": self.stages[0].analysis.precision.to_json() if self.stages else None,
             "remat": run.model.remat,
@@ -125,26 +130,39 @@ class Plan:
         }
 
 
-def plan_stage(run: RunConfig, plan: PlanConfig, stage: int, devices) -> StagePlan:
-    """The stage compiled with zero over every data-parallel device (replica 1)."""
+def plan_stage(
+    run: RunConfig, plan: PlanConfig, stage: int, devices, budget_bytes: float
+) -> StagePlan:
+    """The stage compiled with zero over every data-parallel device (replica 1), across the
+    nodes too where `devices` are several nodes' compile-only GPUs."""
+    hosts = len({device.process_index for device in devices})
     scaling = WeakScaling(
-        stage, plan.devices, plan.micro_batch_size, run.train.micro_batches, plan.tensor
-    )
-    staged = scaling.run(run)
-    budget = plan.device_memory_gb * 1e9
-    step = build_setup(staged, devices).compile(memory_budget_bytes=int(budget))
-    return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget)
+        stage, plan.devices, plan.micro_batch_size, run.train.micro_batches, plan.tensor,
+        hosts=hosts,
+    )  # fmt: skip
+    step = build_setup(scaling.run(run), devices).compile(memory_budget_bytes=int(budget_bytes))
+    return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
 
 
-def run_plan(run: RunConfig, plan: PlanConfig, show=print) -> Plan:
-    if jax.device_count() < plan.devices:
+def run_plan(
+    run: RunConfig, plan: PlanConfig, show=print, cluster: ClusterConfig | None = None
+) -> Plan:
+    """Each stage compiled for `plan.devices` emulated CPU devices, or, with a cluster that
+    names its GPU's compile target, for that many of its GPUs by XLA's GPU compiler (device
+    memory then the cluster's)."""
+    if cluster is not None:
+        devices = cluster.topology(plan.devices).devices()
+        budget = cluster.device_memory_gb * 1e9
+    elif jax.device_count() < plan.devices:
         raise ConfigError(f"{plan.devices} devices to plan for, {jax.device_count()} emulated")
-    devices = jax.devices()[: plan.devices]
+    else:
+        devices, budget = jax.devices()[: plan.devices], plan.device_memory_gb * 1e9
+    show(f"compiling for {compiler_name(devices)}")
     stages = []
     for stage in plan.stages:
-        stages.append(plan_stage(run, plan, stage, devices))
+        stages.append(plan_stage(run, plan, stage, devices, budget))
         show(f"stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
-    return Plan(run, plan, tuple(stages))
+    return Plan(run, plan, tuple(stages), compiler_name(devices), budget / 1e9)
 
 
 def _precision_words(precision: StatePrecision) -> str:
@@ -183,7 +201,7 @@ def format_plan(result: Plan) -> str:
     first = result.stages[0].analysis
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
-        f"{plan.device_memory_gb:g} GB each; {run.optimizer.name}, {run.model.dtype} "
+        f"{result.device_memory_gb:g} GB each, compiled by {result.compiler}; {run.optimizer.name}, {run.model.dtype} "
         f"compute, {_precision_words(first.precision)}, remat {run.model.remat}, lengths "
         f"{run.data.input_length}/{run.data.target_length}, batch {first.batch_size}",
         "",

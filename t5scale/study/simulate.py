@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -32,10 +32,12 @@ from t5scale.cluster_model.step_time import (
 )
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
+from t5scale.startup import cuda_plugin_installed
 from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
+from t5scale.xla_gpu import INSTALL_HINT, GpuTopology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,10 @@ class SimulateConfig:
     # DiLoCo beside the synchronous stages: a replica per node, an outer step every H steps for
     # each H here (ReplicaSyncConfig's other settings, e.g. outer_dtype, as gin binds them)
     diloco_every: tuple[int, ...] = ()
+    # Which compiler makes the programs the model times: 'gpu', XLA's GPU compiler for the
+    # cluster's own GPUs (its compile_target; needs jax's CUDA plugin, t5scale/xla_gpu.py);
+    # 'cpu', emulated CPU devices; 'auto', the GPU compiler where the plugin is installed.
+    compiler: Literal["auto", "gpu", "cpu"] = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -68,7 +74,7 @@ class SimulateConfig:
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 8
+ANALYSIS_VERSION = 9
 
 
 def _cache_path() -> Path:
@@ -84,14 +90,17 @@ def step_analysis(
     tensor: int = 1,
     replicas: int = 1,
     memory_budget_bytes: int | None = None,
+    topology: GpuTopology | None = None,
 ) -> StepAnalysis:
     """The compiled step's analysis on `devices` emulated devices (with `replicas` > 1 and a
     local run.sync, its outer step's too; remat 'auto' chosen within `memory_budget_bytes`,
-    the cluster's device memory); cached across calls on disk (keyed by the whole run,
-    stage, device count and the JAX version), since compiling a large model on 64 devices takes
-    tens of seconds."""
+    the cluster's device memory); with a `topology`, compiled for its compile-only GPUs by
+    XLA's GPU compiler. Cached across calls on disk (keyed by the whole run, stage, devices,
+    compiler and the JAX version), since compiling a large model on 64 devices takes tens of
+    seconds."""
+    hosts = topology.nodes if topology else 1
     scaling = WeakScaling(
-        stage, devices, micro_batch_size, run.train.micro_batches, tensor, replicas
+        stage, devices, micro_batch_size, run.train.micro_batches, tensor, replicas, hosts
     )
     staged = scaling.run(run)
     key_text = json.dumps(
@@ -101,7 +110,7 @@ def step_analysis(
          dataclasses.asdict(dataclasses.replace(staged.sync, every=1)),
          dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
          staged.data.input_length, staged.data.target_length, devices, jax.__version__,
-         ANALYSIS_VERSION, memory_budget_bytes],
+         ANALYSIS_VERSION, memory_budget_bytes, topology and dataclasses.astuple(topology)],
         sort_keys=True, default=str,
     )  # fmt: skip
     key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
@@ -109,9 +118,8 @@ def step_analysis(
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:
         return with_every(StepAnalysis.from_json(cache[key]), staged.sync.every)
-    step = build_setup(staged, jax.devices()[:devices]).compile(
-        memory_budget_bytes=memory_budget_bytes
-    )
+    targets = topology.devices() if topology else jax.devices()[:devices]
+    step = build_setup(staged, targets).compile(memory_budget_bytes=memory_budget_bytes)
     analysis = step.analysis
     cache = json.loads(path.read_text()) if path.exists() else {}
     cache[key] = analysis.to_json()
@@ -173,15 +181,27 @@ class Simulation:
         }
 
 
+def uses_gpu_compiler(config: SimulateConfig, cluster: ClusterConfig) -> bool:
+    """Whether the programs come from XLA's GPU compiler (SimulateConfig.compiler says when)."""
+    if config.compiler == "cpu":
+        return False
+    if config.compiler == "gpu" and cluster.compile_target is None:
+        cluster.topology(1)  # the ConfigError that says what is missing
+    if config.compiler == "gpu" and not cuda_plugin_installed():
+        raise ConfigError(f"SimulateConfig.compiler='gpu' needs jax's CUDA plugin: {INSTALL_HINT}")
+    return cluster.compile_target is not None and cuda_plugin_installed()
+
+
 def simulate(
     run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print
 ) -> Simulation:
     rows = []
+    gpu = uses_gpu_compiler(config, cluster)
     if cluster.gpus_per_node % config.tensor:  # tensor groups live inside a node
         raise ConfigError(f"SimulateConfig.tensor={config.tensor} must divide "
                           f"ClusterConfig.gpus_per_node={cluster.gpus_per_node}")  # fmt: skip
     needed = max(config.nodes) * cluster.gpus_per_node
-    if jax.device_count() < needed:
+    if not gpu and jax.device_count() < needed:
         raise ConfigError(f"{needed} devices to emulate, {jax.device_count()} here")
     syncs = [(ReplicaSyncConfig(), "every step")] + [
         (dataclasses.replace(run.sync, mode="diloco", every=every), f"DiLoCo H={every}")
@@ -194,6 +214,7 @@ def simulate(
             dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
             config.tensor, replicas=nodes if sync.local else 1,
             memory_budget_bytes=int(cluster.device_memory_gb * 1e9),
+            topology=cluster.topology(devices) if gpu else None,
         )  # fmt: skip
         # remat 'auto': what the compiled step chose on this many devices
         model = dataclasses.replace(run.model, remat=analysis.remat.policy)

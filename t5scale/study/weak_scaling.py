@@ -22,6 +22,9 @@ class WeakScaling:
     micro_batches: int = 1
     tensor: int = 1
     replicas: int = 1
+    # Processes the devices belong to (compile-only GPU nodes): with one replica, ZeRO spans
+    # them all (zero_across_hosts, as DeepSpeed's stages); with a replica per node, it does not.
+    hosts: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -31,11 +34,14 @@ class WeakScaling:
     def batch_size(self) -> int:
         return self.micro_batch_size * self.data_parallel * self.micro_batches
 
-    def _parallel(self) -> dict[str, int]:
+    def _parallel(self) -> dict[str, int | bool]:
         """ParallelConfig's fields: zero is -1, every device replica and tensor leave, so that
         a shape the devices do not divide is refused where the mesh is made."""
-        return {"zero_stage": self.stage, "replica": self.replicas, "zero": -1,
-                "tensor": self.tensor}  # fmt: skip
+        fields = {"zero_stage": self.stage, "replica": self.replicas, "zero": -1,
+                  "tensor": self.tensor}  # fmt: skip
+        if self.hosts > 1:
+            fields["zero_across_hosts"] = self.replicas == 1
+        return fields
 
     def run(self, run: RunConfig) -> RunConfig:
         """`run` at this stage, mesh and batch."""

@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from t5scale import xla_gpu
 from t5scale.analysis.memory import compiled_memory, device_memory_budget
 from t5scale.analysis.records import StepAnalysis
 from t5scale.analysis.step import analyze_step
@@ -155,9 +156,14 @@ class Setup:
         lowered = self.train_step(steps_per_execution).lower(
             self.state, self.abstract_batch(steps_per_execution)
         )
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=self.compiler_options)
         elapsed = time.perf_counter() - started
         return CompiledStep(self, compiled, steps_per_execution, elapsed)
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """XLA's options for this mesh's devices (compile-only GPUs: t5scale/xla_gpu.py)."""
+        return xla_gpu.compiler_options(self.mesh.devices.flat)
 
     def with_remat(self, policy: str) -> Setup:
         """The same setup with the layers' remat policy replaced (nothing else depends on it)."""
@@ -196,7 +202,8 @@ class Setup:
     def compiled_outer(self) -> CompiledStep:
         """The outer step compiled from abstract shapes (local SGD, DiLoCo)."""
         started = time.perf_counter()
-        compiled = self.outer_step.lower(self.state).compile()
+        lowered = self.outer_step.lower(self.state)
+        compiled = lowered.compile(compiler_options=self.compiler_options)
         return CompiledStep(self, compiled, 1, time.perf_counter() - started)
 
     @functools.cached_property
@@ -225,7 +232,8 @@ class Setup:
 
     def compile_state_init(self) -> None:
         """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-        self.form.initializer.lower(jax.random.key(self.run.train.seed)).compile()
+        lowered = self.form.initializer.lower(jax.random.key(self.run.train.seed))
+        lowered.compile(compiler_options=self.compiler_options)
 
 
 def _most_frugal(index: int) -> int:

@@ -1,0 +1,91 @@
+"""How JAX starts in a t5scale process where jax's CUDA plugin is installed but no GPU is.
+
+The `gpu` extra installs the plugin so that a laptop or a login node can compile for a GPU
+cluster it does not have (t5scale/xla_gpu.py). Left alone, the plugin then spoils every command
+on such a machine: JAX tries it first and prints a traceback ("Unable to load CUDA"), and
+importing jax prints an absl line per GPU library ("Could not find cuda drivers on your
+machine"). So, before jax is imported, and only where the plugin is installed:
+
+- without an NVIDIA driver (no libcuda.so.1) and without JAX_PLATFORMS set by the user,
+  JAX_PLATFORMS defaults to `cpu`: every command runs on the CPU as it does without the plugin,
+  and compile-only GPU devices still come from jax.experimental.topologies;
+- the absl lines the plugin's registration prints are dropped; anything else passes through.
+
+On a GPU machine, or with JAX_PLATFORMS set, nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import sys
+import tempfile
+
+# The lines jaxlib's CUDA stubs print when no driver is loaded (absl, before its log is set up).
+_STUB_LINES = ("cudart_stub.cc", "All log messages before absl::InitializeLog()")
+
+
+def cuda_plugin_installed() -> bool:
+    try:
+        return importlib.util.find_spec("jax_cuda12_plugin") is not None
+    except ValueError:  # imported as None: kept out on purpose
+        return False
+
+
+def nvidia_driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Run the body with file descriptor 2 captured (C++ writes there, not to sys.stderr);
+    the list it yields holds the captured lines afterwards."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines += captured.read().decode(errors="replace").splitlines(keepends=True)
+
+
+@contextlib.contextmanager
+def _without_stub_lines():
+    """Run the body; then print what it wrote to stderr, less the stubs' lines."""
+    with captured_stderr() as lines:
+        yield
+    sys.stderr.writelines(line for line in lines if not any(s in line for s in _STUB_LINES))
+    sys.stderr.flush()
+
+
+def start_jax() -> None:
+    """Import jax as the module docstring says (a no-op once jax is imported)."""
+    if "jax" in sys.modules or not cuda_plugin_installed():
+        return
+    driver = nvidia_driver_present()
+    if not driver and not os.environ.get("JAX_PLATFORMS"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    if driver:
+        return
+    with _without_stub_lines():
+        import jax  # noqa: F401
+        from jax._src import xla_bridge
+
+        # The stubs speak when the plugin is registered (once, before any backend starts, so
+        # CPU devices can still be configured after it). A private function: without it, the
+        # lines come later, and that is all.
+        register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+        if register is not None:
+            register()

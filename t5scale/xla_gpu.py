@@ -1,0 +1,126 @@
+"""Compiling for GPUs that are not here: XLA:GPU's own program, memory and schedule, deviceless.
+
+jax's CUDA plugin (the `gpu` extra) carries XLA's GPU compiler. Given a description of the GPU
+(a GpuTargetConfig, t5scale/gpu_targets/) it makes compile-only devices, `nodes` processes of
+`gpus_per_node` GPUs each (jax.experimental.topologies), and a step lowered over a mesh of them
+compiles as it would on the cluster, with nothing allocated and nothing run. The machine may
+have no GPU at all (JAX then runs on the CPU: t5scale/startup.py).
+
+What differs from compiling on the GPU itself (docs/cluster_model.md says more):
+- no autotuning: XLA picks GEMM algorithms and fusion tilings by its heuristics, not by timing
+  candidates on the card;
+- `xla_gpu_enable_triton_gemm=False`: GEMMs go to cuBLAS(Lt) custom calls. Triton's GEMM tile
+  choice needs the autotuner and fails without it ("Couldn't find output tile sizes"); on the
+  card XLA may choose a Triton GEMM for some products instead, with the same FLOPs and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import topologies
+
+from t5scale.errors import ConfigError
+from t5scale.startup import captured_stderr, cuda_plugin_installed
+
+TARGETS_DIR = Path(__file__).parent / "gpu_targets"
+INSTALL_HINT = "pip install 't5scale[gpu-compile]' (jax's CUDA 12 plugin, Linux only)"
+# What a t5scale job on GPUs compiles with: launch/xla_gpu_flags.sh sets these as XLA_FLAGS
+# (tests/test_launch.py checks that the two agree), so the compile-only program is the job's.
+LAUNCH_FLAGS: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 134217728,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+}
+# Each compile for compile-only GPU devices: the job's flags, and cuBLAS for every GEMM (the
+# module docstring says why).
+COMPILER_OPTIONS: dict[str, Any] = LAUNCH_FLAGS | {"xla_gpu_enable_triton_gemm": False}
+
+
+def target_names() -> list[str]:
+    return sorted(path.stem for path in TARGETS_DIR.glob("*.txtpb"))
+
+
+def target_text(target: str) -> str:
+    """The GpuTargetConfig text of `target`: a name in t5scale/gpu_targets/ or a file's path."""
+    path = TARGETS_DIR / f"{target}.txtpb"
+    if not path.exists():
+        path = Path(target)
+    if not path.is_file():
+        raise ConfigError(
+            f"GPU compile target {target!r}: neither one of {', '.join(target_names())} nor a "
+            "file (a GpuTargetConfig in protobuf text form)"
+        )
+    return path.read_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTopology:
+    """`nodes` processes × `gpus_per_node` GPUs of `target`, to compile for."""
+
+    target: str
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ConfigError(
+                f"a GPU topology needs >= 1 node and GPU, got {self.nodes} x {self.gpus_per_node}"
+            )
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def devices(self) -> list:
+        """The compile-only devices, process-major (device i is on process i // gpus_per_node)."""
+        return list(_topology(self.target, self.nodes, self.gpus_per_node).devices)
+
+
+@functools.cache
+def _topology(target: str, nodes: int, gpus_per_node: int):
+    if not cuda_plugin_installed():
+        raise ConfigError(f"compiling for GPUs needs jax's CUDA plugin: {INSTALL_HINT}")
+    text = target_text(target)
+    with captured_stderr() as said:  # XLA's parser says what is wrong on stderr
+        try:
+            return topologies.get_topology_desc(
+                platform="cuda", target_config=text, topology=f"{nodes}x1x{gpus_per_node}"
+            )
+        except jax.errors.JaxRuntimeError as error:
+            failure = error
+    where = [line.split("] ", 1)[-1].strip() for line in said if "text_format" in line]
+    reason = where[0] if where else str(failure).splitlines()[0]
+    raise ConfigError(
+        f"GPU compile target {target!r} is not a GpuTargetConfig XLA can read: {reason}"
+    )
+
+
+def is_compile_only_gpu(devices) -> bool:
+    """Whether `devices` are compile-only GPU devices (no backend of this process has them)."""
+    device = next(iter(devices))
+    return device.platform == "gpu" and device not in jax.devices()
+
+
+def compiler_options(devices) -> dict[str, Any]:
+    """The options of a compile for `devices` (COMPILER_OPTIONS on compile-only GPUs)."""
+    return dict(COMPILER_OPTIONS) if is_compile_only_gpu(devices) else {}
+
+
+def compiler_name(devices) -> str:
+    """The compiler that makes a program for `devices`, as plan and simulate report it."""
+    devices = list(devices)
+    if devices[0].platform != "gpu":
+        return f"xla:{devices[0].platform}"
+    nodes = len({device.process_index for device in devices})
+    per_node = len(devices) // nodes
+    return f"xla:gpu {devices[0].device_kind}, {nodes} node{'s' if nodes > 1 else ''} x {per_node}"
