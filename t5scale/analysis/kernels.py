@@ -1,0 +1,453 @@
+"""The kernels of a program XLA compiled for GPUs, per executed step, from its scheduled HLO text.
+
+`gpu_program(compiled.as_text())` reads what launches on the GPU and in which order:
+
+- kernels are the instructions of the ENTRY computation and of the computations it runs (`while`
+  bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
+  a fusion is one kernel. Parameters, tuples, get-tuple-element, bitcasts and constants launch
+  nothing, nor do the control instructions themselves;
+- loops multiply: a `while` body runs its known trip count per run of its caller. With a known
+  trip count XLA:GPU's WhileThunk never runs the condition, so its kernels are not counted; a
+  loop of unknown trip count has its body and condition counted once, and is noted;
+- classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention`
+  (cuDNN's fused attention, `__cudnn$fmha…`), `copy` (kernels that move data and compute
+  nothing: copy, transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made
+  only of those, index arithmetic on scalars aside; so layout changes, cuBLAS's operand padding
+  and the layer scans' stacking and unstacking, which XLA runs as dynamic-slice fusions, are
+  copies, while a fusion that also converts or adds is a `fusion`), `fusion` (every other
+  fusion, XLA's own or Triton's), `collective` and `other`;
+- bytes: what a kernel reads (its operands) and writes (its result), partial accesses at what
+  they touch: an operand that a fusion only slices reads the slices, the buffer that a
+  dynamic-update-slice updates in place reads nothing and writes the update (the layer scans
+  stack every layer's activations so). Libraries' scratch results (cuBLAS's and cuDNN's
+  `s8`/`u8` workspaces) are left out;
+- FLOPs: a GEMM's 2 × result elements × contracted size; fused attention 2 × B·N·T·S·H per
+  product, two products forward and five backward (the four gradient products and the scores
+  recomputed, as flash attention runs it);
+- collectives: an async `-start`/`-done` pair is one collective, counted at its start, with the
+  kernels scheduled between the two in the same computation: those it can hide behind. A pair
+  the scheduler left nothing between is marked `is_sync` by XLA and runs on the compute stream,
+  like a synchronous collective. XLA keeps both halves in one computation (its collective
+  pipeliner moves whole pairs out of loops), so a window never spans two iterations.
+
+Kernels of equal class, dtype, FLOPs and bytes are one `Kernel` record with the runs of all of
+them, so a program's JSON form stays small; collectives likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+from t5scale.analysis.collectives import CollectiveOp, format_bytes
+from t5scale.analysis.hlo import (
+    _ARRAY,
+    _NAME,
+    _OP_NAME,
+    Instruction,
+    Module,
+    _callees,
+    _done_types,
+    _dtype,
+    _name,
+    _result_bytes,
+    _tuple_elements,
+    collective_kind,
+    first_group,
+    moves_data,
+    parse_module,
+    shape_bytes,
+    trip_count,
+)
+from t5scale.analysis.jsonform import JsonRecord
+
+KERNEL_CLASSES = ("gemm", "attention", "fusion", "copy", "other")
+CLASSES = (*KERNEL_CLASSES, "collective")
+
+# Instructions that launch no kernel of their own (control flow runs the computations it calls).
+_LAUNCH_NOTHING = frozenset(
+    "parameter get-tuple-element tuple bitcast constant after-all add-dependency opt-barrier "
+    "domain while call conditional async-start async-update async-done".split()
+)
+# Instructions that only move data (a fusion of only these, scalars aside, is a copy).
+_DATA_MOVES = frozenset(
+    "parameter constant bitcast reshape copy transpose slice dynamic-slice dynamic-update-slice "
+    "pad concatenate tuple copy-start".split()
+)
+_SCRATCH = ("s8", "u8")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
+_SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
+_IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
+_DEVICES = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel(JsonRecord):
+    """Kernels of one class, dtype, FLOPs and bytes (each run's), and how often they run per
+    step, all of them together."""
+
+    kind: str  # one of KERNEL_CLASSES
+    runs: int
+    flops: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    dtype: str | None = None  # GEMMs and attention: their operands' element type, e.g. bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective(JsonRecord):
+    """Collectives alike: `op` (its count: runs per step), whether it runs on the compute stream,
+    and the kernels scheduled between its start and done: (index into GpuProgram.kernels, runs
+    per run of the collective)."""
+
+    op: CollectiveOp
+    synchronous: bool
+    overlapped: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassTotal(JsonRecord):
+    """One class's kernels per step: launches, bytes read and written, FLOPs."""
+
+    count: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flops: float = 0.0
+
+    def plus(self, count: int, read: float, written: float, flops: float) -> ClassTotal:
+        return ClassTotal(
+            self.count + count,
+            self.bytes_read + int(read),
+            self.bytes_written + int(written),
+            self.flops + flops,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInventory(JsonRecord):
+    """A step's kernels by class (module docstring), loops multiplied out."""
+
+    gemm: ClassTotal
+    attention: ClassTotal
+    fusion: ClassTotal
+    copy: ClassTotal
+    collective: ClassTotal  # bytes: operands read, results written, per device
+    other: ClassTotal
+    unknown_trip_count_loops: int = 0
+
+    @property
+    def kernels(self) -> int:
+        return sum(getattr(self, kind).count for kind in CLASSES)
+
+    def summary(self) -> str:
+        """One line per class: launches, bytes read and written, FLOPs where there are any."""
+        lines = []
+        for kind in CLASSES:
+            total = getattr(self, kind)
+            line = (
+                f"{kind:<10} {total.count:>7}×  read {format_bytes(total.bytes_read):>10}"
+                f"  written {format_bytes(total.bytes_written):>10}"
+            )
+            lines.append(line + (f"  {total.flops:.4g} FLOP" if total.flops else ""))
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProgram(JsonRecord):
+    """What timing a compiled GPU step needs: its kernels and its collectives, per step."""
+
+    devices: int  # the devices the program spans (partitions × replicas)
+    kernels: tuple[Kernel, ...]
+    collectives: tuple[ScheduledCollective, ...]
+    unknown_trip_count_loops: int = 0
+
+    @property
+    def inventory(self) -> KernelInventory:
+        totals = dict.fromkeys(CLASSES, ClassTotal())
+        for kernel in self.kernels:
+            runs = kernel.runs
+            totals[kernel.kind] = totals[kernel.kind].plus(
+                runs, runs * kernel.bytes_read, runs * kernel.bytes_written, runs * kernel.flops
+            )
+        for collective in self.collectives:
+            op = collective.op
+            totals["collective"] = totals["collective"].plus(
+                op.count, op.count * op.operand_bytes, op.count * op.bytes, 0.0
+            )
+        return KernelInventory(**totals, unknown_trip_count_loops=self.unknown_trip_count_loops)
+
+
+def gpu_program(hlo_text: str) -> GpuProgram:
+    """The kernels and collectives of a compiled XLA:GPU program (module docstring)."""
+    module = parse_module(hlo_text)
+    header = hlo_text[: hlo_text.find("\n")]
+    devices = math.prod(int(count) for _, count in _DEVICES.findall(header))
+    if module.entry is None:
+        return GpuProgram(devices, (), ())
+    reader = _Reader(module)
+    runs = reader.contents(module.entry)
+    kept = [index for index, _ in enumerate(reader.signatures) if runs[index]]
+    renumber = {old: new for new, old in enumerate(kept)}
+    kernels = tuple(
+        dataclasses.replace(reader.signatures[index], runs=runs[index]) for index in kept
+    )
+    collectives = tuple(
+        ScheduledCollective(
+            dataclasses.replace(collective.op, count=count),
+            collective.synchronous,
+            tuple((renumber[index], n) for index, n in collective.overlapped),
+        )
+        for collective, count in reader.collectives(module.entry).items()
+        if count
+    )
+    return GpuProgram(devices, kernels, collectives, len(reader.unknown_loops))
+
+
+def _elements(type_text: str) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype, dimensions) of the first array in a type."""
+    found = _ARRAY.search(type_text)
+    if not found:
+        return None
+    dims = found.group(2).split(",")
+    return found.group(1), tuple(int(d.strip().removeprefix("<=")) for d in dims if d.strip())
+
+
+def _scalar(type_text: str) -> bool:
+    shape = _elements(type_text)
+    return shape is not None and not shape[1]
+
+
+def _numbers(listed: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", listed)]
+
+
+class _Reader:
+    """Reads kernels and collectives computation by computation, each run once (memoised)."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        self.done_types = _done_types(module)
+        self.signatures: list[Kernel] = []  # runs=0; the index is the kernel's identity
+        self.index: dict[Kernel, int] = {}
+        self.unknown_loops: set[str] = set()
+        self._contents: dict[str, Counter[int]] = {}
+        self._collectives: dict[str, Counter[ScheduledCollective]] = {}
+
+    # -- one instruction ------------------------------------------------------------------
+
+    def type_of(self, operand: str) -> str:
+        """An operand's type: printed before its name, else its instruction's result type."""
+        operand = re.sub(r"/\*.*?\*/", "", operand).strip()
+        inline, _, _ = operand.rpartition(" ")
+        return inline if inline else self.module.types.get(_name(operand), "")
+
+    def operand_bytes(self, instruction: Instruction) -> int:
+        return sum(shape_bytes(self.type_of(operand)) for operand in instruction.operands)
+
+    def called(self, instruction: Instruction) -> list[Instruction]:
+        found = re.search(r"\bcalls=" + _NAME, instruction.attributes)
+        return self.module.computations.get(found.group(1), []) if found else []
+
+    def kernel(self, instruction: Instruction) -> int | None:
+        """The index of the kernel this instruction launches, None if it launches none."""
+        opcode = instruction.opcode
+        if opcode in _LAUNCH_NOTHING or opcode.endswith("-done") or collective_kind(opcode):
+            return None
+        signature = self.signature(instruction)
+        if signature not in self.index:
+            self.index[signature] = len(self.signatures)
+            self.signatures.append(signature)
+        return self.index[signature]
+
+    def signature(self, instruction: Instruction) -> Kernel:
+        """The kernel an instruction launches (module docstring), its runs left at 0."""
+        opcode, attributes = instruction.opcode, instruction.attributes
+        result = instruction.result_type
+        read, written = self.operand_bytes(instruction), shape_bytes(result)
+        first = self.type_of(instruction.operands[0]) if instruction.operands else ""
+        if opcode == "custom-call":
+            target = found.group(1) if (found := _TARGET.search(attributes)) else ""
+            outputs = _tuple_elements(result)
+            if target.startswith("__cublas"):
+                flops = _gemm_flops(first, outputs[0], _CONTRACTING.search(attributes))
+                return Kernel("gemm", 0, flops, read, shape_bytes(outputs[0]), _dtype(first))
+            written = sum(shape_bytes(o) for o in outputs if _dtype(o) not in _SCRATCH)
+            if "fmha" in target:
+                flops = _attention_flops(first, attributes, "Backward" in target)
+                return Kernel("attention", 0, flops, read, written, _dtype(first))
+            return Kernel("other", 0, 0.0, read, written)
+        if opcode == "dot":
+            flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
+            return Kernel("gemm", 0, flops, read, written, _dtype(first))
+        if opcode == "fusion":
+            body = self.called(instruction)
+            read, written = self.fusion_bytes(instruction, body)
+            if dots := [inner for inner in body if inner.opcode == "dot"]:
+                flops = sum(self.signature(dot).flops for dot in dots)
+                return Kernel("gemm", 0, flops, read, written, self.signature(dots[0]).dtype)
+            # Scalars inside are index arithmetic; a scalar result is a computed value.
+            moves_only = (
+                bool(body)
+                and not _scalar(result)
+                and all(inner.opcode in _DATA_MOVES or _scalar(inner.result_type) for inner in body)
+            )
+            return Kernel("copy" if moves_only else "fusion", 0, 0.0, read, written)
+        if opcode == "dynamic-update-slice":  # in place: the update is read and written
+            update = shape_bytes(self.type_of(instruction.operands[1]))
+            return Kernel("copy", 0, 0.0, update, update)
+        if opcode in ("slice", "dynamic-slice"):
+            return Kernel("copy", 0, 0.0, written, written)
+        if opcode == "copy-start":  # (destination, source, context): the source is copied
+            return Kernel("copy", 0, 0.0, read, read)
+        if opcode in _DATA_MOVES:
+            return Kernel("copy", 0, 0.0, read, written)
+        return Kernel("other", 0, 0.0, read, written)
+
+    def fusion_bytes(self, fusion: Instruction, body: list[Instruction]) -> tuple[int, int]:
+        """Bytes a fusion reads and writes, partial reads and in-place updates as such."""
+        users: dict[str, list[tuple[Instruction, int]]] = {}
+        for inner in body:
+            for position, operand in enumerate(inner.operands):
+                users.setdefault(_name(operand), []).append((inner, position))
+
+        def touched(name: str) -> int | None:
+            """Bytes read of a value that is only sliced or updated in place; None: all."""
+            total = 0
+            for user, position in users.get(name, []):
+                if user.opcode == "bitcast" and (through := touched(user.name)) is not None:
+                    total += through
+                elif user.opcode in ("slice", "dynamic-slice") and position == 0:
+                    total += shape_bytes(user.result_type)
+                elif not (user.opcode == "dynamic-update-slice" and position == 0):
+                    return None
+            return total
+
+        parameters = {i.operands[0]: i for i in body if i.opcode == "parameter" and i.operands}
+        read = 0
+        for position, operand in enumerate(fusion.operands):
+            full = shape_bytes(self.type_of(operand))
+            parameter = parameters.get(str(position))
+            part = touched(parameter.name) if parameter is not None else None
+            read += full if part is None else min(full, part)
+        if not body:
+            return read, shape_bytes(fusion.result_type)
+        local = {inner.name: inner for inner in body}
+        root = body[-1]
+        outputs = [local.get(_name(o)) for o in root.operands] if root.opcode == "tuple" else [root]
+        written = 0
+        for output in outputs:
+            while output is not None and output.opcode == "bitcast":
+                output = local.get(_name(output.operands[0]))
+            if output is None:
+                continue
+            if output.opcode == "dynamic-update-slice":
+                written += shape_bytes(self.type_of(output.operands[1]))
+            else:
+                written += shape_bytes(output.result_type)
+        return read, written
+
+    def collective(self, instruction: Instruction, computation: str) -> CollectiveOp | None:
+        kind = collective_kind(instruction.opcode)
+        if kind is None or not moves_data(instruction):
+            return None
+        size = _result_bytes(instruction, self.done_types)
+        group = first_group(instruction.attributes)
+        return CollectiveOp(kind, 1, size, self.operand_bytes(instruction), group, computation)
+
+    def runs(self, instruction: Instruction) -> list[tuple[str, int, tuple[int, str] | None]]:
+        """(callee, runs per run of the caller, (trips, op_name) of a loop body) of the
+        computations whose kernels this instruction launches."""
+        if instruction.opcode == "while":
+            body = re.search(r"\bbody=" + _NAME, instruction.attributes)
+            condition = re.search(r"\bcondition=" + _NAME, instruction.attributes)
+            trips = trip_count(instruction)
+            if trips is None:
+                self.unknown_loops.add(instruction.name)
+                return [(found.group(1), 1, None) for found in (body, condition) if found]
+            op_name = _OP_NAME.search(instruction.attributes)
+            loop = (trips, op_name.group(1) if op_name else "")
+            return [(body.group(1), trips, loop)] if body else []
+        if instruction.opcode in ("call", "conditional", "async-start"):
+            return [(callee, 1, None) for callee in _callees(instruction)]
+        return []
+
+    # -- one computation --------------------------------------------------------------------
+
+    def launched(self, instruction: Instruction) -> Counter[int]:
+        """Kernels one run of this instruction launches, those of the loops it runs included."""
+        if (index := self.kernel(instruction)) is not None:
+            return Counter({index: 1})
+        total: Counter[int] = Counter()
+        for callee, runs, _ in self.runs(instruction):
+            for index, count in self.contents(callee).items():
+                total[index] += runs * count
+        return total
+
+    def contents(self, computation: str) -> Counter[int]:
+        """Kernels one run of `computation` launches."""
+        if computation not in self._contents:
+            self._contents[computation] = Counter()  # guards against bad input only
+            total: Counter[int] = Counter()
+            for instruction in self.module.computations.get(computation, []):
+                total.update(self.launched(instruction))
+            self._contents[computation] = total
+        return self._contents[computation]
+
+    def collectives(self, computation: str) -> Counter[ScheduledCollective]:
+        """Collectives one run of `computation` runs, loops relative to it."""
+        if computation in self._collectives:
+            return self._collectives[computation]
+        self._collectives[computation] = Counter()
+        body = self.module.computations.get(computation, [])
+        launched = [self.launched(instruction) for instruction in body]
+        done_at = {
+            _name(instruction.operands[0]): position
+            for position, instruction in enumerate(body)
+            if instruction.opcode.endswith("-done") and instruction.operands
+        }
+        found: Counter[ScheduledCollective] = Counter()
+        for position, instruction in enumerate(body):
+            if (op := self.collective(instruction, computation)) is not None:
+                between: Counter[int] = Counter()
+                for launches in launched[position + 1 : done_at.get(instruction.name, position)]:
+                    between.update(launches)
+                synchronous = not instruction.opcode.endswith("-start") or bool(
+                    _IS_SYNC.search(instruction.attributes)
+                )
+                found[ScheduledCollective(op, synchronous, tuple(sorted(between.items())))] += 1
+            for callee, runs, loop in self.runs(instruction):
+                for collective, count in self.collectives(callee).items():
+                    if loop is not None:
+                        collective = _inside_loop(collective, *loop)
+                    found[collective] += runs * count
+        self._collectives[computation] = found
+        return found
+
+
+def _inside_loop(collective: ScheduledCollective, trips: int, name: str) -> ScheduledCollective:
+    op = collective.op
+    inside = dataclasses.replace(op, loops=(trips, *op.loops), loop_names=(name, *op.loop_names))
+    return dataclasses.replace(collective, op=inside)
+
+
+def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:
+    """2 × result elements × the product of the left operand's contracted dimensions."""
+    lhs_shape, out_shape = _elements(lhs), _elements(out)
+    if not (lhs_shape and out_shape and contracting):
+        return 0.0
+    contracted = math.prod(lhs_shape[1][d] for d in _numbers(contracting.group(1)))
+    return 2.0 * math.prod(out_shape[1]) * contracted
+
+
+def _attention_flops(query: str, attributes: str, backward: bool) -> float:
+    """Fused attention: per product 2·B·N·T·S·H, the scores' B·N·T·S from cuDNN's backend
+    config and H the query's last dimension; two products forward, five backward."""
+    scores, shape = _SCORES.search(attributes), _elements(query)
+    if not (scores and shape):
+        return 0.0
+    per_product = 2.0 * math.prod(_numbers(scores.group(1))) * shape[1][-1]
+    return per_product * (5 if backward else 2)
