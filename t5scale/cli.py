@@ -206,7 +206,8 @@ def study_command(call: Invocation) -> None:
     """The grid's trials each run in a process of their own: this one starts no device."""
     parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
     study = build_study_config()
-    summary = run_study(study, operative_config())
+    # a cluster file: the compile-only rounds compile for its GPUs (XLA's GPU compiler)
+    summary = run_study(study, operative_config(), cluster=build_cluster_config())
     print(
         f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
         f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"

@@ -86,10 +86,15 @@ class GpuTopology:
         return list(_topology(self.target, self.nodes, self.gpus_per_node).devices)
 
 
-@functools.cache
-def _topology(target: str, nodes: int, gpus_per_node: int):
+def require_plugin() -> None:
+    """A ConfigError that names the install command where jax's CUDA plugin is missing."""
     if not cuda_plugin_installed():
         raise ConfigError(f"compiling for GPUs needs jax's CUDA plugin: {INSTALL_HINT}")
+
+
+@functools.cache
+def _topology(target: str, nodes: int, gpus_per_node: int):
+    require_plugin()
     text = target_text(target)
     with captured_stderr() as said:  # XLA's parser says what is wrong on stderr
         try:

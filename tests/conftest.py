@@ -8,6 +8,7 @@ each session, so each program is still compiled once per run of the suite.
 """
 
 import functools
+import importlib
 import os
 import socket
 import subprocess
@@ -21,6 +22,9 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"t5scale-tests-{_session}")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# t5scale before jax: where jax's CUDA plugin is installed, JAX then starts quietly on the CPU.
+importlib.import_module("t5scale")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -18,6 +18,7 @@ from t5scale.analysis.jsonform import JsonRecord, fields_to_json, written_when_n
 from t5scale.analysis.records import StepAnalysis
 from t5scale.study.config import RENAMED_POINT_FIELDS, Point
 from t5scale.study.evidence import Interval, Measurement, TimingRule
+from t5scale.xla_gpu import GpuTopology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,9 @@ class TrialSpec(JsonRecord):
     extra_bindings: tuple[str, ...] = ()
     tensorboard_dir: str | None = None  # timed trials: one TensorBoard run each
     profile_dir: str | None = None
+    # A compile trial for a cluster's GPUs (XLA's GPU compiler, t5scale/xla_gpu.py) rather
+    # than for the devices at hand.
+    compile_for: GpuTopology | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

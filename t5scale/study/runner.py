@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from t5scale.analysis.memory import cpu_memory_budget
+from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.errors import ConfigError
 from t5scale.study import funnel, funnel_report
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.evidence import TimingRule
 from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
 from t5scale.study.trial import run_spec, run_trial
+from t5scale.xla_gpu import require_plugin
 
 
 class Results:
@@ -78,9 +80,19 @@ def _print(line: str) -> None:
 
 
 def run_study(
-    config: StudyConfig, gin_config: str = "", show: Callable[[str], None] = _print
+    config: StudyConfig,
+    gin_config: str = "",
+    show: Callable[[str], None] = _print,
+    cluster: ClusterConfig | None = None,
 ) -> dict[str, Any]:
-    """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows."""
+    """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows.
+    With a `cluster` that names its GPU's compile target, the compile-only rounds compile for
+    that many of its GPUs (XLA's GPU compiler, its device memory as the budget); the timed
+    rounds run on the devices at hand."""
+    if cluster is not None:
+        for devices in config.devices:
+            cluster.topology(devices)  # whole nodes, a known target (ConfigError otherwise)
+        require_plugin()
     study_dir = Path(config.study_dir)
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +110,10 @@ def run_study(
     configurations = config.configurations()
     devices = sorted(config.devices)
     progress = Progress(_planned(len(configurations), devices, config), show)
-    runner = _TrialRunner(config, study_dir, results, machine, progress)
+    runner = _TrialRunner(config, study_dir, results, machine, progress, cluster)
+    if cluster is not None:
+        show(f"compile-only rounds: XLA's GPU compiler for {cluster.name}'s GPUs "
+             f"({cluster.compile_target}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
     found = funnel.search(
         configurations,
         devices,
@@ -164,10 +179,10 @@ class _TrialRunner:
 
     def __init__(
         self, config: StudyConfig, study_dir: Path, results: Results, machine: Machine,
-        progress: Progress,
+        progress: Progress, cluster: ClusterConfig | None = None,
     ):  # fmt: skip
         self.config, self.study_dir, self.results = config, study_dir, results
-        self.machine, self.progress = machine, progress
+        self.machine, self.progress, self.cluster = machine, progress, cluster
         self.min_samples = 0
         # numbered after every trial this study dir has seen, so that no log is overwritten
         self.counter = len(list((study_dir / "trials").glob("0*.spec.json")))
@@ -193,6 +208,12 @@ class _TrialRunner:
     def spec(self, point: Point, kind: str, repeat: int = 0) -> TrialSpec:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
+        if kind == "compile" and self.cluster is not None:
+            return TrialSpec(
+                kind=kind, point=point, extra_bindings=study.extra_bindings,
+                memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
+                compile_for=self.cluster.topology(point.devices),
+            )  # fmt: skip
         return TrialSpec(
             kind=kind,
             point=point,

@@ -142,6 +142,8 @@ def _point_run(spec: TrialSpec):
 def _trial(spec: TrialSpec) -> TrialResult:
     """Compile the point; if it fits and the trial is timed, time it."""
     point, run = _point_run(spec)
+    if spec.compile_for is not None:
+        return _compile_for_gpus(spec, run)
     if point.devices > jax.device_count():
         return TrialResult(
             status="crash", error=f"{point.devices} devices asked, {jax.device_count()} here"
@@ -158,6 +160,21 @@ def _trial(spec: TrialSpec) -> TrialResult:
         step.setup.compile_state_init()  # cached for the timed trial of this point, if any
         return dataclasses.replace(result, program_fingerprint=fingerprint)
     return _time(spec, step, result)
+
+
+def _compile_for_gpus(spec: TrialSpec, run) -> TrialResult:
+    """A compile trial for the cluster's GPUs: ZeRO across its nodes where one replica spans
+    them, as the planner and the simulator lay it out (t5scale/study/weak_scaling.py)."""
+    topology = spec.compile_for
+    if topology.nodes > 1:
+        across = run.parallel.replica in (None, 1)
+        parallel = dataclasses.replace(run.parallel, zero_across_hosts=across)
+        run = dataclasses.replace(run, parallel=parallel)
+    step, result = _compile(run, topology.devices(), spec.memory_budget_bytes)
+    if result.status != "ok":
+        return result
+    fingerprint = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
+    return dataclasses.replace(result, program_fingerprint=fingerprint)
 
 
 def _compile(run, devices, budget: int | None) -> tuple[Any, TrialResult]:

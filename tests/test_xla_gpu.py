@@ -1,0 +1,175 @@
+"""Compiling for H100s on this GPU-less machine (t5scale/xla_gpu.py): XLA:GPU's own programs of
+mt5_tiny-sized steps on one GPU and on 2 nodes × 8, every ZeRO stage, fp32 and mixed; what
+plan and simulate make of them; bad input on the new settings.
+
+jax's CUDA plugin comes with the test extra. The programs are compiled once per module (each
+takes 10–20 s: XLA's GPU pipeline and ptxas for ~200 kernels) and nothing is ever run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from conftest import REPO, run_cli
+
+from t5scale.config import build_cluster_config, build_run_config, parse_gin
+from t5scale.study.weak_scaling import WeakScaling
+from t5scale.train.setup import build_setup
+from t5scale.xla_gpu import COMPILER_OPTIONS, GpuTopology, compiler_name, is_compile_only_gpu
+
+H100 = "NVIDIA H100 80GB HBM3"
+SHORT = ["INPUT_LENGTH=64", "TARGET_LENGTH=16"]
+# What each stage's gradients and parameters do on the wire (docs/concepts.md's table): the
+# kinds that move more than the loss and the norms (a few KiB; mt5_tiny's gradients: 1.4 MiB).
+SCALARS = 16 * 1024
+STAGE_COLLECTIVES = {
+    0: {"all-reduce"},
+    1: {"all-reduce", "all-gather"},
+    2: {"reduce-scatter", "all-gather"},
+    3: {"reduce-scatter", "all-gather"},
+}
+
+
+def compile_for(topology: GpuTopology, stage: int, precision: str):
+    """mt5_tiny at `stage` on `topology`'s GPUs, batch 2 per GPU, compiled (not run)."""
+    parse_gin(["gin/models/mt5_tiny.gin", f"gin/precision/{precision}.gin"], SHORT, [])
+    scaling = WeakScaling(stage, topology.size, 2, hosts=topology.nodes)
+    return build_setup(scaling.run(build_run_config()), topology.devices()).compile()
+
+
+@pytest.fixture(scope="module", params=["fp32", "mixed"])
+def two_nodes(request):
+    """Stages 0–3 on 2 nodes × 8 H100s, and how many arrays were alive around the compiles."""
+    alive = len(jax.live_arrays())
+    topology = GpuTopology("h100_sxm", nodes=2, gpus_per_node=8)
+    steps = {stage: compile_for(topology, stage, request.param) for stage in range(4)}
+    return request.param, steps, alive, len(jax.live_arrays())
+
+
+def test_each_stage_compiles_for_two_h100_nodes_with_its_shards_and_collectives(two_nodes):
+    precision, steps, _, _ = two_nodes
+    arguments = {}
+    for stage, step in steps.items():
+        analysis = step.analysis
+        assert analysis.compiler == f"xla:gpu {H100}, 2 nodes x 8"
+        assert analysis.backend == "gpu"
+        assert analysis.precision.mode == {"fp32": "float32", "mixed": "mixed"}[precision]
+        memory = analysis.memory_per_device
+        assert memory.argument_bytes > 0 and memory.temp_bytes > 0
+        # The stage's shards in XLA:GPU's own argument bytes: its model state is the formula's.
+        state = analysis.model_state_per_device
+        formula = state.zero_formula_bytes
+        from_xla = state.xla_parameters_and_optimizer_bytes + state.gradient_bytes
+        assert abs(from_xla - formula.total) <= 0.02 * formula.total, (stage, from_xla, formula)
+        arguments[stage] = memory.argument_bytes
+        # The stage's collectives, each one an async pair on the GPU.
+        big = {
+            kind for kind, total in analysis.collectives.by_kind.items() if total.bytes > SCALARS
+        }
+        assert big == STAGE_COLLECTIVES[stage], (stage, analysis.collectives.by_kind)
+        text = step.compiled.as_text()
+        for kind in big:
+            assert f"{kind}-start" in text or f"{kind}-done" in text, (stage, kind)
+    # Optimizer state (stage 1), then parameters too (stage 3) leave each GPU's arguments.
+    assert arguments[0] > 2 * arguments[1]
+    assert arguments[1] > 2 * arguments[3]
+
+
+def test_nothing_is_allocated_or_run_for_compile_only_gpus(two_nodes):
+    _, steps, alive_before, alive_after = two_nodes
+    assert alive_after == alive_before
+    devices = steps[0].setup.mesh.devices.flat
+    assert is_compile_only_gpu(devices) and jax.default_backend() == "cpu"
+    assert steps[0].setup.compiler_options == COMPILER_OPTIONS
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_one_h100_program(precision):
+    step = compile_for(GpuTopology("h100_sxm"), 0, precision)
+    analysis = step.analysis
+    assert analysis.compiler == f"xla:gpu {H100}, 1 node x 1"
+    assert analysis.memory_per_device.temp_bytes > 0
+    assert not analysis.collective_ops  # one GPU: nothing to exchange
+    assert "__cublas$" in step.compiled.as_text()  # GEMMs by cuBLAS, not Triton (no autotuner)
+
+
+def test_plan_with_a_cluster_file_compiles_for_its_gpus():
+    done = run_cli(
+        "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/precision/mixed.gin",
+        "--gin_file=gin/clusters/h100.gin", "--gin.DEVICES=16", "--gin.PlanConfig.stages=[3]",
+        *(f"--gin.{binding}" for binding in SHORT), "--gin.PlanConfig.micro_batch_size=2", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["compiler"] == f"xla:gpu {H100}, 2 nodes x 8"
+    assert plan["device_memory_gb"] == 80
+    (three,) = plan["stages"]
+    assert three["stage"] == 3 and three["xla_memory_per_device"]["temp_bytes"] > 0
+    assert three["mesh"] == {"replica": 1, "zero": 16, "tensor": 1}
+
+
+def test_cluster_topologies_are_whole_nodes():
+    parse_gin(["gin/clusters/a100.gin"], [], [])
+    cluster = build_cluster_config()
+    assert (
+        compiler_name(cluster.topology(4).devices()) == "xla:gpu NVIDIA A100-SXM4-80GB, 1 node x 4"
+    )
+    assert cluster.topology(24).nodes == 3
+    from t5scale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="12 GPUs are not whole nodes of 8"):
+        cluster.topology(12)
+
+
+def test_a_malformed_gpu_target_is_one_line_and_exit_2(tmp_path):
+    target = tmp_path / "h100.txtpb"
+    target.write_text("gpu_device_info {\n  core_count: 132\n  cores: 1\n}\n")
+    done = run_cli(
+        "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/h100.gin",
+        f"--gin.ClusterConfig.compile_target='{target}'", "--gin.DEVICES=8",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"t5scale: error: GPU compile target '{target}' is not a GpuTargetConfig XLA can read: "
+        "Error parsing text-format stream_executor.GpuTargetConfigProto: 3:8: Message type "
+        '"stream_executor.GpuDeviceInfoProto" has no field named "cores".'
+    ]
+
+
+def test_without_the_plugin_a_gpu_compile_names_the_install_command(tmp_path):
+    """A Python whose packages are this one's but for jax's CUDA plugin, as on a machine that
+    lacks it (site-packages linked entry by entry, the plugin's left out)."""
+    site = Path(jax.__file__).parents[1]
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(("jax_plugins", "jax_cuda12_")):
+            (packages / entry.name).symlink_to(entry)
+    # -S: no site-packages but these; the command in this process (its child would have them)
+    env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{packages}", "T5SCALE_COMMAND_CHILD": "1"}
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "t5scale.cli", "plan", "--gin_file=gin/models/mt5_tiny.gin",
+         "--gin_file=gin/clusters/h100.gin"],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "t5scale: error: compiling for GPUs needs jax's CUDA plugin: "
+        "pip install 't5scale[gpu-compile]' (jax's CUDA 12 plugin, Linux only)"
+    ]
+
+
+def test_with_the_plugin_and_no_gpu_jax_starts_on_the_cpu_quietly():
+    """No JAX_PLATFORMS given: the plugin would print a traceback and absl lines."""
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    code = "import t5scale, jax; print(jax.devices()[0].platform)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "cpu"
+    assert done.stderr == ""
