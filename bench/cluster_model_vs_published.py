@@ -29,7 +29,8 @@ from t5scale import xla_cpu  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(512)
 
-from t5scale.cluster_model.step_time import predict  # noqa: E402
+from t5scale.cluster_model.gpu_step import predict_program  # noqa: E402
+from t5scale.cluster_model.step_time import predict, predict_from_program  # noqa: E402
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
 from t5scale.study.simulate import step_analysis  # noqa: E402
 
@@ -92,8 +93,22 @@ OWN_H100_STEPS = [("mt5_small", "none", 0.114), ("mt5_base", "full", 0.254),
                   ("mt5_large", "full", 0.672)]  # fmt: skip
 
 
-def calibrate() -> None:
-    """The roofline fraction each own H100 step implies, and their geometric mean."""
+def analysis_for(run, cluster, stage: int, gpus: int, per_rank: int, tensor: int, path: str):
+    """The step compiled by XLA's CPU compiler on emulated devices, or by its GPU compiler for
+    the cluster's GPUs (cached by simulate)."""
+    topology = cluster.topology(gpus) if path == "gpu" else None
+    return step_analysis(run, stage, gpus, per_rank, tensor, topology=topology)
+
+
+def predict_on(path: str, analysis, model, cluster, overlap: bool = True):
+    if path == "gpu":
+        return predict_from_program(analysis, model, cluster, overlap)
+    return predict(analysis, model, cluster, overlap)
+
+
+def calibrate(path: str) -> None:
+    """The roofline fraction each own H100 step implies, and their geometric mean. The GPU
+    path's roofline is each kernel's; its launches are not scaled."""
     fractions = []
     for preset, remat, measured in OWN_H100_STEPS:
         parse_gin([f"gin/models/{preset}.gin", "gin/clusters/h100.gin"],
@@ -101,14 +116,18 @@ def calibrate() -> None:
                    f"ModelConfig.remat='{remat}'", "PrecisionConfig.mode='float32'",
                    "ClusterConfig.roofline_fraction=1.0"])  # fmt: skip
         run, cluster = build_run_config(), build_study_config("cluster")
-        predicted = predict(step_analysis(run, 0, 1, 32), run.model, cluster)
-        fraction = predicted.compute_s / (measured - predicted.update_s)
+        analysis = analysis_for(run, cluster, 0, 1, 32, 1, path)
+        predicted = predict_on(path, analysis, run.model, cluster)
+        fixed = predicted.update_s
+        if path == "gpu":
+            fixed = predict_program(analysis.gpu_program, cluster, 1).launch_s
+        fraction = (predicted.compute_s + predicted.update_s - fixed) / (measured - fixed)
         fractions.append(fraction)
-        print(f"{preset} (remat {remat}): measured {measured:.3f} s, roofline compute "
-              f"{predicted.compute_s:.3f} s + update {predicted.update_s:.4f} s: "
+        print(f"{preset} (remat {remat}), {path} path: measured {measured:.3f} s, roofline "
+              f"compute {predicted.compute_s:.3f} s + update {predicted.update_s:.4f} s: "
               f"fraction {fraction:.3f}", flush=True)  # fmt: skip
     mean = math.exp(statistics.fmean(math.log(f) for f in fractions))
-    print(f"roofline_fraction = {mean:.2f} (geometric mean of {len(fractions)})")
+    print(f"{path} path: fraction {mean:.2f} (geometric mean of {len(fractions)})")
 
 
 def run_for(row: Published):
@@ -124,8 +143,13 @@ def run_for(row: Published):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="fit roofline_fraction only")
-    if parser.parse_args().calibrate:
-        calibrate()
+    parser.add_argument(
+        "--compiler", choices=("cpu", "gpu"), default="cpu",
+        help="the CPU path (emulated devices) or the GPU path (XLA:GPU's program; gpu-compile)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.calibrate:
+        calibrate(args.compiler)
         return
     lines = [
         "| source | model | GPUs | TP | batch/rank × accumulation | published seq/s | "
@@ -137,9 +161,11 @@ def main() -> None:
     started = time.perf_counter()
     for row in ROWS:
         run, cluster = run_for(row)
-        analysis = step_analysis(run, row.stage, row.gpus, row.per_rank, row.tensor)
-        model = predict(analysis, run.model, cluster, overlap=True)
-        bound = predict(analysis, run.model, cluster, overlap=False)
+        analysis = analysis_for(
+            run, cluster, row.stage, row.gpus, row.per_rank, row.tensor, args.compiler
+        )
+        model = predict_on(args.compiler, analysis, run.model, cluster, overlap=True)
+        bound = predict_on(args.compiler, analysis, run.model, cluster, overlap=False)
         error = model.sequences_per_s / row.sequences_per_s - 1
         errors.setdefault(row.source, []).append(error)
         source = "t5x" if row.source == T5X else "NeMo"
@@ -160,7 +186,9 @@ def main() -> None:
                      f"({len(found)}) | {100 * statistics.median(magnitudes):.0f}% | "
                      f"{100 * max(magnitudes):.0f}% |")  # fmt: skip
     print("\n".join(lines))
-    print(f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print(
+        f"{args.compiler} path, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True
+    )
 
 
 if __name__ == "__main__":

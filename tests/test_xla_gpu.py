@@ -7,6 +7,7 @@ takes 10–20 s: XLA's GPU pipeline and ptxas for ~200 kernels) and nothing is e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -173,3 +174,54 @@ def test_with_the_plugin_and_no_gpu_jax_starts_on_the_cpu_quietly():
     )
     assert done.returncode == 0 and done.stdout.strip() == "cpu"
     assert done.stderr == ""
+
+
+def test_simulate_times_the_gpu_program_and_says_so():
+    from t5scale.cluster_model.step_time import predict_from_program
+    from t5scale.study.simulate import SimulateConfig, simulate
+
+    parse_gin(["gin/models/mt5_tiny.gin", "gin/clusters/h100.gin"], SHORT, [])
+    run, cluster = build_run_config(), build_cluster_config()
+    config = SimulateConfig(nodes=(2,), stages=(3,), micro_batch_size=2, compiler="gpu")
+    result = simulate(run, cluster, config, show=lambda _: None)
+    assert result.path == "gpu" and result.to_json()["path"] == "gpu"
+    (row,) = result.rows
+    assert row.analysis.compiler == f"xla:gpu {H100}, 2 nodes x 8"
+    predicted = row.prediction
+    # Stage 3's traffic as XLA:GPU combined it; part of it hidden behind the kernels that XLA
+    # scheduled inside its async windows, never more than there is.
+    assert {"all-gather", "reduce-scatter"} <= set(predicted.communication_by_kind_s)
+    assert 0 <= predicted.hidden_s <= predicted.communication_s
+    assert predicted.step_s == pytest.approx(
+        predicted.compute_s + predicted.exposed_communication_s
+    )
+    bound = predict_from_program(row.analysis, run.model, cluster, overlap=False)
+    assert bound.step_s == pytest.approx(predicted.compute_s + predicted.communication_s)
+    # The CPU path stays, and says which one it is.
+    on_one_node = dataclasses.replace(config, compiler="cpu", nodes=(1,))  # 8 emulated devices
+    cpu = simulate(run, cluster, on_one_node, show=lambda _: None)
+    assert cpu.path == "cpu" and cpu.rows[0].analysis.compiler == "xla:cpu"
+
+
+def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
+    study_dir = tmp_path / "study"
+    done = run_cli(
+        "study", "--gin_file=gin/clusters/h100.gin", "--gin.StudyConfig.models=['mt5_tiny']",
+        "--gin.StudyConfig.stages=[0, 3]", "--gin.StudyConfig.devices=[2]",
+        "--gin.StudyConfig.input_length=32", "--gin.StudyConfig.target_length=8",
+        "--gin.StudyConfig.max_timed_steps=4", "--gin.StudyConfig.max_timing_s=10",
+        "--gin.StudyConfig.repeats=1", f"--gin.StudyConfig.study_dir={study_dir}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compile-only rounds: XLA's GPU compiler for dgx_h100's GPUs (h100_sxm), 80 GB" in (
+        done.stdout
+    )
+    lines = [json.loads(line) for line in (study_dir / "results.jsonl").read_text().splitlines()]
+    compiled = [r for r in lines if r.get("kind") == "compile"]
+    timed = [r for r in lines if r.get("kind") == "timed"]
+    assert len(compiled) == 2 and timed
+    for record in compiled:
+        assert record["analysis"]["compiler"] == f"xla:gpu {H100}, 1 node x 2"
+        assert record["memory_budget_bytes"] == 80e9
+    for record in timed:
+        assert record["analysis"]["compiler"] == "xla:cpu"

@@ -11,6 +11,7 @@ import dataclasses
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.jsonform import JsonRecord
+from t5scale.analysis.kernels import GpuProgram, KernelInventory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,14 @@ class StepAnalysis(JsonRecord):
     # The compiler that made the program, e.g. 'xla:cpu' or 'xla:gpu NVIDIA H100 80GB HBM3,
     # 2 nodes x 8' (compile-only, t5scale/xla_gpu.py); None in files written before it was said.
     compiler: str | None = None
+    # XLA:GPU's program (compile-only GPUs): its kernels and schedule, what the cluster model's
+    # GPU path times (t5scale/cluster_model/gpu_step.py). None from the CPU compiler.
+    gpu_program: GpuProgram | None = None
+
+    @property
+    def kernels(self) -> KernelInventory | None:
+        """The GPU program's kernels per step, by class (None from the CPU compiler)."""
+        return self.gpu_program.inventory if self.gpu_program else None
 
     @property
     def data_parallel(self) -> int:

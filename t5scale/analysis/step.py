@@ -11,6 +11,7 @@ import jax
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_ops, mesh_axes
+from t5scale.analysis.kernels import gpu_program
 from t5scale.analysis.memory import compiled_memory, per_device_bytes
 from t5scale.analysis.records import (
     FlopsPerStep,
@@ -44,8 +45,10 @@ def analyze_step(
     flops = training_flops_per_step(
         run.model, run.train.batch_size, run.data.input_length, run.data.target_length
     )
-    cost = compiled.cost_analysis() or {}
-    ops, collectives = collective_ops(compiled.as_text())
+    cost = compiled.cost_analysis() or {}  # None from XLA:GPU's deviceless compiles
+    text = compiled.as_text()
+    ops, collectives = collective_ops(text)
+    gpu = layout.mesh.devices.flat[0].platform == "gpu"
     policy = run.model.remat
     return StepAnalysis(
         model=run.model.name,
@@ -75,6 +78,7 @@ def analyze_step(
         ),
         remat=RematChoice.from_json(remat or {"requested": policy, "policy": policy}),
         compiler=compiler_name(layout.mesh.devices.flat),
+        gpu_program=gpu_program(text) if gpu else None,
     )
 
 

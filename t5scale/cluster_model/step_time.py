@@ -48,6 +48,7 @@ from t5scale.analysis.jsonform import JsonRecord
 from t5scale.analysis.records import StepAnalysis
 from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
 from t5scale.cluster_model.compute import ComputeTime, step_compute
+from t5scale.cluster_model.gpu_step import predict_program
 from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.model.sizes import ModelConfig
 
@@ -245,6 +246,50 @@ def predict(
         communication_by_kind_s=by_kind,
         communication_by_overlap_s=by_class,
         hidden_s=hidden,
+        outer_step_s=outer,
+        sync_every=every if analysis.replica_sync.outer_collective_ops else 0,
+        sequences_per_s=analysis.batch_size / step,
+        tokens_per_s=tokens / step,
+        tokens_per_s_per_device=tokens / step / devices,
+        mfu=mfu(analysis.flops_per_step.model, step, peak, devices),
+        fits=xla_peak <= cluster.device_memory_gb * 1e9,
+        xla_peak_bytes=xla_peak,
+    )
+
+
+def predict_from_program(
+    analysis: StepAnalysis, model: ModelConfig, cluster: ClusterConfig, overlap: bool = True
+) -> StepTimePrediction:
+    """`predict`'s record from the GPU path: the step XLA:GPU compiled for the cluster
+    (analysis.gpu_program) timed kernel by kernel (gpu_step.py), its collectives as XLA
+    combined them and its overlap from the schedule. The update is among the kernels, so
+    update_s is 0; the outer step of local SGD or DiLoCo is timed as in `predict`.
+    `overlap=False` exposes every collective (the bound).
+
+    No figure is fitted: the bare roofline of each kernel plus its launch predicted t5scale's
+    three one-H100 steps of 2026-11-23 within 3% (docs/cluster_model.md), so the fraction of
+    the roofline the CPU path fits (ClusterConfig.roofline_fraction) is not applied here."""
+    if analysis.gpu_program is None:
+        raise ValueError("the GPU path needs a program compiled for GPUs (analysis.gpu_program)")
+    timed = predict_program(analysis.gpu_program, cluster, analysis.devices)
+    exposed = timed.exposed_communication_s if overlap else timed.communication_s
+    outer, every = outer_step_seconds(analysis, cluster)
+    step = timed.compute_s + exposed + outer / every
+    tokens, devices = analysis.tokens_per_step, analysis.devices
+    peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
+    xla_peak = analysis.memory_per_device.peak_estimate_bytes
+    return StepTimePrediction(
+        step_s=step,
+        compute_s=timed.compute_s,
+        update_s=0.0,
+        communication_s=timed.communication_s,
+        exposed_communication_s=timed.exposed_communication_s,
+        communication_by_kind_s=timed.communication_by_kind_s,
+        communication_by_overlap_s={
+            "hidden": timed.hidden_s,
+            "exposed": timed.exposed_communication_s,
+        },  # fmt: skip
+        hidden_s=timed.hidden_s,
         outer_step_s=outer,
         sync_every=every if analysis.replica_sync.outer_collective_ops else 0,
         sequences_per_s=analysis.batch_size / step,

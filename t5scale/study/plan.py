@@ -2,11 +2,17 @@
 
     t5scale plan --gin_file=gin/models/mt5_xxl.gin --gin.DEVICES=64 --gin.DEVICE_MEMORY_GB=80
 
-For each stage it compiles the train step on N emulated CPU devices (nothing is allocated) and
-gives parameters per device, model-state bytes per device by the ZeRO formula, XLA's compiled
-per-device memory (argument, temp, peak), whether that fits DEVICE_MEMORY_GB, and the bytes each
-collective moves per step. XLA's CPU compiler fuses and schedules differently from a GPU's, so
-its temp bytes are an estimate of a GPU's; the model-state bytes are exact.
+    t5scale plan --gin_file=gin/models/mt5_xxl.gin --gin_file=gin/clusters/h100.gin \
+        --gin.DEVICES=64
+
+For each stage it compiles the train step (nothing is allocated) and gives parameters per
+device, model-state bytes per device by the ZeRO formula, XLA's compiled per-device memory
+(argument, temp, peak), whether that fits the device memory, and the bytes each collective
+moves per step. Without a cluster file it compiles for N emulated CPU devices: XLA's CPU
+compiler fuses and schedules differently from a GPU's, so its temp bytes are an estimate of a
+GPU's (the model-state bytes are exact). With a cluster file that names its GPU's compile
+target, XLA's GPU compiler makes the program for N of the cluster's GPUs (t5scale/xla_gpu.py):
+its memory is the GPU program's, and the GPU program's kernels per step come with it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from t5scale.train.setup import build_setup
 from t5scale.xla_gpu import compiler_name
 
 GIB = 2**30
+KERNEL_COLUMNS = ("gemm", "fusion", "copy", "attention", "collective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,8 @@ class StagePlan:
             "fits": self.fits,
             "fits_model_state": self.fits_model_state,
             "collectives": analysis.collectives.to_json(),
+            # XLA:GPU's program per step, loops multiplied out (None from the CPU compiler)
+            "kernels": analysis.kernels.to_json() if analysis.kernels else None,
             "flops_per_step": analysis.flops_per_step.to_json(),
             "compile_time_s": analysis.compile_time_s,
         }
@@ -186,19 +195,25 @@ def _stage_row(stage: StagePlan) -> str:
     )
     chosen = analysis.remat
     remat = f" (remat auto → {chosen.policy})" if chosen.requested == "auto" else ""
+    kernels = analysis.kernels
+    program = (
+        " | " + ", ".join(f"{kind} {getattr(kernels, kind).count:,}" for kind in KERNEL_COLUMNS)
+        if kernels else ""
+    )  # fmt: skip
     return (
         f"| {analysis.zero_stage}{remat} | {stage.parameters_per_device:,} | {state.zero_formula} | "
         f"{formula.parameters / gb:.3g} + {formula.gradients / gb:.3g} + "
         f"{formula.optimizer_state / gb:.3g} = {formula.total / gb:.3g} | "
         f"{measured / gb:.3g} | {xla.argument_bytes / gb:.3g}, {xla.temp_bytes / gb:.3g}, "
         f"{xla.peak_estimate_bytes / gb:.3g} | {'yes' if stage.fits else 'no'} | "
-        f"{collectives or 'none'} |"
+        f"{collectives or 'none'}{program} |"
     )
 
 
 def format_plan(result: Plan) -> str:
     run, plan = result.run, result.plan
     first = result.stages[0].analysis
+    gpu = first.kernels is not None
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
         f"{result.device_memory_gb:g} GB each, compiled by {result.compiler}; {run.optimizer.name}, {run.model.dtype} "
@@ -207,13 +222,20 @@ def format_plan(result: Plan) -> str:
         "",
         "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
-        "collectives per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "collectives per step |" + (" GPU kernels per step |" if gpu else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else ""),
         *(_stage_row(stage) for stage in result.stages),
         "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
         "memory. Model state from XLA: the step's arguments less the batch (parameters and "
         "optimizer state) plus the gradients' bytes under their sharding. Collective bytes are "
-        "each collective's result size per device, summed over the step.",
+        "each collective's result size per device, summed over the step."
+        + (
+            " GPU kernels: launches per step, loops multiplied out (copy: copies and "
+            "transposes; attention: fused attention calls; collective: async pairs and "
+            "synchronous collectives; `plan --json` adds their bytes)."
+            if gpu
+            else ""
+        ),
     ]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from t5scale.cluster_model.step_time import (
     XLA_COMBINE_THRESHOLD_BYTES,
     StepTimePrediction,
     predict,
+    predict_from_program,
 )
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
@@ -74,7 +75,7 @@ class SimulateConfig:
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 9
+ANALYSIS_VERSION = 8
 
 
 def _cache_path() -> Path:
@@ -163,12 +164,17 @@ class Simulation:
     cluster: ClusterConfig
     config: SimulateConfig
     rows: tuple[SimulatedRow, ...]
+    # 'gpu': the programs XLA:GPU compiled for the cluster, timed kernel by kernel; 'cpu': the
+    # CPU compiler's, with XLA:GPU's combining and overlap assumed (cluster_model/step_time.py)
+    path: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
         """`t5scale simulate --json`."""
         run = self.run
         return {
             "model": run.model.name,
+            "path": self.path,
+            "compiler": self.rows[0].analysis.compiler if self.rows else None,
             "cluster": dataclasses.asdict(self.cluster),
             "micro_batch_size": self.config.micro_batch_size,
             "tensor": self.config.tensor,
@@ -218,13 +224,15 @@ def simulate(
         )  # fmt: skip
         # remat 'auto': what the compiled step chose on this many devices
         model = dataclasses.replace(run.model, remat=analysis.remat.policy)
-        prediction = predict(
-            analysis, model, cluster, config.overlap, config.combine_threshold_bytes
+        prediction = (
+            predict_from_program(analysis, model, cluster, overlap=config.overlap)
+            if gpu
+            else predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
         )
         rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
         show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
              f"node{'s' if nodes > 1 else ''}: {prediction.step_s:.3f} s/step predicted")  # fmt: skip
-    return Simulation(run, cluster, config, tuple(rows))
+    return Simulation(run, cluster, config, tuple(rows), "gpu" if gpu else "cpu")
 
 
 def _row_line(row: SimulatedRow) -> str:
@@ -245,10 +253,21 @@ def _row_line(row: SimulatedRow) -> str:
     )
 
 
+PATHS = {
+    "gpu": "GPU path: each step as XLA's GPU compiler made it for the cluster's GPUs (no GPU "
+    "here), timed kernel by kernel, its collectives as XLA combined them, overlap from its "
+    "schedule.",
+    "cpu": "CPU path: each step as XLA's CPU compiler made it for emulated devices; XLA:GPU's "
+    "combining and overlap assumed (for the GPU path: the `gpu-compile` extra).",
+}
+
+
 def format_simulation(result: Simulation) -> str:
     cluster, config, run = result.cluster, result.config, result.run
     precision = result.rows[0].analysis.precision.mode if result.rows else None
     lines = [
+        PATHS[result.path],
+        "",
         f"{run.model.name} on {cluster.name} nodes ({cluster.gpus_per_node} GPUs each; "
         f"{cluster.peak_flops / 1e12:g} TFLOP/s peak, GEMMs at "
         f"{cluster.gemm_efficiency:.0%}; bus bandwidth NVLink "
