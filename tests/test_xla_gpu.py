@@ -225,3 +225,25 @@ def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
         assert record["memory_budget_bytes"] == 80e9
     for record in timed:
         assert record["analysis"]["compiler"] == "xla:cpu"
+
+
+def test_plan_compile_checks_a_job_as_its_gin_files_give_it():
+    job = [
+        "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
+        "--gin_file=gin/clusters/h100.gin", "--gin.DEVICES=16", "--gin.PlanConfig.job=True",
+        *(f"--gin.{binding}" for binding in SHORT), "--json",
+    ]  # fmt: skip
+    done = run_cli(*job, "--gin.TrainConfig.batch_size=32")
+    assert done.returncode == 0, done.stderr
+    (only,) = json.loads(done.stdout)["stages"]
+    # The job's own stage, batch and mesh: a replica per node, ZeRO inside it.
+    assert only["stage"] == 2 and only["batch_size"] == 32
+    assert only["mesh"] == {"replica": 2, "zero": 8, "tensor": 1}
+    assert only["fits"] and only["kernels"]["gemm"]["count"] > 0
+    bad = run_cli(*job, "--gin.TrainConfig.batch_size=24")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [  # the progress line (stderr under --json), then
+        f"compiling for xla:gpu {H100}, 2 nodes x 8",
+        "t5scale: error: global batch 24 is not divisible by data-parallel size 16 × "
+        "micro_batches 1 = 16",
+    ]

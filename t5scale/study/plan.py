@@ -46,6 +46,9 @@ class PlanConfig:
     stages: tuple[int, ...] = (0, 1, 2, 3)
     micro_batch_size: int = 1
     tensor: int = 1
+    # A job's compile check: the run exactly as its gin files give it (its own stage, mesh,
+    # batch and micro-batches) rather than each of `stages` weak-scaled.
+    job: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -167,6 +170,11 @@ def run_plan(
     else:
         devices, budget = jax.devices()[: plan.devices], plan.device_memory_gb * 1e9
     show(f"compiling for {compiler_name(devices)}")
+    if plan.job:
+        step = build_setup(run, devices).compile(memory_budget_bytes=int(budget))
+        show(f"the job (stage {run.parallel.zero_stage}): compiled in {step.compile_time_s:.1f} s")
+        job = StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget)
+        return Plan(run, plan, (job,), compiler_name(devices), budget / 1e9)
     stages = []
     for stage in plan.stages:
         stages.append(plan_stage(run, plan, stage, devices, budget))
