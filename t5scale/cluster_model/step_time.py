@@ -216,7 +216,7 @@ def predict(
 ) -> StepTimePrediction:
     """Seconds per step and its parts on `cluster`, for the step `analysis` describes (its mesh
     laid over nodes of `cluster.gpus_per_node` GPUs, processes slowest)."""
-    devices, sequences = analysis.devices, analysis.batch_size / analysis.data_parallel
+    sequences = analysis.batch_size / analysis.data_parallel
     compute = step_compute(model, sequences, *analysis.lengths, cluster, tensor=analysis.tensor)
     by_class = dict.fromkeys(CLASSES, 0.0)
     by_kind: dict[str, float] = {}
@@ -233,19 +233,39 @@ def predict(
         hidden = hidden_seconds(by_class, compute, depth, analysis.micro_batches)
     update = update_seconds(analysis, cluster)
     outer, every = outer_step_seconds(analysis, cluster, combine_threshold_bytes)
-    step = compute.total + update + communication - hidden + outer / every
-    tokens = analysis.tokens_per_step
+    return _prediction(
+        analysis, model, cluster, compute.total, update, communication, communication - hidden,
+        by_kind, by_class, outer, every,
+    )  # fmt: skip
+
+
+def _prediction(
+    analysis: StepAnalysis,
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    compute: float,
+    update: float,
+    communication: float,
+    exposed: float,
+    by_kind: dict[str, float],
+    by_overlap: dict[str, float],
+    outer: float,
+    every: int,
+) -> StepTimePrediction:
+    """The step's seconds from its parts, with the throughput, MFU and fit they give."""
+    step = compute + update + exposed + outer / every
+    tokens, devices = analysis.tokens_per_step, analysis.devices
     peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
     xla_peak = analysis.memory_per_device.peak_estimate_bytes
     return StepTimePrediction(
         step_s=step,
-        compute_s=compute.total,
+        compute_s=compute,
         update_s=update,
         communication_s=communication,
-        exposed_communication_s=communication - hidden,
+        exposed_communication_s=exposed,
         communication_by_kind_s=by_kind,
-        communication_by_overlap_s=by_class,
-        hidden_s=hidden,
+        communication_by_overlap_s=by_overlap,
+        hidden_s=communication - exposed,
         outer_step_s=outer,
         sync_every=every if analysis.replica_sync.outer_collective_ops else 0,
         sequences_per_s=analysis.batch_size / step,
@@ -272,30 +292,11 @@ def predict_from_program(
     if analysis.gpu_program is None:
         raise ValueError("the GPU path needs a program compiled for GPUs (analysis.gpu_program)")
     timed = predict_program(analysis.gpu_program, cluster, analysis.devices)
-    exposed = timed.exposed_communication_s if overlap else timed.communication_s
+    communication = timed.communication_s
+    exposed = timed.exposed_communication_s if overlap else communication
     outer, every = outer_step_seconds(analysis, cluster)
-    step = timed.compute_s + exposed + outer / every
-    tokens, devices = analysis.tokens_per_step, analysis.devices
-    peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
-    xla_peak = analysis.memory_per_device.peak_estimate_bytes
-    return StepTimePrediction(
-        step_s=step,
-        compute_s=timed.compute_s,
-        update_s=0.0,
-        communication_s=timed.communication_s,
-        exposed_communication_s=timed.exposed_communication_s,
-        communication_by_kind_s=timed.communication_by_kind_s,
-        communication_by_overlap_s={
-            "hidden": timed.hidden_s,
-            "exposed": timed.exposed_communication_s,
-        },  # fmt: skip
-        hidden_s=timed.hidden_s,
-        outer_step_s=outer,
-        sync_every=every if analysis.replica_sync.outer_collective_ops else 0,
-        sequences_per_s=analysis.batch_size / step,
-        tokens_per_s=tokens / step,
-        tokens_per_s_per_device=tokens / step / devices,
-        mfu=mfu(analysis.flops_per_step.model, step, peak, devices),
-        fits=xla_peak <= cluster.device_memory_gb * 1e9,
-        xla_peak_bytes=xla_peak,
-    )
+    by_overlap = {"hidden": communication - exposed, "exposed": exposed}
+    return _prediction(
+        analysis, model, cluster, timed.compute_s, 0.0, communication, exposed,
+        timed.communication_by_kind_s, by_overlap, outer, every,
+    )  # fmt: skip
