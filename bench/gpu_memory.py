@@ -56,7 +56,9 @@ def main() -> None:
     ]
     started = time.perf_counter()
     for model in args.models:
-        parse_gin([f"gin/models/{model}.gin", "gin/clusters/h100.gin", "gin/precision/mixed.gin"],
+        # mixed precision: PrecisionConfig.mode "auto" with bf16 compute, as seed_study_predicted.py
+        # (the same cache keys: `simulate` there reuses these programs)
+        parse_gin([f"gin/models/{model}.gin", "gin/clusters/h100.gin"],
                   ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'"])  # fmt: skip
         run, cluster = build_run_config(), build_study_config("cluster")
         budget = int(cluster.device_memory_gb * GB)

@@ -376,3 +376,22 @@ def test_mfu():
     assert mfu(15.0, 2.0, 10.0, 3) == pytest.approx(0.25)
     with pytest.raises(ValueError):
         mfu(15.0, 0.0, 10.0, 3)
+
+
+def test_operands_past_the_fifth_count_in_a_collective_s_bytes():
+    """XLA prints `/*index=5*/` before the sixth operand of a long list (XLA:GPU's combined
+    collectives have many): its bytes count like the others'."""
+    from t5scale.analysis.hlo import collective_ops
+
+    params = "\n".join(f"  %p{i} = f32[4]{{0}} parameter({i})" for i in range(6))
+    text = (
+        "HloModule m, num_partitions=2\n"
+        "%add (x: f32[], y: f32[]) -> f32[] {\n  %x = f32[] parameter(0)\n"
+        "  %y = f32[] parameter(1)\n  ROOT %s = f32[] add(%x, %y)\n}\n"
+        "ENTRY %main () -> f32[4] {\n" + params + "\n"
+        "  ROOT %all-reduce.1 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, "
+        "/*index=5*/f32[4]{0}) all-reduce(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5), "
+        "channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add\n}\n"
+    )
+    (op,), _ = collective_ops(text)
+    assert (op.bytes, op.operand_bytes) == (6 * 16, 6 * 16)

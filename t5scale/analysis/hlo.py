@@ -231,6 +231,7 @@ def collective_kind(opcode: str) -> str | None:
 def _operand_bytes(operands: tuple[str, ...], types: Mapping[str, str]) -> int:
     total = 0
     for operand in operands:
+        operand = _COMMENT.sub("", operand)  # `/*index=5*/%x` in long operand lists
         name_at = operand.rfind("%") if "%" in operand else operand.rfind(" ") + 1
         inline_type, name = operand[:name_at].strip(), operand[name_at:].lstrip("%")
         total += shape_bytes(inline_type) if inline_type else shape_bytes(types.get(name, ""))
