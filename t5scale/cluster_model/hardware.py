@@ -34,8 +34,9 @@ class ClusterConfig:
     memory_bandwidth: float  # HBM, datasheet
     memory_efficiency: float  # fraction of it that streaming kernels reach
     # Fraction of that roofline a compiled t5scale step reaches (launch gaps, layout copies,
-    # fusions XLA does not make): the one calibrated figure, fitted on t5scale's own one-GPU
-    # steps (bench/cluster_model_vs_published.py --calibrate), never on the validation rows.
+    # fusions XLA does not make): the CPU path's one calibrated figure, fitted on t5scale's own
+    # one-GPU steps (bench/cluster_model_vs_published.py --calibrate), never on the validation
+    # rows. The GPU path times those kernels themselves and applies none (gpu_step.py).
     roofline_fraction: float
     device_memory_gb: float
     nvlink_bus_bandwidth: float
