@@ -40,13 +40,13 @@ DTYPE_BYTES = {
     "c128": 16,
 }  # fmt: skip
 
-_NAME = r"%?([\w.\-]+)"
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_HEADER = re.compile(r"^\s*(ENTRY\s+)?" + _NAME + r"\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?" + _NAME + r"\s*=\s*(.*)$")
+NAME_PATTERN = r"%?([\w.\-]+)"
+ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?" + NAME_PATTERN + r"\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?" + NAME_PATTERN + r"\s*=\s*(.*)$")
 _OPCODE = re.compile(r"([\w\-]+)\(")
 _CALLEE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + _NAME
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + NAME_PATTERN
 )
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
@@ -59,7 +59,7 @@ _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\]"
     r"(?:,\s*device_ids=\(\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\))?\s*\{([^}]*)\}"
 )
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 
@@ -85,7 +85,7 @@ class Module:
 def shape_bytes(type_text: str) -> int:
     """Bytes of an HLO type such as `f32[8,64]{1,0}`, or of all elements of a tuple type."""
     total = 0
-    for dtype, dims in _ARRAY.findall(type_text):
+    for dtype, dims in ARRAY_TYPE.findall(type_text):
         if dtype in DTYPE_BYTES:
             sizes = (int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
             total += DTYPE_BYTES[dtype] * math.prod(sizes)
@@ -117,7 +117,7 @@ def _split_top_level(text: str) -> list[str]:
     return [item for item in items if item]
 
 
-def _tuple_elements(type_text: str) -> list[str]:
+def tuple_elements(type_text: str) -> list[str]:
     """Top-level elements of a tuple type; a non-tuple type is its own single element."""
     type_text = type_text.strip()
     if not type_text.startswith("("):
@@ -161,7 +161,7 @@ def parse_module(hlo_text: str) -> Module:
     return module
 
 
-def _callees(instruction: Instruction) -> list[str]:
+def called_names(instruction: Instruction) -> list[str]:
     """Computations this instruction runs, other than reducers (`to_apply` of a collective)."""
     if instruction.opcode.endswith(("-done", "-update")):
         return []  # async halves repeat the `calls=` of their start
@@ -172,7 +172,7 @@ def _callees(instruction: Instruction) -> list[str]:
         if role != "to_apply" or instruction.opcode == "call"
     ]
     for listed in _CALLEE_LIST.findall(instruction.attributes):
-        callees += re.findall(_NAME, listed)
+        callees += re.findall(NAME_PATTERN, listed)
     return callees
 
 
@@ -238,32 +238,32 @@ def _operand_bytes(operands: tuple[str, ...], types: Mapping[str, str]) -> int:
     return total
 
 
-def _result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int:
+def result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int:
     if not instruction.opcode.endswith("-start"):
         return shape_bytes(instruction.result_type)
     if instruction.name in done_types:  # the `-done` returns exactly the collective's result
         return shape_bytes(done_types[instruction.name])
-    elements = _tuple_elements(instruction.result_type)
+    elements = tuple_elements(instruction.result_type)
     if collective_kind(instruction.opcode) == "all-reduce" or len(elements) < 2:
         return shape_bytes(instruction.result_type)
     return shape_bytes(elements[1])  # (operands, results, context…)
 
 
-def _dtype(type_text: str) -> str | None:
-    found = _ARRAY.search(type_text)
+def dtype_of(type_text: str) -> str | None:
+    found = ARRAY_TYPE.search(type_text)
     return found.group(1) if found else None
 
 
 _DATA_MOVES = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
 
 
-def _name(operand: str) -> str:
+def operand_name(operand: str) -> str:
     """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
     return _COMMENT.sub("", operand).split()[-1].lstrip("%")
 
 
 def _called(instruction: Instruction, module: Module) -> list[Instruction]:
-    found = re.search(r"\bcalls=" + _NAME, instruction.attributes)
+    found = re.search(r"\bcalls=" + NAME_PATTERN, instruction.attributes)
     return module.computations.get(found.group(1), []) if found else []
 
 
@@ -277,10 +277,10 @@ class _Widening:
         self.users: dict[str, list[tuple[Instruction, int]]] = {}
         for instruction in self.by_name.values():
             for position, operand in enumerate(instruction.operands):
-                self.users.setdefault(_name(operand), []).append((instruction, position))
+                self.users.setdefault(operand_name(operand), []).append((instruction, position))
 
     def widened(self, instruction: Instruction) -> bool:
-        operands = [self.by_name.get(_name(operand)) for operand in instruction.operands]
+        operands = [self.by_name.get(operand_name(operand)) for operand in instruction.operands]
         return (
             bool(operands)
             and all(self._widens_16_bits(source) for source in operands)
@@ -297,10 +297,12 @@ class _Widening:
         else:
             local = self.by_name
         while value is not None and value.opcode in _DATA_MOVES and value.operands:
-            value = local.get(_name(value.operands[0]))
+            value = local.get(operand_name(value.operands[0]))
         if value is None or value.opcode != "convert" or not value.operands:
             return False
-        return _dtype(self.module.types.get(_name(value.operands[0]), "")) in _NARROW_FLOATS
+        return (
+            dtype_of(self.module.types.get(operand_name(value.operands[0]), "")) in _NARROW_FLOATS
+        )
 
     def _narrowed(self, name: str, depth: int) -> bool:
         """Whether every use of `name` converts it back to 16 bits (moved at most, maybe as a
@@ -310,7 +312,7 @@ class _Widening:
             return False
         for user, position in users:
             if user.opcode == "convert":
-                if _dtype(user.result_type) not in _NARROW_FLOATS:
+                if dtype_of(user.result_type) not in _NARROW_FLOATS:
                     return False
             elif user.opcode in _DATA_MOVES or user.opcode.endswith("-done"):
                 if not self._narrowed(user.name, depth + 1):
@@ -328,7 +330,7 @@ class _Widening:
         return True
 
 
-def _done_types(module: Module) -> dict[str, str]:
+def async_done_types(module: Module) -> dict[str, str]:
     """Result type of each async `-done`, keyed by the name of the `-start` it completes."""
     done = {}
     for instructions in module.computations.values():
@@ -373,7 +375,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     totals per kind with notes: loops of unknown trip count (their bodies counted once) and
     collectives XLA:CPU widened (counted at their 16-bit size)."""
     module = parse_module(hlo_text)
-    done_types = _done_types(module)
+    done_types = async_done_types(module)
     widening = _Widening(module)
     # Keyed by the op as it runs once (count 1); the values count its runs per step.
     found: dict[str, dict[CollectiveOp, int]] = {}
@@ -389,7 +391,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
         for instruction in module.computations.get(computation, []):
             kind = collective_kind(instruction.opcode)
             if kind and moves_data(instruction):
-                size = _result_bytes(instruction, done_types)
+                size = result_bytes(instruction, done_types)
                 operand = _operand_bytes(instruction.operands, module.types)
                 if widening.widened(instruction):
                     widened.add(instruction.name)
@@ -428,16 +430,16 @@ def _calls_with_repeats(
 ) -> list[tuple[str, int, tuple[int, str] | None]]:
     """(callee, runs per run of the caller, (trip count, op_name) if the callee is the body of
     a `while` with a known trip count) for each computation the instruction calls."""
-    callees = _callees(instruction)
+    callees = called_names(instruction)
     if instruction.opcode != "while":
         return [(callee, 1, None) for callee in callees]
     trips = trip_count(instruction)
     if trips is None:
         unknown_loops.add(instruction.name)
         return [(callee, 1, None) for callee in callees]
-    body = re.search(r"\bbody=" + _NAME, instruction.attributes)
+    body = re.search(r"\bbody=" + NAME_PATTERN, instruction.attributes)
     # The condition is evaluated once more than the body runs (the final, failing test).
-    found = _OP_NAME.search(instruction.attributes)
+    found = OP_NAME.search(instruction.attributes)
     loop = (trips, found.group(1) if found else "")
     return [
         (c, trips, loop) if body and c == body.group(1) else (c, trips + 1, None) for c in callees

@@ -43,23 +43,23 @@ from collections import Counter
 
 from t5scale.analysis.collectives import CollectiveOp, format_bytes
 from t5scale.analysis.hlo import (
-    _ARRAY,
-    _NAME,
-    _OP_NAME,
+    ARRAY_TYPE,
+    NAME_PATTERN,
+    OP_NAME,
     Instruction,
     Module,
-    _callees,
-    _done_types,
-    _dtype,
-    _name,
-    _result_bytes,
-    _tuple_elements,
+    async_done_types,
+    called_names,
     collective_kind,
+    dtype_of,
     first_group,
     moves_data,
+    operand_name,
     parse_module,
+    result_bytes,
     shape_bytes,
     trip_count,
+    tuple_elements,
 )
 from t5scale.analysis.jsonform import JsonRecord
 
@@ -209,7 +209,7 @@ def gpu_program(hlo_text: str) -> GpuProgram:
 
 def _elements(type_text: str) -> tuple[str, tuple[int, ...]] | None:
     """(dtype, dimensions) of the first array in a type."""
-    found = _ARRAY.search(type_text)
+    found = ARRAY_TYPE.search(type_text)
     if not found:
         return None
     dims = found.group(2).split(",")
@@ -230,7 +230,7 @@ class _Reader:
 
     def __init__(self, module: Module):
         self.module = module
-        self.done_types = _done_types(module)
+        self.done_types = async_done_types(module)
         self.signatures: list[Kernel] = []  # runs=0; the index is the kernel's identity
         self.index: dict[Kernel, int] = {}
         self.unknown_loops: set[str] = set()
@@ -243,13 +243,13 @@ class _Reader:
         """An operand's type: printed before its name, else its instruction's result type."""
         operand = re.sub(r"/\*.*?\*/", "", operand).strip()
         inline, _, _ = operand.rpartition(" ")
-        return inline if inline else self.module.types.get(_name(operand), "")
+        return inline if inline else self.module.types.get(operand_name(operand), "")
 
     def operand_bytes(self, instruction: Instruction) -> int:
         return sum(shape_bytes(self.type_of(operand)) for operand in instruction.operands)
 
     def called(self, instruction: Instruction) -> list[Instruction]:
-        found = re.search(r"\bcalls=" + _NAME, instruction.attributes)
+        found = re.search(r"\bcalls=" + NAME_PATTERN, instruction.attributes)
         return self.module.computations.get(found.group(1), []) if found else []
 
     def kernel(self, instruction: Instruction) -> int | None:
@@ -271,18 +271,18 @@ class _Reader:
         first = self.type_of(instruction.operands[0]) if instruction.operands else ""
         if opcode == "custom-call":
             target = found.group(1) if (found := _TARGET.search(attributes)) else ""
-            outputs = _tuple_elements(result)
+            outputs = tuple_elements(result)
             if target.startswith("__cublas"):
                 flops = _gemm_flops(first, outputs[0], _CONTRACTING.search(attributes))
-                return Kernel("gemm", 0, flops, read, shape_bytes(outputs[0]), _dtype(first))
-            written = sum(shape_bytes(o) for o in outputs if _dtype(o) not in _SCRATCH)
+                return Kernel("gemm", 0, flops, read, shape_bytes(outputs[0]), dtype_of(first))
+            written = sum(shape_bytes(o) for o in outputs if dtype_of(o) not in _SCRATCH)
             if "fmha" in target:
                 flops = _attention_flops(first, attributes, "Backward" in target)
-                return Kernel("attention", 0, flops, read, written, _dtype(first))
+                return Kernel("attention", 0, flops, read, written, dtype_of(first))
             return Kernel("other", 0, 0.0, read, written)
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
-            return Kernel("gemm", 0, flops, read, written, _dtype(first))
+            return Kernel("gemm", 0, flops, read, written, dtype_of(first))
         if opcode == "fusion":
             body = self.called(instruction)
             read, written = self.fusion_bytes(instruction, body)
@@ -312,7 +312,7 @@ class _Reader:
         users: dict[str, list[tuple[Instruction, int]]] = {}
         for inner in body:
             for position, operand in enumerate(inner.operands):
-                users.setdefault(_name(operand), []).append((inner, position))
+                users.setdefault(operand_name(operand), []).append((inner, position))
 
         def touched(name: str) -> int | None:
             """Bytes read of a value that is only sliced or updated in place; None: all."""
@@ -337,11 +337,15 @@ class _Reader:
             return read, shape_bytes(fusion.result_type)
         local = {inner.name: inner for inner in body}
         root = body[-1]
-        outputs = [local.get(_name(o)) for o in root.operands] if root.opcode == "tuple" else [root]
+        outputs = (
+            [local.get(operand_name(o)) for o in root.operands]
+            if root.opcode == "tuple"
+            else [root]
+        )
         written = 0
         for output in outputs:
             while output is not None and output.opcode == "bitcast":
-                output = local.get(_name(output.operands[0]))
+                output = local.get(operand_name(output.operands[0]))
             if output is None:
                 continue
             if output.opcode == "dynamic-update-slice":
@@ -354,7 +358,7 @@ class _Reader:
         kind = collective_kind(instruction.opcode)
         if kind is None or not moves_data(instruction):
             return None
-        size = _result_bytes(instruction, self.done_types)
+        size = result_bytes(instruction, self.done_types)
         group = first_group(instruction.attributes)
         return CollectiveOp(kind, 1, size, self.operand_bytes(instruction), group, computation)
 
@@ -362,17 +366,17 @@ class _Reader:
         """(callee, runs per run of the caller, (trips, op_name) of a loop body) of the
         computations whose kernels this instruction launches."""
         if instruction.opcode == "while":
-            body = re.search(r"\bbody=" + _NAME, instruction.attributes)
-            condition = re.search(r"\bcondition=" + _NAME, instruction.attributes)
+            body = re.search(r"\bbody=" + NAME_PATTERN, instruction.attributes)
+            condition = re.search(r"\bcondition=" + NAME_PATTERN, instruction.attributes)
             trips = trip_count(instruction)
             if trips is None:
                 self.unknown_loops.add(instruction.name)
                 return [(found.group(1), 1, None) for found in (body, condition) if found]
-            op_name = _OP_NAME.search(instruction.attributes)
+            op_name = OP_NAME.search(instruction.attributes)
             loop = (trips, op_name.group(1) if op_name else "")
             return [(body.group(1), trips, loop)] if body else []
         if instruction.opcode in ("call", "conditional", "async-start"):
-            return [(callee, 1, None) for callee in _callees(instruction)]
+            return [(callee, 1, None) for callee in called_names(instruction)]
         return []
 
     # -- one computation --------------------------------------------------------------------
@@ -405,7 +409,7 @@ class _Reader:
         body = self.module.computations.get(computation, [])
         launched = [self.launched(instruction) for instruction in body]
         done_at = {
-            _name(instruction.operands[0]): position
+            operand_name(instruction.operands[0]): position
             for position, instruction in enumerate(body)
             if instruction.opcode.endswith("-done") and instruction.operands
         }
