@@ -152,7 +152,12 @@ def plan_stage(
         stage, plan.devices, plan.micro_batch_size, run.train.micro_batches, plan.tensor,
         hosts=hosts,
     )  # fmt: skip
-    step = build_setup(scaling.run(run), devices).compile(memory_budget_bytes=int(budget_bytes))
+    return compile_stage_plan(scaling.run(run), devices, budget_bytes)
+
+
+def compile_stage_plan(run: RunConfig, devices, budget_bytes: float) -> StagePlan:
+    """`run` compiled for `devices` as it stands (nothing allocated), within `budget_bytes`."""
+    step = build_setup(run, devices).compile(memory_budget_bytes=int(budget_bytes))
     return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
 
 
@@ -171,9 +176,9 @@ def run_plan(
         devices, budget = jax.devices()[: plan.devices], plan.device_memory_gb * 1e9
     show(f"compiling for {compiler_name(devices)}")
     if plan.job:
-        step = build_setup(run, devices).compile(memory_budget_bytes=int(budget))
-        show(f"the job (stage {run.parallel.zero_stage}): compiled in {step.compile_time_s:.1f} s")
-        job = StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget)
+        job = compile_stage_plan(run, devices, budget)
+        show(f"the job (stage {run.parallel.zero_stage}): compiled in "
+             f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
         return Plan(run, plan, (job,), compiler_name(devices), budget / 1e9)
     stages = []
     for stage in plan.stages:
