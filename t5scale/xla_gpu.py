@@ -16,8 +16,13 @@ What differs from compiling on the GPU itself (docs/cluster_model.md says more):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
+import re
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +122,31 @@ def is_compile_only_gpu(devices) -> bool:
 
 
 def compiler_options(devices) -> dict[str, Any]:
-    """The options of a compile for `devices` (COMPILER_OPTIONS on compile-only GPUs)."""
-    return dict(COMPILER_OPTIONS) if is_compile_only_gpu(devices) else {}
+    """The options of a compile for `devices`: on compile-only GPUs, COMPILER_OPTIONS and this
+    process's kernel cache for their kind of GPU (`kernel_cache_file`)."""
+    devices = list(devices)
+    if not is_compile_only_gpu(devices):
+        return {}
+    return COMPILER_OPTIONS | {"xla_gpu_kernel_cache_file": kernel_cache_file(devices[0])}
+
+
+@functools.cache
+def _kernel_cache_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="t5scale-xla-gpu-kernels-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def kernel_cache_file(device) -> str:
+    """Where XLA keeps the GPU kernels this process has compiled for `device`'s kind, so that a
+    later program reuses a kernel it already has (same fused computation and launch) instead of
+    running LLVM and ptxas again. Half of a compile is ptxas, one process per kernel, and the
+    programs of a grid (node counts, stages) share most of their kernels. Only the machine code
+    is reused: the HLO, its schedule and memory are each program's own. The cache lives and
+    dies with the process, one file per kind of GPU (machine code is per architecture) and per
+    thread (XLA rewrites the file after each compile), so no two compiles share one at once."""
+    kind = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_")
+    return str(_kernel_cache_dir() / f"{kind}-thread{threading.get_ident()}.bin")
 
 
 def compiler_name(devices) -> str:

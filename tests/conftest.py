@@ -46,7 +46,7 @@ def pytest_sessionstart(session):
         pytest.exit(str(error), returncode=3)
 
 
-from t5scale.cli import main  # noqa: E402
+from t5scale.cli import IN_CHILD, main  # noqa: E402
 from t5scale.data.config import DataConfig  # noqa: E402
 from t5scale.data.synthetic import synthetic_batch  # noqa: E402
 from t5scale.model.sizes import ModelConfig  # noqa: E402
@@ -165,6 +165,14 @@ def cli_in_process(args: list[str], capsys) -> tuple[int, str, str]:
     code = main(args)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def cli_inline(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """As cli_in_process, and the commands that compile in a child process of their own (plan,
+    simulate) run here as that child would: where the child proves nothing more (a GPU compile,
+    a plan within the 8 emulated devices). test_cli.py keeps a real child for XLA's abort."""
+    monkeypatch.setenv(IN_CHILD, "1")
+    return cli_in_process(args, capsys)
 
 
 # ---- several processes on 127.0.0.1 -----------------------------------------------------------

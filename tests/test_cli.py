@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_ARGS, read_scalars, run_cli
+from conftest import REPO, TINY_ARGS, cli_in_process, read_scalars, run_cli
 
 
 def test_train_writes_metrics_tensorboard_profile_config_and_step_analysis(tmp_path):
@@ -98,13 +98,22 @@ def test_params_prints_the_count_without_allocating():
         ),  # fmt: skip
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(args, message):
-    done = run_cli("train", *TINY_ARGS, "--gin.TRAIN_STEPS=1", *args)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("t5scale: error:"), done.stderr
+def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
+    """In this process (cli.main as the console script calls it); the exit code a process of
+    its own returns is the next test's."""
+    code, out, err = cli_in_process(["train", *TINY_ARGS, "--gin.TRAIN_STEPS=1", *args], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("t5scale: error:"), err
     assert message in lines[0]
-    assert "Traceback" not in done.stderr + done.stdout
+    assert "Traceback" not in err + out
+
+
+def test_bad_input_in_a_process_of_its_own_exits_2_with_one_line():
+    done = run_cli("train", *TINY_ARGS, "--gin.TRAIN_STEPS=1", "--gin.ParallelConfig.tensor=3")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("t5scale: error:") and "does not divide 8 devices" in line
 
 
 def test_an_xla_abort_in_plan_is_one_line_and_exit_code_5():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import REPO, run_cli, tiny_setup
+from conftest import REPO, cli_inline, tiny_setup
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
@@ -211,7 +211,7 @@ def test_compute_roofline_differs_per_model_size():
         ("ClusterConfig.gpus_per_node = 0", "gpus_per_node"),
     ],
 )
-def test_a_bad_cluster_file_is_one_line_and_exit_2(tmp_path, edit, named):
+def test_a_bad_cluster_file_is_one_line_and_exit_2(tmp_path, edit, named, capsys, monkeypatch):
     lines = (REPO / "gin/clusters/a100.gin").read_text().splitlines()
     if edit.startswith("drop:"):
         lines = [line for line in lines if not line.startswith(edit.removeprefix("drop:"))]
@@ -219,10 +219,11 @@ def test_a_bad_cluster_file_is_one_line_and_exit_2(tmp_path, edit, named):
         lines.append(edit)
     bad = tmp_path / "bad.gin"
     bad.write_text("\n".join(lines) + "\n")
-    done = run_cli("simulate", "--gin_file=gin/models/mt5_tiny.gin", f"--gin_file={bad}")
-    assert done.returncode == 2, done.stderr[-2000:]
-    message = done.stderr.strip().splitlines()
-    assert len(message) == 1 and named in message[0], done.stderr
+    args = ["simulate", "--gin_file=gin/models/mt5_tiny.gin", f"--gin_file={bad}"]
+    code, _, err = cli_inline(args, capsys, monkeypatch)
+    assert code == 2, err[-2000:]
+    message = err.strip().splitlines()
+    assert len(message) == 1 and named in message[0], err
 
 
 def test_cluster_config_refuses_an_efficiency_above_one():

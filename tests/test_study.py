@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, fake_slurm_env, read_scalars, run_cli
+from conftest import REPO, cli_inline, fake_slurm_env, read_scalars, run_cli
 
 from t5scale.errors import ConfigError
 from t5scale.study import funnel
@@ -219,14 +218,14 @@ def test_study_config_errors_are_one_line(tmp_path):
     assert missing.returncode == 2 and "run `t5scale study`" in missing.stderr
 
 
-def test_plan_answers_per_stage_without_running(tmp_path):
-    done = run_cli(
+def test_plan_answers_per_stage_without_running(capsys, monkeypatch):
+    code, out, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DEVICES=2",
         "--gin.DEVICE_MEMORY_GB=0.010", "--gin.PlanConfig.stages=[0, 3]",
         "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    plan = json.loads(done.stdout)
+    ], capsys, monkeypatch)  # fmt: skip
+    assert code == 0, err[-2000:]
+    plan = json.loads(out)
     zero, three = plan["stages"]
     assert zero["parameters_per_device"] == zero["parameters"]
     assert three["parameters_per_device"] < zero["parameters"] / 1.9  # sharded 2 ways (+ odd dims)
@@ -239,24 +238,29 @@ def test_plan_answers_per_stage_without_running(tmp_path):
     assert "all-reduce" in zero["collectives"] and "reduce-scatter" in three["collectives"]
 
 
-def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(tmp_path):
+def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(
+    tmp_path, capsys, monkeypatch
+):
     cluster = [
         "--gin.ClusterConfig.gpus_per_node=1", "--gin.ClusterConfig.peak_flops=1e12",
         "--gin.ClusterConfig.network_bus_bandwidth=1e8", "--gin.ClusterConfig.nvlink_bus_bandwidth=1e9",
         "--gin.SimulateConfig.nodes=[1, 2]", "--gin.SimulateConfig.stages=[0, 3]",
         "--gin.SimulateConfig.micro_batch_size=1",
     ]  # fmt: skip
-    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path)}
-    done = run_cli(
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code, out, err = cli_inline([
         "simulate", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/a100.gin",
         # Layers, not the vocabulary tables, dominate: stage 3 gathers them twice and
         # reduce-scatters once, against one all-reduce (twice the bytes) at stage 0.
         "--gin.ModelConfig.vocab_size=256",
         *cluster, "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8", "--json",
-        "--gin.SimulateConfig.diloco_every=[4, 16]", env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout)["rows"]
+        "--gin.SimulateConfig.diloco_every=[4, 16]",
+        # The CPU path, as on a machine without jax's CUDA plugin (tests/test_xla_gpu.py has
+        # the GPU path's)
+        "--gin.SimulateConfig.compiler='cpu'",
+    ], capsys, monkeypatch)  # fmt: skip
+    assert code == 0, err[-2000:]
+    result = json.loads(out)["rows"]
     rows = {(r["stage"], r["nodes"]): r for r in result if r["sync"] == "every step"}
     diloco = {(r["stage"], r["sync"], r["nodes"]): r for r in result if r["sync"] != "every step"}
     for stage in (0, 3):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, cli_inline, run_cli
 
 from t5scale.config import build_cluster_config, build_run_config, parse_gin
 from t5scale.study.weak_scaling import WeakScaling
@@ -34,6 +35,16 @@ STAGE_COLLECTIVES = {
     2: {"reduce-scatter", "all-gather"},
     3: {"reduce-scatter", "all-gather"},
 }
+
+
+def without_source_locations(program: str) -> list[str]:
+    """The program's lines less where in Python each op came from (the call sites differ): the
+    metadata of each instruction and the module's tables of files, functions and frames."""
+    return [
+        re.sub(r", metadata=\{[^}]*\}", "", line)
+        for line in program.splitlines()
+        if not re.match(r"^(\s*\d+ |FileNames|FunctionNames|FileLocations|StackFrames)", line)
+    ]
 
 
 def compile_for(topology: GpuTopology, stage: int, precision: str):
@@ -94,7 +105,24 @@ def test_nothing_is_allocated_or_run_for_compile_only_gpus(two_nodes):
     assert alive_after == alive_before
     devices = steps[0].setup.mesh.devices.flat
     assert is_compile_only_gpu(devices) and jax.default_backend() == "cpu"
-    assert steps[0].setup.compiler_options == COMPILER_OPTIONS
+    options = steps[0].setup.compiler_options
+    assert options.items() >= COMPILER_OPTIONS.items()
+    assert Path(options["xla_gpu_kernel_cache_file"]).stat().st_size > 0
+
+
+def test_reused_kernels_leave_the_program_as_it_was(two_nodes):
+    """Stage 3 was compiled after stages 0-2 filled this process's kernel cache: compiled again
+    without the cache, its HLO, schedule and memory are the same."""
+    _, steps, _, _ = two_nodes
+    setup = steps[3].setup
+    lowered = setup.train_step().lower(setup.state, setup.abstract_batch())
+    fresh = lowered.compile(compiler_options=COMPILER_OPTIONS)
+    assert without_source_locations(fresh.as_text()) == without_source_locations(
+        steps[3].compiled.as_text()
+    )
+    assert fresh.memory_analysis().temp_size_in_bytes == (
+        steps[3].compiled.memory_analysis().temp_size_in_bytes
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
@@ -107,14 +135,14 @@ def test_one_h100_program(precision):
     assert "__cublas$" in step.compiled.as_text()  # GEMMs by cuBLAS, not Triton (no autotuner)
 
 
-def test_plan_with_a_cluster_file_compiles_for_its_gpus():
-    done = run_cli(
+def test_plan_with_a_cluster_file_compiles_for_its_gpus(capsys, monkeypatch):
+    code, out, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/precision/mixed.gin",
         "--gin_file=gin/clusters/h100.gin", "--gin.DEVICES=16", "--gin.PlanConfig.stages=[3]",
         *(f"--gin.{binding}" for binding in SHORT), "--gin.PlanConfig.micro_batch_size=2", "--json",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    plan = json.loads(done.stdout)
+    ], capsys, monkeypatch)  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
     assert plan["compiler"] == f"xla:gpu {H100}, 2 nodes x 8"
     assert plan["device_memory_gb"] == 80
     (three,) = plan["stages"]
@@ -135,15 +163,15 @@ def test_cluster_topologies_are_whole_nodes():
         cluster.topology(12)
 
 
-def test_a_malformed_gpu_target_is_one_line_and_exit_2(tmp_path):
+def test_a_malformed_gpu_target_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     target = tmp_path / "h100.txtpb"
     target.write_text("gpu_device_info {\n  core_count: 132\n  cores: 1\n}\n")
-    done = run_cli(
+    code, _, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/h100.gin",
         f"--gin.ClusterConfig.compile_target='{target}'", "--gin.DEVICES=8",
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
+    ], capsys, monkeypatch)  # fmt: skip
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"t5scale: error: GPU compile target '{target}' is not a GpuTargetConfig XLA can read: "
         "Error parsing text-format stream_executor.GpuTargetConfigProto: 3:8: Message type "
         '"stream_executor.GpuDeviceInfoProto" has no field named "cores".'
@@ -235,22 +263,22 @@ def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
         assert record["analysis"]["compiler"] == "xla:cpu"
 
 
-def test_plan_compile_checks_a_job_as_its_gin_files_give_it():
+def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch):
     job = [
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
         "--gin_file=gin/clusters/h100.gin", "--gin.DEVICES=16", "--gin.PlanConfig.job=True",
         *(f"--gin.{binding}" for binding in SHORT), "--json",
     ]  # fmt: skip
-    done = run_cli(*job, "--gin.TrainConfig.batch_size=32")
-    assert done.returncode == 0, done.stderr
-    (only,) = json.loads(done.stdout)["stages"]
+    code, out, err = cli_inline([*job, "--gin.TrainConfig.batch_size=32"], capsys, monkeypatch)
+    assert code == 0, err
+    (only,) = json.loads(out)["stages"]
     # The job's own stage, batch and mesh: a replica per node, ZeRO inside it.
     assert only["stage"] == 2 and only["batch_size"] == 32
     assert only["mesh"] == {"replica": 2, "zero": 8, "tensor": 1}
     assert only["fits"] and only["kernels"]["gemm"]["count"] > 0
-    bad = run_cli(*job, "--gin.TrainConfig.batch_size=24")
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [  # the progress line (stderr under --json), then
+    code, _, err = cli_inline([*job, "--gin.TrainConfig.batch_size=24"], capsys, monkeypatch)
+    assert code == 2
+    assert err.strip().splitlines() == [  # the progress line (stderr under --json), then
         f"compiling for xla:gpu {H100}, 2 nodes x 8",
         "t5scale: error: global batch 24 is not divisible by data-parallel size 16 × "
         "micro_batches 1 = 16",

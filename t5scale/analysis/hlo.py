@@ -19,6 +19,7 @@ widened is given under "widened_by_backend".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -144,8 +145,10 @@ def parse_instruction(line: str) -> Instruction | None:
     return Instruction(name, result_type, opcode.group(1), operands, rest[end:])
 
 
+@functools.lru_cache(maxsize=1)  # a step's analysis parses one program several times
 def parse_module(hlo_text: str) -> Module:
-    """Split HLO text into its computations (`name (params) -> type { … }` blocks)."""
+    """Split HLO text into its computations (`name (params) -> type { … }` blocks). Callers
+    read the Module and never change it (it is shared)."""
     module = Module(computations={}, entry=None, types={})
     current: list[Instruction] | None = None
     for line in hlo_text.splitlines():

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,6 +79,9 @@ class SimulateConfig:
 ANALYSIS_VERSION = 8
 
 
+_CACHE_WRITE = threading.Lock()
+
+
 def _cache_path() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root, "t5scale", "step_analyses.json")
@@ -122,12 +126,13 @@ def step_analysis(
     targets = topology.devices() if topology else jax.devices()[:devices]
     step = build_setup(staged, targets).compile(memory_budget_bytes=memory_budget_bytes)
     analysis = step.analysis
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    cache[key] = analysis.to_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cache))
-    tmp.replace(path)
+    with _CACHE_WRITE:  # threads of one process (bench/seed_study_predicted.py) add in turn
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        cache[key] = analysis.to_json()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
     return analysis
 
 
@@ -222,17 +227,35 @@ def simulate(
             memory_budget_bytes=int(cluster.device_memory_gb * 1e9),
             topology=cluster.topology(devices) if gpu else None,
         )  # fmt: skip
-        # remat 'auto': what the compiled step chose on this many devices
-        model = dataclasses.replace(run.model, remat=analysis.remat.policy)
-        prediction = (
-            predict_from_program(analysis, model, cluster, overlap=config.overlap)
-            if gpu
-            else predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
-        )
+        prediction = _predict(analysis, run, cluster, config, gpu)
         rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
         show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
              f"node{'s' if nodes > 1 else ''}: {prediction.step_s:.3f} s/step predicted")  # fmt: skip
     return Simulation(run, cluster, config, tuple(rows), "gpu" if gpu else "cpu")
+
+
+def _predict(
+    analysis: StepAnalysis, run: RunConfig, cluster: ClusterConfig, config: SimulateConfig,
+    gpu: bool,
+) -> StepTimePrediction:  # fmt: skip
+    # remat 'auto': what the compiled step chose on this many devices
+    model = dataclasses.replace(run.model, remat=analysis.remat.policy)
+    if gpu:
+        return predict_from_program(analysis, model, cluster, overlap=config.overlap)
+    return predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
+
+
+def with_overlap(result: Simulation, overlap: bool) -> Simulation:
+    """The same compiled steps predicted with or without overlap (the bound), compiling nothing."""
+    config = dataclasses.replace(result.config, overlap=overlap)
+    gpu = result.path == "gpu"
+    rows = tuple(
+        dataclasses.replace(
+            row, prediction=_predict(row.analysis, result.run, result.cluster, config, gpu)
+        )
+        for row in result.rows
+    )
+    return dataclasses.replace(result, config=config, rows=rows)
 
 
 def _row_line(row: SimulatedRow) -> str:
