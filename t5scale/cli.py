@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -264,9 +265,12 @@ def simulate_command(call: Invocation) -> None:
 
 def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
     """Emulated CPU devices even on a GPU host (plan and simulate answer for devices they do
-    not have); progress goes to stderr when stdout is JSON."""
-    jax.config.update("jax_platforms", "cpu")
-    xla_cpu.emulate_cpu_devices(count)
+    not have), unless JAX already runs here (cli.main called in a process that has used it:
+    the devices are then what they are, and a plan that needs more says so); progress goes to
+    stderr when stdout is JSON."""
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        xla_cpu.emulate_cpu_devices(count)
     if as_json:
         return lambda line: print(line, file=sys.stderr, flush=True)
     return print
