@@ -35,7 +35,7 @@ MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid(threads: int = 3) -> dict[tuple[str, str], Simulation]:
+def predict_grid(threads: int = 2) -> dict[tuple[str, str], Simulation]:
     """Each model and cluster in one of `threads` threads: while one compiles, another traces
     or reads its programs in Python, and XLA's optimisation passes use one core each. A
     model's programs on a cluster share most kernels and stay in one thread, which keeps its
@@ -123,7 +123,7 @@ def pivot(results: dict[tuple[str, str], Simulation]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
-    parser.add_argument("--threads", type=int, default=3, help="models compiled at once")
+    parser.add_argument("--threads", type=int, default=2, help="models compiled at once")
     args = parser.parse_args()
     started = time.perf_counter()
     results = predict_grid(args.threads)

@@ -112,8 +112,11 @@ def test_nothing_is_allocated_or_run_for_compile_only_gpus(two_nodes):
 
 def test_reused_kernels_leave_the_program_as_it_was(two_nodes):
     """Stage 3 was compiled after stages 0-2 filled this process's kernel cache: compiled again
-    without the cache, its HLO, schedule and memory are the same."""
-    _, steps, _, _ = two_nodes
+    without the cache, its HLO, schedule and memory are the same. (One precision: the cache
+    knows none, and each recompile takes a quarter of a minute.)"""
+    precision, steps, _, _ = two_nodes
+    if precision != "mixed":
+        pytest.skip("shown on the mixed-precision programs")
     setup = steps[3].setup
     lowered = setup.train_step().lower(setup.state, setup.abstract_batch())
     fresh = lowered.compile(compiler_options=COMPILER_OPTIONS)
