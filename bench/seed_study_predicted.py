@@ -35,11 +35,10 @@ MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid(threads: int = 2) -> dict[tuple[str, str], Simulation]:
-    """Each model and cluster in one of `threads` threads: while one compiles, another traces
-    or reads its programs in Python, and XLA's optimisation passes use one core each. A
-    model's programs on a cluster share most kernels and stay in one thread, which keeps its
-    own XLA kernel cache (t5scale/xla_gpu.py)."""
+def predict_grid() -> dict[tuple[str, str], Simulation]:
+    """Each cluster's models in a thread of its own: one compiles while the other traces and
+    reads its programs in Python (XLA's optimisation passes use one core). Each thread keeps
+    its own XLA kernel cache (t5scale/xla_gpu.py), so it reuses its own kernels as before."""
     configured = {}
     for model in MODELS:
         for cluster in CLUSTERS:  # gin is global: read every configuration before the threads
@@ -48,15 +47,16 @@ def predict_grid(threads: int = 2) -> dict[tuple[str, str], Simulation]:
             run, hardware = build_run_config(), build_study_config("cluster")
             configured[model, cluster] = (run, hardware, build_study_config("simulate"))
 
-    def predict(key: tuple[str, str]) -> Simulation:
-        result = simulate(*configured[key], show=lambda _: None)
-        print(f"{key[0]} on {key[1]}: done", flush=True)
-        return result
+    def predict_cluster(cluster: str) -> dict[tuple[str, str], Simulation]:
+        done = {}
+        for model in MODELS:
+            done[model, cluster] = simulate(*configured[model, cluster], show=lambda _: None)
+            print(f"{model} on {cluster}: done", flush=True)
+        return done
 
-    order = list(configured)[::-1]  # the largest models first: the smallest fill the tail
-    with ThreadPoolExecutor(threads) as pool:
-        results = dict(zip(order, pool.map(predict, order), strict=True))
-    return {key: results[key] for key in configured}
+    with ThreadPoolExecutor(len(CLUSTERS)) as pool:
+        parts = list(pool.map(predict_cluster, CLUSTERS))
+    return {key: part[key] for key in configured for part in parts if key in part}
 
 
 def plot(
@@ -123,10 +123,9 @@ def pivot(results: dict[tuple[str, str], Simulation]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
-    parser.add_argument("--threads", type=int, default=2, help="models compiled at once")
     args = parser.parse_args()
     started = time.perf_counter()
-    results = predict_grid(args.threads)
+    results = predict_grid()
     bound = {key: with_overlap(result, overlap=False) for key, result in results.items()}
     print("\n" + pivot(results))
     for key in ((model, cluster) for cluster in CLUSTERS for model in MODELS):
