@@ -37,23 +37,6 @@ from t5scale.errors import UnsupportedJaxError  # noqa: E402
 xla_cpu.configure_cpu_devices(8)
 
 
-# The test files that take longest, longest first (`--durations`, 2-core machine, 2026-11-26).
-# With `--dist loadfile` a worker takes a whole file at a time, in collection order
-# (`--no-loadscope-reorder` in pyproject.toml keeps xdist from ordering files by their number
-# of tests instead): the long files start first and the short ones fill the tail.
-LONGEST_FIRST = (
-    "test_checkpoint.py", "test_replicas.py", "test_xla_gpu.py", "test_study.py",
-    "test_precision.py", "test_numerics.py", "test_multihost_training.py",
-    "test_steps_per_execution.py", "test_precision_training.py", "test_funnel.py",
-    "test_zero.py", "test_cli.py", "test_data.py", "test_multihost.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-
-
 def pytest_sessionstart(session):
     """Without t5scale's channel-id stand-in (t5scale/xla_cpu.py) a newer JAX would deadlock the
     multi-device tests: stop at once and say why instead."""
