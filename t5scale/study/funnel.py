@@ -9,8 +9,6 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
-import scipy.stats
-
 from t5scale.study.config import Configuration, Point
 from t5scale.study.evidence import Interval, median_interval, samples_needed
 from t5scale.study.records import TrialRecord
@@ -18,6 +16,14 @@ from t5scale.study.records import TrialRecord
 # The study's default: the truly best configuration survives the funnel with this probability
 # (simulated: docs/funnel.md). Each trial's own timing interval is at 95% (evidence.py).
 CONFIDENCE = 0.99
+
+
+def student_t_quantile(probability: float, freedom: int) -> float:
+    """Student's t quantile. scipy.stats is imported here, when a study compares trials:
+    importing it takes a second, which every start of the CLI would otherwise pay."""
+    import scipy.stats
+
+    return float(scipy.stats.t.ppf(probability, freedom))
 
 
 def objective_interval(
@@ -75,7 +81,7 @@ class Comparison:
             return (self.top.low - interval.high) / abs(self.top.median)
         spread, freedom = self.pooled
         compared = len(self.others)
-        t = float(scipy.stats.t.ppf(1 - (1 - self.confidence) / compared, freedom))
+        t = student_t_quantile(1 - (1 - self.confidence) / compared, freedom)
         gap = abs(math.log(abs(self.top.median)) - math.log(abs(interval.median)))
         bound = gap - t * spread * math.sqrt(1 / self.top.samples + 1 / interval.samples)
         return math.expm1(bound)
@@ -129,7 +135,7 @@ def replicated_intervals(
         sum((v - statistics.fmean(values)) ** 2 for v in values) for values in logs.values()
     )
     spread = math.sqrt(squares / freedom)
-    t = float(scipy.stats.t.ppf(1 - (1 - level) / 2, freedom))
+    t = student_t_quantile(1 - (1 - level) / 2, freedom)
     result = []
     sign = -1 if objective == "loss" else 1  # higher is better
     for c, values in logs.items():
