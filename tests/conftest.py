@@ -10,6 +10,7 @@ each session, so each program is still compiled once per run of the suite.
 import functools
 import importlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _session = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+# This process made the cache (the xdist controller, or a run without workers): it removes it.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"t5scale-tests-{_session}")
 )
@@ -45,6 +48,11 @@ from t5scale.errors import UnsupportedJaxError  # noqa: E402
 
 # The tests emulate devices on the CPU, so they apply its workarounds, as the CLI does there.
 xla_cpu.configure_cpu_devices(8)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:  # workers have finished by now; a fresh session compiles afresh anyway
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_sessionstart(session):
