@@ -57,13 +57,12 @@ def _start(model_dir: Path) -> subprocess.Popen:
     )
 
 
-def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum: int) -> int:
-    """Send `signum` once metrics.jsonl shows `step`; return the last step logged by then."""
+def _wait_for_step(process: subprocess.Popen, model_dir: Path, step: int) -> int:
+    """Wait until metrics.jsonl shows `step`; return the last step logged by then."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         logged = _read_metrics(model_dir)
         if logged and logged[-1]["step"] >= step:
-            process.send_signal(signum)
             return logged[-1]["step"]
         assert process.poll() is None, process.communicate()
         time.sleep(0.05)
@@ -71,12 +70,21 @@ def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum:
     raise AssertionError(f"step {step} never came")
 
 
+def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum: int) -> int:
+    """Send `signum` once metrics.jsonl shows `step`; return the last step logged by then."""
+    logged = _wait_for_step(process, model_dir, step)
+    process.send_signal(signum)
+    return logged
+
+
 def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path):
-    reference = _start(tmp_path / "reference")  # runs beside the interrupted chain
     run_dir = tmp_path / "interrupted"
-    events = []
+    events, reference = [], None
     for step, signum in [(3, signal.SIGKILL), (8, signal.SIGTERM)]:
         process = _start(run_dir)
+        if reference is None:  # beside the chain, once its program is in the compilation cache
+            _wait_for_step(process, run_dir, 1)
+            reference = _start(tmp_path / "reference")
         sent_at = _signal_after(process, run_dir, step, signum)
         out, err = process.communicate(timeout=120)
         events.append((signum.name, sent_at, process.returncode))
