@@ -69,10 +69,16 @@ def emulate_cpu_devices(count: int) -> bool:
 
 
 def keep_collectives_in_program_order() -> None:
-    """Append the scheduler flag to XLA_FLAGS unless the user set that option already."""
+    """The scheduler flag in XLA_FLAGS, unless the user set that option already."""
+    add_xla_flag(SCHEDULER_FLAG)
+
+
+def add_xla_flag(flag: str) -> None:
+    """Append `flag` ('--option=value') to XLA_FLAGS unless the user set that option already;
+    before the backend starts, which reads XLA_FLAGS once."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {SCHEDULER_FLAG}".strip()
+    if flag.split("=", 1)[0].lstrip("-") not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
 class _FreshChannelIds(types.ModuleType):

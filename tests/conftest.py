@@ -25,17 +25,6 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"t5scale-tests-{_session}")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# LLVM without its optimisations (for the tests' processes and those they start): the suite
-# compiles some 600 small programs and runs each a few steps, and LLVM's optimisation of the
-# emitted code was a third of each compile (tests/test_zero.py with test_precision_training.py:
-# 185 s -> 125 s). It runs after XLA's passes and buffer assignment, so the programs the tests
-# inspect (HLO, shardings, collectives, memory) are the same; only their machine code is slower.
-# The numerics tests compare programs compiled alike. User runs keep XLA's default level.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
-    )
-
 # t5scale before jax: where jax's CUDA plugin is installed, JAX then starts quietly on the CPU.
 importlib.import_module("t5scale")
 
@@ -48,6 +37,13 @@ from t5scale.errors import UnsupportedJaxError  # noqa: E402
 
 # The tests emulate devices on the CPU, so they apply its workarounds, as the CLI does there.
 xla_cpu.configure_cpu_devices(8)
+# LLVM without its optimisations (for the tests' processes and those they start): the suite
+# compiles some 600 small programs and runs each a few steps, and LLVM's optimisation of the
+# emitted code was a third of each compile (tests/test_zero.py with test_precision_training.py:
+# 185 s -> 125 s). It runs after XLA's passes and buffer assignment, so the programs the tests
+# inspect (HLO, shardings, collectives, memory) are the same; only their machine code is slower.
+# The numerics tests compare programs compiled alike. User runs keep XLA's default level.
+xla_cpu.add_xla_flag("--xla_backend_optimization_level=0")
 
 
 def pytest_sessionfinish(session, exitstatus):
