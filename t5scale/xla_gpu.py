@@ -136,7 +136,8 @@ def compiler_options(devices) -> dict[str, Any]:
 
 
 # A compile-only program's machine code is never loaded, so assembling it is wasted work: XLA
-# runs ptxas once for each new kernel, a process of ~25 ms each, a fifth of a compile here.
+# runs ptxas once for each new kernel, a process of ~25 ms each: 16% of the CPU of a grid's
+# compiles here, kernel cache and all (docs/benchmarks.md).
 # XLA looks for ptxas first in `xla_gpu_cuda_data_dir`/bin; there t5scale puts this stand-in,
 # which writes an empty cubin. Everything t5scale reads (HLO passes, fusion, schedule, buffer
 # assignment, cost analysis) comes before ptxas and is unchanged: tests/test_xla_gpu.py

@@ -125,8 +125,9 @@ def test_reused_kernels_and_the_ptxas_stand_in_leave_the_program_as_it_was(two_n
     """Stage 3 was compiled after stages 0-2 filled this process's kernel cache, with the ptxas
     stand-in: compiled again without the cache and pointed at the real ptxas (XLA may reuse
     machine code it assembled earlier in this process), its HLO, schedule, memory and cost
-    are the same. bench/seed_study_predicted.py shows it on 96 real-size programs, each in a
-    fresh process. (One precision: neither knows one; each recompile takes ~15 s.)"""
+    are the same. At real sizes, bench/seed_study_predicted.py's 96 predictions with the
+    stand-in equal, digit for digit, those made with the real ptxas (docs/benchmarks.md).
+    (One precision: neither knows one; each recompile takes ~15 s.)"""
     precision, steps, _, _ = two_nodes
     if precision != "mixed":
         pytest.skip("shown on the mixed-precision programs")
