@@ -29,11 +29,14 @@ trap 'rm -rf "$state"' EXIT
 for ((i = 0; i < count; i++)); do
   (
     T5SCALE_COORDINATOR_ADDRESS=127.0.0.1:$port T5SCALE_NUM_PROCESSES=$count \
-      T5SCALE_PROCESS_ID=$i "$python" -u -m t5scale.cli "$@" 2>&1 &
+      T5SCALE_PROCESS_ID=$i env -u PYTHONUNBUFFERED "$python" -m t5scale.cli "$@" 2>&1 &
     echo $! >"$state/pid.$i"
     wait $!
     echo $? >"$state/rc.$i"
-    # gloo announces every connection it makes on stdout: noise here
+    # gloo announces every connection it makes on stdout: noise here. (Neither `python -u` nor
+    # PYTHONUNBUFFERED: they unbuffer C's stdout too, gloo's announcement then comes out in
+    # pieces, and a line of t5scale's written between two pieces went with it. t5scale's own
+    # lines are line-buffered.)
   ) | sed -u -e '/^\[Gloo\] Rank [0-9]* is connected to/d' -e "s/^/[p$i] /" &
 done
 pids() { cat "$state"/pid.* 2>/dev/null; }

@@ -412,6 +412,11 @@ _GLOG_FATAL = re.compile(r"^F\d{4} ")  # absl/glog's fatal lines: F<month><day> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
+    # Each line out at once, in one write, also into a pipe or a job's log. (Not `python -u`:
+    # that unbuffers C's stdout as well, and the C++ libraries' messages, gloo's among them,
+    # then come out in pieces that can split a line of ours: launch/local.sh.)
+    if callable(getattr(sys.stdout, "reconfigure", None)):
+        sys.stdout.reconfigure(line_buffering=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     rest, bindings = _split_gin_bindings(argv)
     args = _parser().parse_args(rest)
