@@ -12,7 +12,8 @@ What differs from compiling on the GPU itself (docs/cluster_model.md says more):
 - `xla_gpu_enable_triton_gemm=False`: GEMMs go to cuBLAS(Lt) custom calls. Triton's GEMM tile
   choice needs the autotuner and fails without it ("Couldn't find output tile sizes"); on the
   card XLA may choose a Triton GEMM for some products instead, with the same FLOPs and bytes;
-- no machine code: ptxas is a stand-in (`PTXAS_STAND_IN`), which assembles nothing.
+- no machine code: ptxas is a stand-in (`PTXAS_STAND_IN`), which assembles nothing, and LLVM runs
+  unoptimised (`MACHINE_CODE_UNUSED`).
 """
 
 from __future__ import annotations
@@ -124,15 +125,27 @@ def is_compile_only_gpu(devices) -> bool:
 
 def compiler_options(devices) -> dict[str, Any]:
     """The options of a compile for `devices`: on compile-only GPUs, COMPILER_OPTIONS, this
-    process's kernel cache for their kind of GPU (`kernel_cache_file`) and the ptxas stand-in
-    (`PTXAS_STAND_IN`)."""
+    process's kernel cache for their kind of GPU (`kernel_cache_file`), the ptxas stand-in
+    (`PTXAS_STAND_IN`) and LLVM unoptimised (`MACHINE_CODE_UNUSED`)."""
     devices = list(devices)
     if not is_compile_only_gpu(devices):
         return {}
-    return COMPILER_OPTIONS | {
-        "xla_gpu_kernel_cache_file": kernel_cache_file(devices[0]),
-        "xla_gpu_cuda_data_dir": str(_work_dir()),
-    }
+    return (
+        COMPILER_OPTIONS
+        | MACHINE_CODE_UNUSED
+        | {
+            "xla_gpu_kernel_cache_file": kernel_cache_file(devices[0]),
+            "xla_gpu_cuda_data_dir": str(_work_dir()),
+        }
+    )
+
+
+# A compile-only program's kernels are never run, so optimising their LLVM IR is wasted work:
+# LLVM at -O0 takes 17% less CPU on a cold mt5_base stage-3 compile (docs/benchmarks.md). It
+# changes only the PTX; everything t5scale reads (HLO passes, fusion, schedule, buffer
+# assignment, cost analysis) is done before LLVM runs, and tests/test_xla_gpu.py compiles a
+# program again at LLVM's default level and compares.
+MACHINE_CODE_UNUSED: dict[str, Any] = {"xla_backend_optimization_level": 0}
 
 
 # A compile-only program's machine code is never loaded, so assembling it is wasted work: XLA
