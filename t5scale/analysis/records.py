@@ -170,6 +170,9 @@ class StepAnalysis(JsonRecord):
     # The compiler that made the program, e.g. 'xla:cpu' or 'xla:gpu NVIDIA H100 80GB HBM3,
     # 2 nodes x 8' (compile-only, t5scale/xla_gpu.py); None in files written before it was said.
     compiler: str | None = None
+    # ModelConfig.attention as compiled ('dot' or 'fused'; 'auto' resolved); None in files
+    # written before it was said.
+    attention: str | None = None
     # XLA:GPU's program (compile-only GPUs): its kernels and schedule, what the cluster model's
     # GPU path times (t5scale/cluster_model/gpu_step.py). None from the CPU compiler.
     gpu_program: GpuProgram | None = None

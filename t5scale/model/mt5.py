@@ -25,9 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5scale.model import flash_attention
 from t5scale.model.sizes import ModelConfig
 
 Axes = tuple[str, ...]
+# What a layer's attention gets besides its inputs (Attention.__call__): an array for 'dot',
+# (position bias or None, query segments, key segments) for 'fused'.
+AttentionBias = Any
 NEG_INF = -1e10
 
 
@@ -74,6 +78,9 @@ def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
+    # attend(q, k, v, position bias or None, q segments, k segments, causal): fused attention
+    # (ModelConfig.attention 'fused'), on this device's heads.
+    attend: Callable[..., jax.Array] = flash_attention.attend_locally
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.
@@ -115,8 +122,13 @@ class RMSNorm(_Module):
 
 
 class Attention(_Module):
+    causal: bool = False  # read by the fused kernel; the dot path has it in its mask
+
     @nn.compact
-    def __call__(self, x_q: jax.Array, x_kv: jax.Array, bias: jax.Array) -> jax.Array:
+    def __call__(self, x_q: jax.Array, x_kv: jax.Array, bias) -> jax.Array:
+        """`bias`: for 'dot' attention the additive [batch or 1, heads or 1, q, k] bias with
+        the masks folded in; for 'fused' (position bias [heads, q, k] or None, query segment
+        ids, key segment ids)."""
         d, h, k = self.cfg.d_model, self.cfg.num_heads, self.cfg.d_kv
         # T5 folds 1/sqrt(d_kv) into the query's initial scale instead of scaling the logits.
         wq = self.weight("query", _normal((d * k) ** -0.5), (d, h, k), ("embed", "heads", "kv"))
@@ -127,9 +139,13 @@ class Attention(_Module):
         q = self.constrain(jnp.einsum("bqd,dhk->bqhk", x_q, wq), head_axes)
         key = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wk), head_axes)
         value = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wv), head_axes)
-        logits = jnp.einsum("bqhk,bshk->bhqs", q, key).astype(jnp.float32) + bias
-        probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)
-        context = self.constrain(jnp.einsum("bhqs,bshk->bqhk", probs, value), head_axes)
+        if self.cfg.attention == "fused":
+            context = self.hooks.attend(q, key, value, *bias, causal=self.causal)
+        else:
+            logits = jnp.einsum("bqhk,bshk->bhqs", q, key).astype(jnp.float32) + bias
+            probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)
+            context = jnp.einsum("bhqs,bshk->bqhk", probs, value)
+        context = self.constrain(context, head_axes)
         return jnp.einsum("bqhk,hkd->bqd", context, wo)
 
 
@@ -190,7 +206,7 @@ class RelativePositionBias(_Module):
 
 class EncoderLayer(_Module):
     @nn.compact
-    def __call__(self, x: jax.Array, bias: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, bias: AttentionBias) -> tuple[jax.Array, None]:
         h = RMSNorm(self.cfg, self.hooks, name="pre_attention_norm")(x)
         x = x + Attention(self.cfg, self.hooks, name="attention")(h, h, bias)
         h = RMSNorm(self.cfg, self.hooks, name="pre_mlp_norm")(x)
@@ -201,10 +217,11 @@ class EncoderLayer(_Module):
 class DecoderLayer(_Module):
     @nn.compact
     def __call__(
-        self, y: jax.Array, encoded: jax.Array, self_bias: jax.Array, cross_bias: jax.Array
+        self, y: jax.Array, encoded: jax.Array, self_bias: AttentionBias, cross_bias: AttentionBias
     ) -> tuple[jax.Array, None]:
         h = RMSNorm(self.cfg, self.hooks, name="pre_self_attention_norm")(y)
-        y = y + Attention(self.cfg, self.hooks, name="self_attention")(h, h, self_bias)
+        self_attention = Attention(self.cfg, self.hooks, causal=True, name="self_attention")
+        y = y + self_attention(h, h, self_bias)
         h = RMSNorm(self.cfg, self.hooks, name="pre_cross_attention_norm")(y)
         y = y + Attention(self.cfg, self.hooks, name="cross_attention")(h, encoded, cross_bias)
         h = RMSNorm(self.cfg, self.hooks, name="pre_mlp_norm")(y)
@@ -293,8 +310,11 @@ class Encoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(
             length, length
         )
-        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-        bias = _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        if self.cfg.attention == "fused":  # the kernel masks by segment: no [b, q, k] mask
+            bias = (position_bias[0], segment_ids, segment_ids)
+        else:
+            same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+            bias = _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
         layers = _stack(EncoderLayer, self, self.cfg.num_encoder_layers, 1)
         x, _ = layers(self.cfg, self.hooks, name="layers")(x, bias)
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(x)
@@ -313,18 +333,21 @@ class Decoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(
             length, length
         )
-        causal = np.tril(np.ones((length, length), dtype=bool))[None]
-        same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-        self_bias = (
-            _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
-        )
-        cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
-            encoder_segment_ids[:, None, :] > 0
-        )
+        if self.cfg.attention == "fused":  # the kernel masks by segment and position
+            self_bias = (position_bias[0], segment_ids, segment_ids)
+            cross_bias = (None, segment_ids, encoder_segment_ids)
+        else:
+            causal = np.tril(np.ones((length, length), dtype=bool))[None]
+            same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+            self_bias = (
+                _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+            )
+            cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
+                encoder_segment_ids[:, None, :] > 0
+            )
+            cross_bias = _mask_to_bias(cross_mask)
         layers = _stack(DecoderLayer, self, self.cfg.num_decoder_layers, 3)
-        y, _ = layers(self.cfg, self.hooks, name="layers")(
-            y, encoded, self_bias, _mask_to_bias(cross_mask)
-        )
+        y, _ = layers(self.cfg, self.hooks, name="layers")(y, encoded, self_bias, cross_bias)
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(y)
 
 

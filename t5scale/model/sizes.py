@@ -19,6 +19,7 @@ RematPolicy = Literal["none", "minimal", "full", "auto"]
 # Cheapest first: what `remat = 'auto'` tries until the compiled step fits (t5scale/train/setup.py).
 REMAT_LADDER: tuple[str, ...] = ("none", "minimal", "full")
 DType = Literal["float32", "bfloat16"]
+AttentionKind = Literal["dot", "fused", "auto"]
 
 
 def _mt5(d_model: int, d_ff: int, num_heads: int, layers: int) -> dict[str, int]:
@@ -78,6 +79,11 @@ class ModelConfig:
     # Target tokens per chunk of the output projection and loss (t5scale/model/head.py): None
     # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
     loss_chunk_tokens: int | None = None
+    # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
+    # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
+    # (t5scale/model/flash_attention.py; Triton on GPUs, XLA's interpreter of the same kernel
+    # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built.
+    attention: AttentionKind = "dot"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -101,6 +107,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.loss_chunk_tokens must be None, 0 or positive, got "
                 f"{self.loss_chunk_tokens}"
+            )
+        if self.attention not in ("dot", "fused", "auto"):
+            raise ValueError(
+                f"ModelConfig.attention must be dot, fused or auto, got {self.attention!r}"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from t5scale.model import flash_attention
 from t5scale.model.head import loss_sums, model_loss_sums
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
@@ -167,7 +168,9 @@ def gather_outside_layers(
 def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
     """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs,
     in the parameters' dtype."""
-    hooks = ShardingHooks(constrain=_constrain)
+    hooks = ShardingHooks(
+        constrain=_constrain, attend=functools.partial(flash_attention.attend_on_mesh, layout.mesh)
+    )
     if layout.stage.shard_parameters:
         gather = functools.partial(gather_layer, layout, precision.param_dtype)
         hooks = dataclasses.replace(hooks, gather_layer=gather)

@@ -1,0 +1,480 @@
+"""T5's attention as one fused kernel per pass: a Pallas (Triton) flash attention that takes
+T5's additive position bias and packed segment ids, and never forms a [batch, heads, q, k]
+tensor (docs/attention.md says why this route and not cuDNN's).
+
+    softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
+
+where a query attends to a key when both are in the same packed segment, the key is not
+padding (segment 0) and, for causal attention, the key is not ahead of the query. `bias` is
+[heads, q, k] (the relative position bias, shared by the batch) or None (cross attention).
+
+Forward: one program per (query block, example, head) streams the key blocks with an online
+softmax (FlashAttention-2) and keeps the log-sum-exp. Backward, in two kernels, recomputing the
+probabilities block by block:
+- per (key block, example, head): dk and dv, over the query blocks;
+- per (query block, head): dq for each example in turn, and the bias's gradient summed over
+  the examples in a [q block, k] slab that this program alone writes (deterministic: no atomics).
+Lengths are padded to whole blocks (as padding tokens, masked) and the head dimension to a
+power of two; `interpret=True` runs the same kernels through XLA on any backend (the tests, on
+the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+# Finite: a row with every key masked (a padding query) then gets p = 1 everywhere instead of
+# NaN; its output is never used (nothing attends to padding, and the loss skips it).
+MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tile sizes (powers of two, >= 16 for Triton's dot), and Triton's warps per program."""
+
+    q: int = 64
+    k: int = 64
+    num_warps: int = 4
+
+
+def _allowed(q_segments, k_segments, q_start, k_start, causal: bool):
+    """[q block, k block]: which query may attend to which key."""
+    allowed = (q_segments[:, None] == k_segments[None, :]) & (k_segments[None, :] > 0)
+    if causal:
+        q_pos = q_start + lax.broadcasted_iota(jnp.int32, allowed.shape, 0)
+        k_pos = k_start + lax.broadcasted_iota(jnp.int32, allowed.shape, 1)
+        allowed = allowed & (k_pos <= q_pos)
+    return allowed
+
+
+def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    # float32 inputs stay float32 (no TF32): the fp32 path must match the einsum's numerics
+    exact = a.dtype == jnp.float32
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=not exact)
+
+
+def _logits(q, k, bias_ref, rows, columns):
+    logits = _dot(q, k, trans_b=True)
+    if bias_ref is not None:
+        logits = logits + bias_ref[rows, columns].astype(jnp.float32)
+    return logits
+
+
+def _key_blocks(q_block: int, block_q: int, block_k: int, length: int, causal: bool):
+    """How many key blocks query block `q_block` reads: up to its diagonal when causal."""
+    if causal:
+        return lax.div((q_block + 1) * block_q + block_k - 1, block_k)
+    return length // block_k
+
+
+def _forward_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
+    q_ref, k_ref, v_ref, *refs = refs
+    bias_ref = refs.pop(0) if has_bias else None
+    q_segments_ref, k_segments_ref, out_ref, lse_ref = refs
+    block_q, length = q_ref.shape[0], k_ref.shape[0]
+    q_block = pl.program_id(0)
+    q, q_segments = q_ref[...], q_segments_ref[...]
+
+    def step(j, carry):
+        acc, running_max, total = carry
+        keys = pl.ds(j * block_k, block_k)
+        logits = _logits(q, k_ref[keys, :], bias_ref, slice(None), keys)
+        allowed = _allowed(q_segments, k_segments_ref[keys], q_block * block_q, j * block_k, causal)
+        logits = jnp.where(allowed, logits, MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+        p = jnp.exp(logits - new_max[:, None])
+        rescale = jnp.exp(running_max - new_max)
+        total = total * rescale + jnp.sum(p, axis=1)
+        v = v_ref[keys, :]
+        acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, new_max, total
+
+    start = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    blocks = _key_blocks(q_block, block_q, block_k, length, causal)
+    acc, running_max, total = lax.fori_loop(0, blocks, step, start)
+    out_ref[...] = (acc / total[:, None]).astype(out_ref.dtype)
+    lse_ref[...] = running_max + jnp.log(total)
+
+
+def _probabilities(q, k, bias_ref, rows, columns, lse, allowed):
+    logits = _logits(q, k, bias_ref, rows, columns)
+    return jnp.where(allowed, jnp.exp(logits - lse[:, None]), 0.0)
+
+
+def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int):
+    q_ref, k_ref, v_ref, *refs = refs
+    bias_ref = refs.pop(0) if has_bias else None
+    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+    block_k, length = k_ref.shape[0], q_ref.shape[0]
+    k_block = pl.program_id(0)
+    k, v, k_segments = k_ref[...], v_ref[...], k_segments_ref[...]
+    keys = pl.ds(k_block * block_k, block_k)
+
+    def step(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * block_q, block_q)
+        q, d_out = q_ref[rows, :], d_out_ref[rows, :]
+        allowed = _allowed(q_segments_ref[rows], k_segments, i * block_q, k_block * block_k, causal)
+        p = _probabilities(q, k, bias_ref, rows, slice(None), lse_ref[rows], allowed)
+        dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
+        d_logits = p * (_dot(d_out, v, trans_b=True) - delta_ref[rows][:, None])
+        dk = dk + _dot(d_logits.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    del keys
+    first = lax.div(k_block * block_k, block_q) if causal else 0
+    start = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(first, length // block_q, step, start)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
+    q_ref, k_ref, v_ref, *refs = refs
+    bias_ref = refs.pop(0) if has_bias else None
+    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *d_bias = refs
+    batch, block_q, length = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
+    q_block = pl.program_id(0)
+    blocks = _key_blocks(q_block, block_q, block_k, length, causal)
+
+    def example(b, carry):
+        q, d_out, lse, delta = q_ref[b], d_out_ref[b], lse_ref[b], delta_ref[b]
+        q_segments = q_segments_ref[b]
+
+        def step(j, dq):
+            keys = pl.ds(j * block_k, block_k)
+            k, v = k_ref[b, keys, :], v_ref[b, keys, :]
+            allowed = _allowed(
+                q_segments, k_segments_ref[b, keys], q_block * block_q, j * block_k, causal
+            )
+            p = _probabilities(q, k, bias_ref, slice(None), keys, lse, allowed)
+            d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
+            if has_bias:  # this program alone writes these rows: add example b's share
+                (d_bias_ref,) = d_bias
+                earlier = d_bias_ref[:, keys]
+                d_bias_ref[:, keys] = jnp.where(b > 0, earlier, 0.0) + d_logits
+            return dq + _dot(d_logits.astype(k.dtype), k)
+
+        dq = lax.fori_loop(0, blocks, step, jnp.zeros(q.shape, jnp.float32))
+        dq_ref[b] = dq.astype(dq_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, batch, example, 0)
+    if has_bias and causal:  # keys past the diagonal were never visited: no gradient there
+        (d_bias_ref,) = d_bias
+
+        def clear(j, carry):
+            d_bias_ref[:, pl.ds(j * block_k, block_k)] = jnp.zeros((block_q, block_k))
+            return carry
+
+        lax.fori_loop(blocks, length // block_k, clear, 0)
+
+
+def _specs(block_shape, index_map):
+    return pl.BlockSpec(block_shape, index_map)
+
+
+def _result(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """An output of a kernel: varying over the same manual mesh axes as `like` (inside a
+    shard_map, which checks it)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
+    batch, q_len, heads, dim = q.shape
+    k_len = k.shape[1]
+    has_bias = bias is not None
+    in_specs = [
+        _specs((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
+        _specs((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
+        _specs((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
+    ]
+    if has_bias:
+        in_specs.append(_specs((None, blocks.q, k_len), lambda i, b, h: (h, i, 0)))
+    in_specs += [
+        _specs((None, blocks.q), lambda i, b, h: (b, i)),
+        _specs((None, k_len), lambda i, b, h: (b, 0)),
+    ]
+    kernel = functools.partial(_forward_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(q_len // blocks.q, batch, heads),
+        in_specs=in_specs,
+        out_specs=[
+            _specs((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
+            _specs((None, None, blocks.q), lambda i, b, h: (b, h, i)),
+        ],
+        out_shape=[
+            _result(q.shape, q.dtype, q),
+            _result((batch, heads, q_len), jnp.float32, q),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
+        interpret=interpret,
+        name="t5_attention_forward",
+    )(q, k, v, *([bias] if has_bias else []), q_segments, k_segments)
+    return out, lse
+
+
+def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret):
+    batch, q_len, heads, dim = q.shape
+    k_len = k.shape[1]
+    has_bias = bias is not None
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
+    bias_args = [bias] if has_bias else []
+
+    # dk, dv: one program per (key block, example, head)
+    in_specs = [
+        _specs((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
+        _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
+        _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
+    ]
+    if has_bias:
+        in_specs.append(_specs((None, q_len, blocks.k), lambda j, b, h: (h, 0, j)))
+    in_specs += [
+        _specs((None, q_len), lambda j, b, h: (b, 0)),
+        _specs((None, blocks.k), lambda j, b, h: (b, j)),
+        _specs((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
+        _specs((None, None, q_len), lambda j, b, h: (b, h, 0)),
+        _specs((None, None, q_len), lambda j, b, h: (b, h, 0)),
+    ]
+    kv_spec = _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, causal=causal, has_bias=has_bias, block_q=blocks.q),
+        grid=(k_len // blocks.k, batch, heads),
+        in_specs=in_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[_result(k.shape, k.dtype, q), _result(v.shape, v.dtype, q)],
+        compiler_params=params,
+        interpret=interpret,
+        name="t5_attention_backward_dkv",
+    )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
+
+    # dq and the bias's gradient: one program per (query block, head), the examples in turn
+    in_specs = [
+        _specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
+        _specs((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
+        _specs((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
+    ]
+    if has_bias:
+        in_specs.append(_specs((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+    in_specs += [
+        _specs((batch, blocks.q), lambda i, h: (0, i)),
+        _specs((batch, k_len), lambda i, h: (0, 0)),
+        _specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
+        _specs((batch, None, blocks.q), lambda i, h: (0, h, i)),
+        _specs((batch, None, blocks.q), lambda i, h: (0, h, i)),
+    ]
+    out_specs = [_specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0))]
+    out_shape = [_result(q.shape, q.dtype, q)]
+    if has_bias:
+        out_specs.append(_specs((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+        out_shape.append(_result(bias.shape, jnp.float32, q))
+    dq, *d_bias = pl.pallas_call(
+        functools.partial(_dq_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k),
+        grid=(q_len // blocks.q, heads),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name="t5_attention_backward_dq",
+    )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
+    d_bias = d_bias[0].astype(bias.dtype) if has_bias else None
+    return dq, dk, dv, d_bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
+    return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)[0]
+
+
+def _attention_forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
+    out, lse = _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
+    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
+
+
+def _attention_backward(causal, blocks, interpret, residuals, d_out):
+    q, k, v, bias, q_segments, k_segments, out, lse = residuals
+    dq, dk, dv, d_bias = _backward(
+        q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret
+    )
+    no_gradient = np.zeros(q_segments.shape, jax.dtypes.float0)
+    return dq, dk, dv, d_bias, no_gradient, np.zeros(k_segments.shape, jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def _padded_length(length: int, block: int) -> int:
+    return -(-length // block) * block
+
+
+def _block(length: int, preferred: int) -> int:
+    """The preferred block, or for a shorter sequence the power of two that covers it (>= 16)."""
+    return min(preferred, max(16, pl.next_power_of_2(length)))
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+    blocks: Blocks = Blocks(),
+    interpret: bool = False,
+    mesh: Mesh | None = None,
+) -> jax.Array:
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
+    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
+    [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias. With a `mesh`, inside
+    its data-parallel shard_map, each device runs the kernels on its heads (`_on_heads`)."""
+    q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
+    if causal and q_len != k_len:
+        raise ValueError(f"causal attention needs as many queries as keys, got {q_len}, {k_len}")
+    blocks = dataclasses.replace(blocks, q=_block(q_len, blocks.q), k=_block(k_len, blocks.k))
+    if causal:  # the diagonal walk assumes one block size
+        blocks = dataclasses.replace(blocks, k=blocks.q)
+    padded_q, padded_k = _padded_length(q_len, blocks.q), _padded_length(k_len, blocks.k)
+    padded_dim = max(16, pl.next_power_of_2(dim))
+
+    def pad(x, length):
+        return jnp.pad(x, [(0, 0), (0, length - x.shape[1]), (0, 0), (0, padded_dim - dim)])
+
+    q_segments = jnp.pad(q_segments.astype(jnp.int32), [(0, 0), (0, padded_q - q_len)])
+    k_segments = jnp.pad(k_segments.astype(jnp.int32), [(0, 0), (0, padded_k - k_len)])
+    if bias is not None:
+        bias = jnp.pad(bias, [(0, 0), (0, padded_q - q_len), (0, padded_k - k_len)])
+    arguments = (pad(q, padded_q), pad(k, padded_k), pad(v, padded_k), bias, q_segments, k_segments)
+    if mesh is None:
+        out = _attention(*arguments, causal, blocks, interpret)
+    else:
+        out = _attention_on_heads(*arguments, mesh, causal, blocks, interpret)
+    return out[:, :q_len, :, :dim]
+
+
+def attend_locally(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`flash_attention` on this device's whole arrays: compiled by Triton where the default
+    backend is a GPU, interpreted (the same kernels, through XLA) elsewhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x marked as varying over the manual mesh axes `like` varies over (a value out of a
+    shard_map that does not check them has lost that mark)."""
+    missing = tuple(
+        set(jax.typeof(like).manual_axis_type.varying) - set(jax.typeof(x).manual_axis_type.varying)
+    )
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _on_heads(mesh, function, arguments, in_specs, out_specs):
+    """`function` on each device's heads: a shard_map over `tensor` (the only axis XLA still
+    partitions inside the train step's data-parallel shard_map). It does not check which values
+    vary over the manual axes: Pallas's interpreter cannot yet carry that through its loops;
+    the callers mark their results again (`_varying_like`)."""
+    return jax.shard_map(
+        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"},
+        check_vma=False,
+    )(*arguments)  # fmt: skip
+
+
+_HEADS = P(None, None, "tensor", None)
+_PER_HEAD = P(None, "tensor")  # lse [batch, heads, q]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret):
+    return _attention_on_heads_forward(
+        q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret
+    )[0]
+
+
+def _attention_on_heads_forward(
+    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret
+):
+    def forward(q, k, v, bias, q_segments, k_segments):
+        return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
+
+    bias_spec = None if bias is None else P("tensor")
+    out, lse = _on_heads(
+        mesh, forward, (q, k, v, bias, q_segments, k_segments),
+        (_HEADS, _HEADS, _HEADS, bias_spec, P(), P()), (_HEADS, _PER_HEAD),
+    )  # fmt: skip
+    out = _varying_like(out, q)
+    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
+
+
+def _attention_on_heads_backward(mesh, causal, blocks, interpret, residuals, d_out):
+    q, k, v, bias, q_segments, k_segments, out, lse = residuals
+
+    def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
+        return _backward(
+            q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret
+        )
+
+    bias_spec = None if bias is None else P("tensor")
+    dq, dk, dv, d_bias = _on_heads(
+        mesh, backward, (q, k, v, bias, q_segments, k_segments, out, lse, d_out),
+        (_HEADS, _HEADS, _HEADS, bias_spec, P(), P(), _HEADS, _PER_HEAD, _HEADS),
+        (_HEADS, _HEADS, _HEADS, bias_spec),
+    )  # fmt: skip
+    dq, dk, dv = (_varying_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    if bias is not None:
+        d_bias = _varying_like(d_bias, bias)
+    return (
+        dq, dk, dv, d_bias,
+        np.zeros(q_segments.shape, jax.dtypes.float0),
+        np.zeros(k_segments.shape, jax.dtypes.float0),
+    )  # fmt: skip
+
+
+_attention_on_heads.defvjp(_attention_on_heads_forward, _attention_on_heads_backward)
+
+
+def attend_on_mesh(
+    mesh: Mesh,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+) -> jax.Array:
+    """`flash_attention` inside the train step's data-parallel shard_map, where each device
+    already holds its examples: a kernel is opaque to XLA's partitioner, so each device runs it
+    on its own heads (`_on_heads`)."""
+    interpret = mesh.devices.flat[0].platform != "gpu"
+    inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
+    mesh = mesh if inside.empty else inside
+    return flash_attention(
+        q, k, v, bias, q_segments, k_segments, causal, interpret=interpret, mesh=mesh
+    )

@@ -1,0 +1,150 @@
+"""The fused attention kernel (t5scale/model/flash_attention.py): the same kernels, run by
+Pallas's interpreter on the CPU, against the einsum path's own arithmetic (packed segments,
+padding, causal, odd and unequal lengths, the bias and its gradient); and the train step that
+uses them, compiled for H100s (Triton) without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_MODEL, tiny_setup
+
+from t5scale.config import build_run_config, parse_gin
+from t5scale.errors import ConfigError
+from t5scale.model.flash_attention import Blocks, flash_attention
+from t5scale.model.mt5 import NEG_INF
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.startup import cuda_plugin_installed
+from t5scale.study.weak_scaling import WeakScaling
+from t5scale.train.setup import build_setup
+
+
+def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
+    """What mt5.Attention computes with attention='dot': the masks folded into an additive
+    bias, a float32 softmax over the [batch, heads, q, k] scores."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias[None]
+    allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
+    if causal:
+        allowed = allowed & np.tril(np.ones((q.shape[1], k.shape[1]), bool))[None]
+    logits = logits + jnp.where(allowed, 0.0, NEG_INF)[:, None]
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def packed_segments(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """Rows of 3 packed examples of random lengths (segments 1, 2, 3) and a padding tail."""
+    rows = np.zeros((batch, length), np.int32)
+    for row in rows:
+        cuts = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
+        row[:] = np.searchsorted(cuts, np.arange(length), side="right") + 1
+        row[cuts[-1] :] = 0
+    return rows
+
+
+# (what, causal, bias, query length, key length): the encoder's, the decoder's and the cross
+# attention, at odd lengths that are not whole blocks, and one over several diagonal blocks.
+CASES = [
+    ("encoder", False, True, 37, 37),
+    ("decoder", True, True, 37, 37),
+    ("cross", False, False, 13, 37),
+    ("decoder, 7 blocks", True, True, 100, 100),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("what", "causal", "with_bias", "q_len", "k_len"), CASES)
+def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len, dtype):
+    rng = np.random.default_rng(len(what))
+    batch, heads, dim = 2, 3, 16
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(batch, n, heads, dim)), dtype) for n in (q_len, k_len, k_len)
+    )
+    bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
+    q_segments = packed_segments(rng, batch, q_len)
+    k_segments = q_segments if q_len == k_len else packed_segments(rng, batch, k_len)
+    valid = jnp.asarray(q_segments > 0)[:, :, None, None]  # padding queries' outputs are unused
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
+
+    def fused(q, k, v, bias):
+        blocks = Blocks(q=16, k=16)  # several blocks per row, and padded ones
+        return flash_attention(q, k, v, bias, q_segments, k_segments, causal, blocks, True)
+
+    def einsum(q, k, v, bias):
+        return einsum_attention(q, k, v, bias, q_segments, k_segments, causal)
+
+    def loss(attend, *arguments):
+        return jnp.sum(attend(*arguments).astype(jnp.float32) * weights)
+
+    wrt = (0, 1, 2, 3) if with_bias else (0, 1, 2)
+    got = jax.grad(lambda *a: loss(fused, *a), argnums=wrt)(q, k, v, bias)
+    want = jax.grad(lambda *a: loss(einsum, *a), argnums=wrt)(q, k, v, bias)
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    out, reference = fused(q, k, v, bias), einsum(q, k, v, bias)
+    assert out.dtype == q.dtype and out.shape == q.shape
+
+    def relative(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return np.max(np.abs(a - b)) / np.max(np.abs(b))
+
+    assert relative(out * valid, reference * valid) <= tolerance
+    for name, a, b in zip(["dq", "dk", "dv", "d_bias"], got, want, strict=False):
+        assert relative(a, b) <= tolerance, name
+
+
+def test_fused_attention_on_cpu_devices_is_one_clear_error():
+    model = dataclasses.replace(TINY_MODEL, attention="fused")
+    with pytest.raises(ConfigError, match="attention='fused' needs GPUs"):
+        tiny_setup(ParallelConfig(zero_stage=3), model=model)
+    auto = tiny_setup(
+        ParallelConfig(zero_stage=3), model=dataclasses.replace(model, attention="auto")
+    )
+    assert auto.run.model.attention == "dot"  # 'auto' on the CPU: the einsum path
+
+
+def test_an_unknown_attention_is_rejected():
+    with pytest.raises(ValueError, match="attention must be dot, fused or auto"):
+        ModelConfig(name="mt5_tiny", attention="flash")
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (test extra)")
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
+    """mt5_tiny at ZeRO 3 on 2 nodes × 8 H100s, 3 examples per GPU (compiled, not run), mixed
+    precision: with
+    'auto' the step is the fused one, Triton's kernels for every attention, forward and
+    backward, and no [batch, heads, q, k] tensor, which the einsum path has."""
+    from t5scale.xla_gpu import GpuTopology
+
+    topology = GpuTopology("h100_sxm", nodes=2, gpus_per_node=8)
+    programs = {}
+    for attention in ("auto", "dot"):
+        parse_gin(
+            ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
+            ["INPUT_LENGTH=64", "TARGET_LENGTH=15", f"ModelConfig.attention='{attention}'"],
+            [],
+        )
+        scaling = WeakScaling(3, topology.size, 3, tensor=tensor, hosts=topology.nodes)
+        setup = build_setup(scaling.run(build_run_config()), topology.devices())
+        step = setup.compile()
+        assert step.analysis.attention == setup.run.model.attention  # step_analysis.json's
+        programs[setup.run.model.attention] = step.compiled
+    fused, dot = programs["fused"].as_text(), programs["dot"].as_text()
+    kernels = set(re.findall(r"t5_attention_(?:forward|backward_dkv|backward_dq)", fused))
+    assert kernels == {
+        "t5_attention_forward",
+        "t5_attention_backward_dkv",
+        "t5_attention_backward_dq",
+    }
+    heads = 4 // tensor
+    scores = re.compile(rf"\[3,{heads},(64|15|16),(64|15|16)\]")  # per device: 3 examples
+    assert scores.search(dot) and not scores.search(fused)
+    temporaries = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
+    assert temporaries["fused"] < temporaries["dot"]
