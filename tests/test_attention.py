@@ -12,16 +12,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, tiny_setup
+from conftest import (
+    TINY_MODEL,
+    assert_same_parameters,
+    one_device_reference,
+    tiny_setup,
+    train_tiny,
+)
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.errors import ConfigError
 from t5scale.model.flash_attention import Blocks, flash_attention
 from t5scale.model.mt5 import NEG_INF
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.startup import cuda_plugin_installed
 from t5scale.study.weak_scaling import WeakScaling
+from t5scale.train.precision import PrecisionConfig
 from t5scale.train.setup import build_setup
 
 
@@ -99,14 +105,38 @@ def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len
         assert relative(a, b) <= tolerance, name
 
 
-def test_fused_attention_on_cpu_devices_is_one_clear_error():
-    model = dataclasses.replace(TINY_MODEL, attention="fused")
-    with pytest.raises(ConfigError, match="attention='fused' needs GPUs"):
-        tiny_setup(ParallelConfig(zero_stage=3), model=model)
-    auto = tiny_setup(
-        ParallelConfig(zero_stage=3), model=dataclasses.replace(model, attention="auto")
-    )
-    assert auto.run.model.attention == "dot"  # 'auto' on the CPU: the einsum path
+def test_auto_attention_is_the_einsum_path_on_cpu_devices():
+    model = dataclasses.replace(TINY_MODEL, attention="auto")
+    assert tiny_setup(ParallelConfig(zero_stage=3), model=model).run.model.attention == "dot"
+
+
+# On CPU devices the fused step gives `reference_attention` exactly what the kernels would get
+# (t5scale/model/flash_attention.py, attend_on_mesh): padded to blocks, the segments, the bias
+# [heads, q, k], each device's heads. Trained 5 steps it must end where the einsum path ends:
+# in fp32 the one-device reference every layout reproduces (conftest.py), in mixed precision the
+# einsum path on the same mesh, by the losses within bf16's tolerance, as
+# test_precision_training.py compares layouts.
+@pytest.mark.parametrize(
+    ("stage", "tensor", "precision"),
+    [(3, 2, "fp32"), (1, 2, "mixed"),
+     pytest.param(0, 2, "fp32", marks=pytest.mark.slow),
+     pytest.param(2, 2, "fp32", marks=pytest.mark.slow),
+     pytest.param(3, 1, "mixed", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_the_fused_step_trains_like_the_einsum_step(stage, tensor, precision):
+    parallel = ParallelConfig(zero_stage=stage, tensor=tensor)
+    if precision == "fp32":
+        changes, tolerance = {}, 1e-5
+        want_losses, want_params = one_device_reference()
+    else:
+        changes = {"precision": PrecisionConfig(mode="mixed")}
+        changes["model"], tolerance = dataclasses.replace(TINY_MODEL, dtype="bfloat16"), 1e-3
+        want_losses, want_params = train_tiny(parallel, **changes)
+    model = dataclasses.replace(changes.pop("model", TINY_MODEL), attention="fused")
+    losses, params = train_tiny(parallel, model=model, **changes)
+    np.testing.assert_allclose(losses, want_losses, rtol=tolerance)
+    if precision == "fp32":  # bf16's rounding leaves parameters alike only in their losses
+        assert_same_parameters(params, want_params, tolerance)
 
 
 def test_an_unknown_attention_is_rejected():
@@ -148,3 +178,30 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
     assert scores.search(dot) and not scores.search(fused)
     temporaries = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
     assert temporaries["fused"] < temporaries["dot"]
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (test extra)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernels_are_priced_as_attention(causal):
+    """The cluster model's inventory (t5scale/analysis/kernels.py) of a compile-only H100
+    program: one forward and two backward kernels, by hand 2·B·N·T·S·H = 2·2·4·128·128·64 per
+    product, 2 + 4 + 3 products, causal ones over 3 of the 4 block pairs (two blocks of 64)."""
+    from t5scale.analysis.kernels import gpu_program
+    from t5scale.xla_gpu import GpuTopology, compiler_options
+
+    device = GpuTopology("h100_sxm").devices()[0]
+    placed = jax.sharding.SingleDeviceSharding(device)
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16, sharding=placed)
+    bias = jax.ShapeDtypeStruct((4, 128, 128), jnp.float32, sharding=placed)
+    segments = jax.ShapeDtypeStruct((2, 128), jnp.int32, sharding=placed)
+
+    def loss(q, k, v, bias, segments):
+        out = flash_attention(q, k, v, bias, segments, segments, causal)
+        return jnp.sum(out.astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, q, q, bias, segments)
+    compiled = lowered.compile(compiler_options=compiler_options([device]))
+    attention = gpu_program(compiled.as_text()).inventory.attention
+    per_product = 2 * 2 * 4 * 128 * 128 * 64
+    assert attention.count == 3
+    assert attention.flops == pytest.approx(per_product * 9 * (3 / 4 if causal else 1))

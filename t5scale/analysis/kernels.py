@@ -10,7 +10,8 @@
   trip count XLA:GPU's WhileThunk never runs the condition, so its kernels are not counted; a
   loop of unknown trip count has its body and condition counted once, and is noted;
 - classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention`
-  (cuDNN's fused attention, `__cudnn$fmha…`), `copy` (kernels that move data and compute
+  (cuDNN's fused attention, `__cudnn$fmha…`, and t5scale's own kernels, Triton custom calls
+  named `t5_attention_…`: t5scale/model/flash_attention.py), `copy` (kernels that move data and compute
   nothing: copy, transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made
   only of those, index arithmetic on scalars aside; so layout changes, cuBLAS's operand padding
   and the layer scans' stacking and unstacking, which XLA runs as dynamic-slice fusions, are
@@ -23,7 +24,9 @@
   `s8`/`u8` workspaces) are left out;
 - FLOPs: a GEMM's 2 × result elements × contracted size; fused attention 2 × B·N·T·S·H per
   product, two products forward and five backward (the four gradient products and the scores
-  recomputed, as flash attention runs it);
+  recomputed, as flash attention runs it); t5scale's kernels two forward, four for dk and dv
+  and three for dq (each recomputes the scores), causal ones only up to the diagonal block:
+  a share (n + 1) / 2n of the blocks, n the blocks along the grid's first axis;
 - collectives: an async `-start`/`-done` pair is one collective, counted at its start, with the
   kernels scheduled between the two in the same computation: those it can hide behind. A pair
   the scheduler left nothing between is marked `is_sync` by XLA and runs on the compute stream,
@@ -82,6 +85,11 @@ _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
+# t5scale's attention kernels (t5scale/model/flash_attention.py) by the name in their metadata,
+# and the products each makes per block pair of scores.
+_T5_ATTENTION = re.compile(r"t5_attention_(forward|backward_dkv|backward_dq)(_causal)?")
+_T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3}
+_GRID_X = re.compile(r"\bgrid_x = (\d+)")
 _DEVICES = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 
 
@@ -279,6 +287,10 @@ class _Reader:
             if "fmha" in target:
                 flops = _attention_flops(first, attributes, "Backward" in target)
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
+            if target.endswith("triton") and (named := _T5_ATTENTION.search(attributes)):
+                keys = self.type_of(instruction.operands[1])
+                flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
+                return Kernel("attention", 0, flops, read, written, dtype_of(first))
             return Kernel("other", 0, 0.0, read, written)
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
@@ -445,6 +457,22 @@ def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:
         return 0.0
     contracted = math.prod(lhs_shape[1][d] for d in _numbers(contracting.group(1)))
     return 2.0 * math.prod(out_shape[1]) * contracted
+
+
+def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match | None) -> float:
+    """t5scale's attention kernels: per product 2·B·N·T·S·H from q [B, T, N, H] and k [B, S,
+    N, H], times the products of the pass (`_T5_ATTENTION_PRODUCTS`), and for causal ones the
+    share (n + 1) / 2n of block pairs up to the diagonal, n the grid's blocks along its first
+    axis (query blocks forward and for dq, key blocks for dk and dv)."""
+    q_shape, k_shape = _elements(query), _elements(keys)
+    if not (q_shape and k_shape) or len(q_shape[1]) != 4:
+        return 0.0
+    (batch, q_len, heads, dim), k_len = q_shape[1], k_shape[1][1]
+    flops = 2.0 * batch * heads * q_len * k_len * dim * _T5_ATTENTION_PRODUCTS[named.group(1)]
+    if named.group(2) and grid_x:
+        blocks = int(grid_x.group(1))
+        flops *= (blocks + 1) / (2 * blocks)
+    return flops
 
 
 def _attention_flops(query: str, attributes: str, backward: bool) -> float:

@@ -224,7 +224,7 @@ def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
         ],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
         interpret=interpret,
-        name="t5_attention_forward",
+        name="t5_attention_forward" + ("_causal" if causal else ""),
     )(q, k, v, *([bias] if has_bias else []), q_segments, k_segments)
     return out, lse
 
@@ -261,7 +261,7 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
         out_shape=[_result(k.shape, k.dtype, q), _result(v.shape, v.dtype, q)],
         compiler_params=params,
         interpret=interpret,
-        name="t5_attention_backward_dkv",
+        name="t5_attention_backward_dkv" + ("_causal" if causal else ""),
     )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
 
     # dq and the bias's gradient: one program per (query block, head), the examples in turn
@@ -292,7 +292,7 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
-        name="t5_attention_backward_dq",
+        name="t5_attention_backward_dq" + ("_causal" if causal else ""),
     )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
     d_bias = d_bias[0].astype(bias.dtype) if has_bias else None
     return dq, dk, dv, d_bias
@@ -329,22 +329,9 @@ def _block(length: int, preferred: int) -> int:
     return min(preferred, max(16, pl.next_power_of_2(length)))
 
 
-def flash_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bias: jax.Array | None,
-    q_segments: jax.Array,
-    k_segments: jax.Array,
-    causal: bool = False,
-    blocks: Blocks = Blocks(),
-    interpret: bool = False,
-    mesh: Mesh | None = None,
-) -> jax.Array:
-    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
-    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
-    [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias. With a `mesh`, inside
-    its data-parallel shard_map, each device runs the kernels on its heads (`_on_heads`)."""
+def _to_blocks(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
+    """The arguments as the kernels take them (lengths in whole blocks, the padding as segment
+    0; the head dimension a power of two >= 16), and the blocks for these lengths."""
     q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
     if causal and q_len != k_len:
         raise ValueError(f"causal attention needs as many queries as keys, got {q_len}, {k_len}")
@@ -362,11 +349,56 @@ def flash_attention(
     if bias is not None:
         bias = jnp.pad(bias, [(0, 0), (0, padded_q - q_len), (0, padded_k - k_len)])
     arguments = (pad(q, padded_q), pad(k, padded_k), pad(v, padded_k), bias, q_segments, k_segments)
-    if mesh is None:
-        out = _attention(*arguments, causal, blocks, interpret)
-    else:
-        out = _attention_on_heads(*arguments, mesh, causal, blocks, interpret)
-    return out[:, :q_len, :, :dim]
+    return arguments, blocks
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+    blocks: Blocks = Blocks(),
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
+    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
+    [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
+    arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, blocks)
+    out = _attention(*arguments, causal, blocks, interpret)
+    return out[:, : q.shape[1], :, : q.shape[3]]
+
+
+def reference_attention(q, k, v, bias, q_segments, k_segments, causal: bool = False):
+    """What the kernels compute, as einsums over the [batch, heads, q, k] scores in XLA."""
+    p = _reference_probabilities(q, k, bias, q_segments, k_segments, causal)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
+
+
+def _reference_probabilities(q, k, bias, q_segments, k_segments, causal: bool):
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias[None].astype(jnp.float32)
+    allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None]
+    return jax.nn.softmax(jnp.where(allowed[:, None], logits, MASKED), axis=-1)
+
+
+def _reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal: bool):
+    """reference_attention's gradients in closed form, the kernels' arithmetic: dv = pᵀ·dout,
+    ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds."""
+    p = _reference_probabilities(q, k, bias, q_segments, k_segments, causal)
+    d_out32 = d_out.astype(jnp.float32)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, d_out32)
+    d_p = jnp.einsum("bqhd,bkhd->bhqk", d_out32, v.astype(jnp.float32))
+    d_logits = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
+    dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits, k.astype(jnp.float32))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
+    d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
 
 
 def attend_locally(
@@ -377,12 +409,10 @@ def attend_locally(
     q_segments: jax.Array,
     k_segments: jax.Array,
     causal: bool = False,
-    interpret: bool | None = None,
 ) -> jax.Array:
-    """`flash_attention` on this device's whole arrays: compiled by Triton where the default
-    backend is a GPU, interpreted (the same kernels, through XLA) elsewhere."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    """The model's default `attend` (no mesh): `flash_attention` on the whole arrays, compiled
+    by Triton where the default backend is a GPU, run by Pallas's interpreter elsewhere."""
+    interpret = jax.default_backend() != "gpu"
     return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)
 
 
@@ -395,56 +425,68 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _on_heads(mesh, function, arguments, in_specs, out_specs):
-    """`function` on each device's heads: a shard_map over `tensor` (the only axis XLA still
-    partitions inside the train step's data-parallel shard_map). It does not check which values
-    vary over the manual axes: Pallas's interpreter cannot yet carry that through its loops;
-    the callers mark their results again (`_varying_like`)."""
-    return jax.shard_map(
-        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"},
-        check_vma=False,
-    )(*arguments)  # fmt: skip
-
-
 _HEADS = P(None, None, "tensor", None)
 _PER_HEAD = P(None, "tensor")  # lse [batch, heads, q]
 
 
+def _on_heads(mesh, function, arguments, in_specs, out_specs, check_vma: bool = True):
+    """`function` on each device's heads: a shard_map over `tensor`, the only axis XLA still
+    partitions inside the train step's data-parallel shard_map."""
+    return jax.shard_map(
+        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"},
+        check_vma=check_vma,
+    )(*arguments)  # fmt: skip
+
+
+# The kernels run in shard_maps that do not check which values vary over the manual axes
+# (Triton's kernels are opaque to that check, and Pallas's interpreter loses it in its loops);
+# the forward and backward passes mark their results again (`_varying_like`), so the
+# custom_vjp sits outside the shard_maps. `kernels=False` (CPU devices): `reference_attention`
+# in their place, given the same arguments; its backward pass recomputes the forward one.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret):
-    return _attention_on_heads_forward(
-        q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret
-    )[0]
+def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels):
+    arguments = (q, k, v, bias, q_segments, k_segments)
+    return _attention_on_heads_forward(*arguments, mesh, causal, blocks, kernels)[0]
+
+
+def _specs_of(bias, *more):
+    bias_spec = None if bias is None else P("tensor")
+    return (_HEADS, _HEADS, _HEADS, bias_spec, P(), P(), *more)
 
 
 def _attention_on_heads_forward(
-    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, interpret
+    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels
 ):
     def forward(q, k, v, bias, q_segments, k_segments):
-        return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
+        if kernels:
+            return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, False)
+        out = reference_attention(q, k, v, bias, q_segments, k_segments, causal)
+        return out, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2], jnp.float32)
 
-    bias_spec = None if bias is None else P("tensor")
     out, lse = _on_heads(
-        mesh, forward, (q, k, v, bias, q_segments, k_segments),
-        (_HEADS, _HEADS, _HEADS, bias_spec, P(), P()), (_HEADS, _PER_HEAD),
+        mesh, forward, (q, k, v, bias, q_segments, k_segments), _specs_of(bias),
+        (_HEADS, _PER_HEAD), check_vma=False,
     )  # fmt: skip
     out = _varying_like(out, q)
     return out, (q, k, v, bias, q_segments, k_segments, out, lse)
 
 
-def _attention_on_heads_backward(mesh, causal, blocks, interpret, residuals, d_out):
+def _attention_on_heads_backward(mesh, causal, blocks, kernels, residuals, d_out):
     q, k, v, bias, q_segments, k_segments, out, lse = residuals
 
     def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
-        return _backward(
-            q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret
-        )
+        if kernels:
+            return _backward(
+                q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, False
+            )
+
+        return _reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal)
 
     bias_spec = None if bias is None else P("tensor")
     dq, dk, dv, d_bias = _on_heads(
         mesh, backward, (q, k, v, bias, q_segments, k_segments, out, lse, d_out),
-        (_HEADS, _HEADS, _HEADS, bias_spec, P(), P(), _HEADS, _PER_HEAD, _HEADS),
-        (_HEADS, _HEADS, _HEADS, bias_spec),
+        _specs_of(bias, _HEADS, _PER_HEAD, _HEADS), (_HEADS, _HEADS, _HEADS, bias_spec),
+        check_vma=False,
     )  # fmt: skip
     dq, dk, dv = (_varying_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     if bias is not None:
@@ -469,12 +511,15 @@ def attend_on_mesh(
     k_segments: jax.Array,
     causal: bool = False,
 ) -> jax.Array:
-    """`flash_attention` inside the train step's data-parallel shard_map, where each device
-    already holds its examples: a kernel is opaque to XLA's partitioner, so each device runs it
-    on its own heads (`_on_heads`)."""
-    interpret = mesh.devices.flat[0].platform != "gpu"
+    """The model's `attend` inside the train step's data-parallel shard_map, where each device
+    already holds its examples: each device attends over its own heads. On GPUs with the
+    kernels; on other devices with `reference_attention`, given exactly what the kernels would
+    be (padded to blocks, a shard_map over heads): Pallas's interpreter cannot yet run inside
+    that shard_map (it loses the values' manual-axis types in its loops), and the kernels
+    themselves are tested on their own (tests/test_attention.py)."""
     inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
+    on_gpus = mesh.devices.flat[0].platform == "gpu"
     mesh = mesh if inside.empty else inside
-    return flash_attention(
-        q, k, v, bias, q_segments, k_segments, causal, interpret=interpret, mesh=mesh
-    )
+    arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, Blocks())
+    out = _attention_on_heads(*arguments, mesh, causal, blocks, on_gpus)
+    return out[:, : q.shape[1], :, : q.shape[3]]

@@ -249,16 +249,10 @@ def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
     layout, the precision, the replica sync, the abstract state in its shardings); a
     ConfigError or MeshError in one line where the run cannot be laid out on them."""
     mesh = make_mesh(run.parallel, devices)
-    on_gpus = mesh.devices.flat[0].platform == "gpu"
-    if run.model.attention == "auto":  # fused where the kernel compiles (Triton: GPUs)
-        model = dataclasses.replace(run.model, attention="fused" if on_gpus else "dot")
+    if run.model.attention == "auto":  # the kernels where Triton compiles them: GPUs
+        fused = mesh.devices.flat[0].platform == "gpu"
+        model = dataclasses.replace(run.model, attention="fused" if fused else "dot")
         run = dataclasses.replace(run, model=model)
-    if run.model.attention == "fused" and not on_gpus:
-        raise ConfigError(
-            "ModelConfig.attention='fused' needs GPUs (its kernel is Triton's; Pallas's "
-            "interpreter cannot yet run it inside the train step's shard_map): use 'dot' or "
-            "'auto' on CPU devices"
-        )
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
     return Setup(run, mesh, build_form(run, mesh, tx))
