@@ -35,7 +35,7 @@ MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid() -> dict[tuple[str, str], Simulation]:
+def predict_grid(attention: str = "dot") -> dict[tuple[str, str], Simulation]:
     """Each cluster's models in a thread of its own: one compiles while the other traces and
     reads its programs in Python (XLA's optimisation passes use one core). Each thread keeps
     its own XLA kernel cache (t5scale/xla_gpu.py), so it reuses its own kernels as before."""
@@ -43,7 +43,8 @@ def predict_grid() -> dict[tuple[str, str], Simulation]:
     for model in MODELS:
         for cluster in CLUSTERS:  # gin is global: read every configuration before the threads
             parse_gin([f"gin/models/{model}.gin", f"gin/clusters/{cluster}.gin"],
-                      ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'"])  # fmt: skip
+                      ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'",
+                       f"ModelConfig.attention='{attention}'"])  # fmt: skip
             run, hardware = build_run_config(), build_study_config("cluster")
             configured[model, cluster] = (run, hardware, build_study_config("simulate"))
 
@@ -123,9 +124,11 @@ def pivot(results: dict[tuple[str, str], Simulation]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
+    parser.add_argument("--attention", choices=["dot", "fused", "auto"], default="dot",
+                        help="ModelConfig.attention of the predicted steps (docs/attention.md)")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
-    results = predict_grid()
+    results = predict_grid(args.attention)
     bound = {key: with_overlap(result, overlap=False) for key, result in results.items()}
     print("\n" + pivot(results))
     for key in ((model, cluster) for cluster in CLUSTERS for model in MODELS):
