@@ -122,7 +122,6 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int):
     block_k, length = k_ref.shape[0], q_ref.shape[0]
     k_block = pl.program_id(0)
     k, v, k_segments = k_ref[...], v_ref[...], k_segments_ref[...]
-    keys = pl.ds(k_block * block_k, block_k)
 
     def step(i, carry):
         dk, dv = carry
@@ -135,7 +134,6 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int):
         dk = dk + _dot(d_logits.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
-    del keys
     first = lax.div(k_block * block_k, block_q) if causal else 0
     start = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(first, length // block_q, step, start)
@@ -184,30 +182,20 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
         lax.fori_loop(blocks, length // block_k, clear, 0)
 
 
-def _specs(block_shape, index_map):
-    return pl.BlockSpec(block_shape, index_map)
-
-
-def _result(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """An output of a kernel: varying over the same manual mesh axes as `like` (inside a
-    shard_map, which checks it)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
-
-
 def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     has_bias = bias is not None
     in_specs = [
-        _specs((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
-        _specs((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
-        _specs((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
     ]
     if has_bias:
-        in_specs.append(_specs((None, blocks.q, k_len), lambda i, b, h: (h, i, 0)))
+        in_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, b, h: (h, i, 0)))
     in_specs += [
-        _specs((None, blocks.q), lambda i, b, h: (b, i)),
-        _specs((None, k_len), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, blocks.q), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, k_len), lambda i, b, h: (b, 0)),
     ]
     kernel = functools.partial(_forward_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k)
     out, lse = pl.pallas_call(
@@ -215,12 +203,12 @@ def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
         grid=(q_len // blocks.q, batch, heads),
         in_specs=in_specs,
         out_specs=[
-            _specs((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
-            _specs((None, None, blocks.q), lambda i, b, h: (b, h, i)),
+            pl.BlockSpec((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, None, blocks.q), lambda i, b, h: (b, h, i)),
         ],
         out_shape=[
-            _result(q.shape, q.dtype, q),
-            _result((batch, heads, q_len), jnp.float32, q),
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
         interpret=interpret,
@@ -239,26 +227,26 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
 
     # dk, dv: one program per (key block, example, head)
     in_specs = [
-        _specs((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
-        _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
-        _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
+        pl.BlockSpec((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
+        pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
     ]
     if has_bias:
-        in_specs.append(_specs((None, q_len, blocks.k), lambda j, b, h: (h, 0, j)))
+        in_specs.append(pl.BlockSpec((None, q_len, blocks.k), lambda j, b, h: (h, 0, j)))
     in_specs += [
-        _specs((None, q_len), lambda j, b, h: (b, 0)),
-        _specs((None, blocks.k), lambda j, b, h: (b, j)),
-        _specs((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
-        _specs((None, None, q_len), lambda j, b, h: (b, h, 0)),
-        _specs((None, None, q_len), lambda j, b, h: (b, h, 0)),
+        pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
+        pl.BlockSpec((None, blocks.k), lambda j, b, h: (b, j)),
+        pl.BlockSpec((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0)),
+        pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0)),
     ]
-    kv_spec = _specs((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0))
+    kv_spec = pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, causal=causal, has_bias=has_bias, block_q=blocks.q),
         grid=(k_len // blocks.k, batch, heads),
         in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
-        out_shape=[_result(k.shape, k.dtype, q), _result(v.shape, v.dtype, q)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=interpret,
         name="t5_attention_backward_dkv" + ("_causal" if causal else ""),
@@ -266,24 +254,24 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
 
     # dq and the bias's gradient: one program per (query block, head), the examples in turn
     in_specs = [
-        _specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
-        _specs((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
-        _specs((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
+        pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
+        pl.BlockSpec((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
+        pl.BlockSpec((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
     ]
     if has_bias:
-        in_specs.append(_specs((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+        in_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
     in_specs += [
-        _specs((batch, blocks.q), lambda i, h: (0, i)),
-        _specs((batch, k_len), lambda i, h: (0, 0)),
-        _specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
-        _specs((batch, None, blocks.q), lambda i, h: (0, h, i)),
-        _specs((batch, None, blocks.q), lambda i, h: (0, h, i)),
+        pl.BlockSpec((batch, blocks.q), lambda i, h: (0, i)),
+        pl.BlockSpec((batch, k_len), lambda i, h: (0, 0)),
+        pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
+        pl.BlockSpec((batch, None, blocks.q), lambda i, h: (0, h, i)),
+        pl.BlockSpec((batch, None, blocks.q), lambda i, h: (0, h, i)),
     ]
-    out_specs = [_specs((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0))]
-    out_shape = [_result(q.shape, q.dtype, q)]
+    out_specs = [pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0))]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if has_bias:
-        out_specs.append(_specs((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
-        out_shape.append(_result(bias.shape, jnp.float32, q))
+        out_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
     dq, *d_bias = pl.pallas_call(
         functools.partial(_dq_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k),
         grid=(q_len // blocks.q, heads),
