@@ -14,9 +14,10 @@ probabilities block by block:
 - per (key block, example, head): dk and dv, over the query blocks;
 - per (query block, head): dq for each example in turn, and the bias's gradient summed over
   the examples in a [q block, k] slab that this program alone writes (deterministic: no atomics).
-Lengths are padded to whole blocks (as padding tokens, masked) and the head dimension to a
-power of two; `interpret=True` runs the same kernels through XLA on any backend (the tests, on
-the CPU).
+Lengths need not be whole blocks: the last block's rows past the end are loaded masked (as
+padding, segment 0) and never stored, so the arguments are used as they are, with no padded copy
+of them in the program. The head dimension is padded to a power of two where it is not one.
+`interpret=True` runs the same kernels through XLA on any backend (the tests, on the CPU).
 """
 
 from __future__ import annotations
@@ -63,39 +64,71 @@ def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=not exact)
 
 
-def _logits(q, k, bias_ref, rows, columns):
+def _span(block: int, size: int, index):
+    """Rows [index·block, (index+1)·block) of a dimension of `size`, and which of them exist."""
+    start = index * block
+    return pl.ds(start, block), start + lax.broadcasted_iota(jnp.int32, (block,), 0) < size
+
+
+def _load(ref, index, valid, other=0):
+    """ref[index] with the rows `valid` marks (along the first sliced dimension, and the second
+    where `valid` is a pair); the others read as `other`, past the end never touched."""
+    value_shape = ref.at[index].shape
+    if isinstance(valid, tuple):
+        mask = valid[0][:, None] & valid[1][None, :]
+    else:
+        mask = valid.reshape(valid.shape + (1,) * (len(value_shape) - 1))
+    return plgpu.load(ref.at[index], mask=jnp.broadcast_to(mask, value_shape), other=other)
+
+
+def _store(ref, index, value, valid):
+    """ref[index] = value on the rows `valid` marks (as `_load`)."""
+    if isinstance(valid, tuple):
+        mask = valid[0][:, None] & valid[1][None, :]
+    else:
+        mask = valid.reshape(valid.shape + (1,) * (value.ndim - 1))
+    plgpu.store(ref.at[index], value, mask=jnp.broadcast_to(mask, value.shape))
+
+
+def _logits(q, k, bias_ref, rows, columns, valid):
     logits = _dot(q, k, trans_b=True)
     if bias_ref is not None:
-        logits = logits + bias_ref[rows, columns].astype(jnp.float32)
+        logits = logits + _load(bias_ref, (rows, columns), valid).astype(jnp.float32)
     return logits
 
 
 def _key_blocks(q_block: int, block_q: int, block_k: int, length: int, causal: bool):
     """How many key blocks query block `q_block` reads: up to its diagonal when causal."""
+    every = pl.cdiv(length, block_k)
     if causal:
-        return lax.div((q_block + 1) * block_q + block_k - 1, block_k)
-    return length // block_k
+        return jnp.minimum(lax.div((q_block + 1) * block_q + block_k - 1, block_k), every)
+    return every
 
 
-def _forward_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
+def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, *refs = refs
     bias_ref = refs.pop(0) if has_bias else None
     q_segments_ref, k_segments_ref, out_ref, lse_ref = refs
-    block_q, length = q_ref.shape[0], k_ref.shape[0]
+    q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     q_block = pl.program_id(0)
-    q, q_segments = q_ref[...], q_segments_ref[...]
+    rows, row_valid = _span(block_q, q_len, q_block)
+    q = _load(q_ref, rows, row_valid)
+    q_segments = _load(q_segments_ref, rows, row_valid)
 
     def step(j, carry):
         acc, running_max, total = carry
-        keys = pl.ds(j * block_k, block_k)
-        logits = _logits(q, k_ref[keys, :], bias_ref, slice(None), keys)
-        allowed = _allowed(q_segments, k_segments_ref[keys], q_block * block_q, j * block_k, causal)
+        keys, key_valid = _span(block_k, k_len, j)
+        logits = _logits(
+            q, _load(k_ref, keys, key_valid), bias_ref, rows, keys, (row_valid, key_valid)
+        )
+        k_segments = _load(k_segments_ref, keys, key_valid)  # past the end: 0, masked
+        allowed = _allowed(q_segments, k_segments, q_block * block_q, j * block_k, causal)
         logits = jnp.where(allowed, logits, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         p = jnp.exp(logits - new_max[:, None])
         rescale = jnp.exp(running_max - new_max)
         total = total * rescale + jnp.sum(p, axis=1)
-        v = v_ref[keys, :]
+        v = _load(v_ref, keys, key_valid)
         acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
         return acc, new_max, total
 
@@ -104,71 +137,79 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    blocks = _key_blocks(q_block, block_q, block_k, length, causal)
+    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
     acc, running_max, total = lax.fori_loop(0, blocks, step, start)
-    out_ref[...] = (acc / total[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = running_max + jnp.log(total)
+    _store(out_ref, rows, (acc / total[:, None]).astype(out_ref.dtype), row_valid)
+    _store(lse_ref, rows, running_max + jnp.log(total), row_valid)
 
 
-def _probabilities(q, k, bias_ref, rows, columns, lse, allowed):
-    logits = _logits(q, k, bias_ref, rows, columns)
+def _probabilities(q, k, bias_ref, rows, columns, valid, lse, allowed):
+    logits = _logits(q, k, bias_ref, rows, columns, valid)
     return jnp.where(allowed, jnp.exp(logits - lse[:, None]), 0.0)
 
 
-def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int):
+def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, *refs = refs
     bias_ref = refs.pop(0) if has_bias else None
     q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-    block_k, length = k_ref.shape[0], q_ref.shape[0]
+    q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     k_block = pl.program_id(0)
-    k, v, k_segments = k_ref[...], v_ref[...], k_segments_ref[...]
+    keys, key_valid = _span(block_k, k_len, k_block)
+    k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
+    k_segments = _load(k_segments_ref, keys, key_valid)
 
     def step(i, carry):
         dk, dv = carry
-        rows = pl.ds(i * block_q, block_q)
-        q, d_out = q_ref[rows, :], d_out_ref[rows, :]
-        allowed = _allowed(q_segments_ref[rows], k_segments, i * block_q, k_block * block_k, causal)
-        p = _probabilities(q, k, bias_ref, rows, slice(None), lse_ref[rows], allowed)
+        rows, row_valid = _span(block_q, q_len, i)
+        q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
+        q_segments = _load(q_segments_ref, rows, row_valid)
+        allowed = _allowed(q_segments, k_segments, i * block_q, k_block * block_k, causal)
+        lse = _load(lse_ref, rows, row_valid)
+        p = _probabilities(q, k, bias_ref, rows, keys, (row_valid, key_valid), lse, allowed)
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
-        d_logits = p * (_dot(d_out, v, trans_b=True) - delta_ref[rows][:, None])
+        delta = _load(delta_ref, rows, row_valid)
+        d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
         dk = dk + _dot(d_logits.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     first = lax.div(k_block * block_k, block_q) if causal else 0
     start = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(first, length // block_q, step, start)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dk, dv = lax.fori_loop(first, pl.cdiv(q_len, block_q), step, start)
+    _store(dk_ref, keys, dk.astype(dk_ref.dtype), key_valid)
+    _store(dv_ref, keys, dv.astype(dv_ref.dtype), key_valid)
 
 
-def _dq_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
+def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, *refs = refs
     bias_ref = refs.pop(0) if has_bias else None
     q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *d_bias = refs
-    batch, block_q, length = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
+    batch, q_len, k_len = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
     q_block = pl.program_id(0)
-    blocks = _key_blocks(q_block, block_q, block_k, length, causal)
+    rows, row_valid = _span(block_q, q_len, q_block)
+    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
 
     def example(b, carry):
-        q, d_out, lse, delta = q_ref[b], d_out_ref[b], lse_ref[b], delta_ref[b]
-        q_segments = q_segments_ref[b]
+        # one indexer per access: Pallas's interpreter cannot store through `ref.at[b].at[...]`
+        q, d_out = _load(q_ref, (b, rows), row_valid), _load(d_out_ref, (b, rows), row_valid)
+        lse, delta = _load(lse_ref, (b, rows), row_valid), _load(delta_ref, (b, rows), row_valid)
+        q_segments = _load(q_segments_ref, (b, rows), row_valid)
 
         def step(j, dq):
-            keys = pl.ds(j * block_k, block_k)
-            k, v = k_ref[b, keys, :], v_ref[b, keys, :]
-            allowed = _allowed(
-                q_segments, k_segments_ref[b, keys], q_block * block_q, j * block_k, causal
-            )
-            p = _probabilities(q, k, bias_ref, slice(None), keys, lse, allowed)
+            keys, key_valid = _span(block_k, k_len, j)
+            k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
+            k_segments = _load(k_segments_ref, (b, keys), key_valid)
+            allowed = _allowed(q_segments, k_segments, q_block * block_q, j * block_k, causal)
+            valid = (row_valid, key_valid)
+            p = _probabilities(q, k, bias_ref, rows, keys, valid, lse, allowed)
             d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
             if has_bias:  # this program alone writes these rows: add example b's share
                 (d_bias_ref,) = d_bias
-                earlier = d_bias_ref[:, keys]
-                d_bias_ref[:, keys] = jnp.where(b > 0, earlier, 0.0) + d_logits
+                earlier = _load(d_bias_ref, (rows, keys), valid)
+                _store(d_bias_ref, (rows, keys), jnp.where(b > 0, earlier, 0.0) + d_logits, valid)
             return dq + _dot(d_logits.astype(k.dtype), k)
 
         dq = lax.fori_loop(0, blocks, step, jnp.zeros(q.shape, jnp.float32))
-        dq_ref[b] = dq.astype(dq_ref.dtype)
+        _store(dq_ref, (b, rows), dq.astype(dq_ref.dtype), row_valid)
         return carry
 
     lax.fori_loop(0, batch, example, 0)
@@ -176,36 +217,36 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_k: int):
         (d_bias_ref,) = d_bias
 
         def clear(j, carry):
-            d_bias_ref[:, pl.ds(j * block_k, block_k)] = jnp.zeros((block_q, block_k))
+            keys, key_valid = _span(block_k, k_len, j)
+            _store(d_bias_ref, (rows, keys), jnp.zeros((block_q, block_k)), (row_valid, key_valid))
             return carry
 
-        lax.fori_loop(blocks, length // block_k, clear, 0)
+        lax.fori_loop(blocks, pl.cdiv(k_len, block_k), clear, 0)
 
 
 def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     has_bias = bias is not None
-    in_specs = [
-        pl.BlockSpec((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, k_len, None, dim), lambda i, b, h: (b, 0, h, 0)),
-    ]
+    # Each program sees its example's and head's whole sequences and slices its own blocks.
+    q_spec, kv_spec = (
+        pl.BlockSpec((None, n, None, dim), lambda i, b, h: (b, 0, h, 0)) for n in (q_len, k_len)
+    )
+    in_specs = [q_spec, kv_spec, kv_spec]
     if has_bias:
-        in_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, b, h: (h, i, 0)))
+        in_specs.append(pl.BlockSpec((None, q_len, k_len), lambda i, b, h: (h, 0, 0)))
     in_specs += [
-        pl.BlockSpec((None, blocks.q), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0)),
         pl.BlockSpec((None, k_len), lambda i, b, h: (b, 0)),
     ]
-    kernel = functools.partial(_forward_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k)
+    kernel = functools.partial(
+        _forward_kernel, causal=causal, has_bias=has_bias, block_q=blocks.q, block_k=blocks.k
+    )
     out, lse = pl.pallas_call(
         kernel,
-        grid=(q_len // blocks.q, batch, heads),
+        grid=(pl.cdiv(q_len, blocks.q), batch, heads),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, blocks.q, None, dim), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, None, blocks.q), lambda i, b, h: (b, h, i)),
-        ],
+        out_specs=[q_spec, pl.BlockSpec((None, None, q_len), lambda i, b, h: (b, h, 0))],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
@@ -224,26 +265,26 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
     bias_args = [bias] if has_bias else []
+    sizes = {"causal": causal, "has_bias": has_bias, "block_q": blocks.q, "block_k": blocks.k}
 
-    # dk, dv: one program per (key block, example, head)
-    in_specs = [
-        pl.BlockSpec((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
-        pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0)),
-    ]
+    # dk, dv: one program per (key block, example, head), over its example's and head's queries
+    q_spec, kv_spec = (
+        pl.BlockSpec((None, n, None, dim), lambda j, b, h: (b, 0, h, 0)) for n in (q_len, k_len)
+    )
+    per_query = pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0))
+    in_specs = [q_spec, kv_spec, kv_spec]
     if has_bias:
-        in_specs.append(pl.BlockSpec((None, q_len, blocks.k), lambda j, b, h: (h, 0, j)))
+        in_specs.append(pl.BlockSpec((None, q_len, k_len), lambda j, b, h: (h, 0, 0)))
     in_specs += [
         pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
-        pl.BlockSpec((None, blocks.k), lambda j, b, h: (b, j)),
-        pl.BlockSpec((None, q_len, None, dim), lambda j, b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0)),
-        pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0)),
+        pl.BlockSpec((None, k_len), lambda j, b, h: (b, 0)),
+        q_spec,
+        per_query,
+        per_query,
     ]
-    kv_spec = pl.BlockSpec((None, blocks.k, None, dim), lambda j, b, h: (b, j, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, causal=causal, has_bias=has_bias, block_q=blocks.q),
-        grid=(k_len // blocks.k, batch, heads),
+        functools.partial(_dkv_kernel, **sizes),
+        grid=(pl.cdiv(k_len, blocks.k), batch, heads),
         in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -253,28 +294,26 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
     )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
 
     # dq and the bias's gradient: one program per (query block, head), the examples in turn
-    in_specs = [
-        pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
-        pl.BlockSpec((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
-        pl.BlockSpec((batch, k_len, None, dim), lambda i, h: (0, 0, h, 0)),
-    ]
-    if has_bias:
-        in_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+    q_spec, kv_spec = (
+        pl.BlockSpec((batch, n, None, dim), lambda i, h: (0, 0, h, 0)) for n in (q_len, k_len)
+    )
+    per_query = pl.BlockSpec((batch, None, q_len), lambda i, h: (0, h, 0))
+    bias_spec = pl.BlockSpec((None, q_len, k_len), lambda i, h: (h, 0, 0))
+    in_specs = [q_spec, kv_spec, kv_spec, *([bias_spec] if has_bias else [])]
     in_specs += [
-        pl.BlockSpec((batch, blocks.q), lambda i, h: (0, i)),
+        pl.BlockSpec((batch, q_len), lambda i, h: (0, 0)),
         pl.BlockSpec((batch, k_len), lambda i, h: (0, 0)),
-        pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0)),
-        pl.BlockSpec((batch, None, blocks.q), lambda i, h: (0, h, i)),
-        pl.BlockSpec((batch, None, blocks.q), lambda i, h: (0, h, i)),
+        q_spec,
+        per_query,
+        per_query,
     ]
-    out_specs = [pl.BlockSpec((batch, blocks.q, None, dim), lambda i, h: (0, i, h, 0))]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if has_bias:
-        out_specs.append(pl.BlockSpec((None, blocks.q, k_len), lambda i, h: (h, i, 0)))
+        out_specs.append(bias_spec)
         out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
     dq, *d_bias = pl.pallas_call(
-        functools.partial(_dq_kernel, causal=causal, has_bias=has_bias, block_k=blocks.k),
-        grid=(q_len // blocks.q, heads),
+        functools.partial(_dq_kernel, **sizes),
+        grid=(pl.cdiv(q_len, blocks.q), heads),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -308,36 +347,29 @@ def _attention_backward(causal, blocks, interpret, residuals, d_out):
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
-def _padded_length(length: int, block: int) -> int:
-    return -(-length // block) * block
-
-
 def _block(length: int, preferred: int) -> int:
     """The preferred block, or for a shorter sequence the power of two that covers it (>= 16)."""
     return min(preferred, max(16, pl.next_power_of_2(length)))
 
 
 def _to_blocks(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
-    """The arguments as the kernels take them (lengths in whole blocks, the padding as segment
-    0; the head dimension a power of two >= 16), and the blocks for these lengths."""
+    """The arguments as the kernels take them (int32 segment ids; the head dimension a power of
+    two >= 16, zero-padded where it is not one) and the blocks for these lengths."""
     q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
     if causal and q_len != k_len:
         raise ValueError(f"causal attention needs as many queries as keys, got {q_len}, {k_len}")
     blocks = dataclasses.replace(blocks, q=_block(q_len, blocks.q), k=_block(k_len, blocks.k))
     if causal:  # the diagonal walk assumes one block size
         blocks = dataclasses.replace(blocks, k=blocks.q)
-    padded_q, padded_k = _padded_length(q_len, blocks.q), _padded_length(k_len, blocks.k)
     padded_dim = max(16, pl.next_power_of_2(dim))
+    if padded_dim != dim:
+        q, k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, padded_dim - dim)]) for x in (q, k, v))
+    segments = (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
+    return (q, k, v, bias, *segments), blocks
 
-    def pad(x, length):
-        return jnp.pad(x, [(0, 0), (0, length - x.shape[1]), (0, 0), (0, padded_dim - dim)])
 
-    q_segments = jnp.pad(q_segments.astype(jnp.int32), [(0, 0), (0, padded_q - q_len)])
-    k_segments = jnp.pad(k_segments.astype(jnp.int32), [(0, 0), (0, padded_k - k_len)])
-    if bias is not None:
-        bias = jnp.pad(bias, [(0, 0), (0, padded_q - q_len), (0, padded_k - k_len)])
-    arguments = (pad(q, padded_q), pad(k, padded_k), pad(v, padded_k), bias, q_segments, k_segments)
-    return arguments, blocks
+def _unpadded(out: jax.Array, dim: int) -> jax.Array:
+    return out if out.shape[3] == dim else out[..., :dim]
 
 
 def flash_attention(
@@ -355,8 +387,7 @@ def flash_attention(
     [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
     arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, blocks)
-    out = _attention(*arguments, causal, blocks, interpret)
-    return out[:, : q.shape[1], :, : q.shape[3]]
+    return _unpadded(_attention(*arguments, causal, blocks, interpret), q.shape[3])
 
 
 def reference_attention(q, k, v, bias, q_segments, k_segments, causal: bool = False):
@@ -502,12 +533,11 @@ def attend_on_mesh(
     """The model's `attend` inside the train step's data-parallel shard_map, where each device
     already holds its examples: each device attends over its own heads. On GPUs with the
     kernels; on other devices with `reference_attention`, given exactly what the kernels would
-    be (padded to blocks, a shard_map over heads): Pallas's interpreter cannot yet run inside
+    be (the same arguments, a shard_map over heads): Pallas's interpreter cannot yet run inside
     that shard_map (it loses the values' manual-axis types in its loops), and the kernels
     themselves are tested on their own (tests/test_attention.py)."""
     inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
     on_gpus = mesh.devices.flat[0].platform == "gpu"
     mesh = mesh if inside.empty else inside
     arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, Blocks())
-    out = _attention_on_heads(*arguments, mesh, causal, blocks, on_gpus)
-    return out[:, : q.shape[1], :, : q.shape[3]]
+    return _unpadded(_attention_on_heads(*arguments, mesh, causal, blocks, on_gpus), q.shape[3])
