@@ -114,7 +114,7 @@ def calibrate(path: str) -> None:
         parse_gin([f"gin/models/{preset}.gin", "gin/clusters/h100.gin"],
                   ["INPUT_LENGTH=1024", "TARGET_LENGTH=229", "ModelConfig.dtype='bfloat16'",
                    f"ModelConfig.remat='{remat}'", "PrecisionConfig.mode='float32'",
-                   "ClusterConfig.roofline_fraction=1.0"])  # fmt: skip
+                   "ClusterConfig.roofline_fraction=1.0", ATTENTION])  # fmt: skip
         run, cluster = build_run_config(), build_study_config("cluster")
         analysis = analysis_for(run, cluster, 0, 1, 32, 1, path)
         predicted = predict_on(path, analysis, run.model, cluster)
@@ -130,10 +130,17 @@ def calibrate(path: str) -> None:
     print(f"{path} path: fraction {mean:.2f} (geometric mean of {len(fractions)})")
 
 
+# What the rows' frameworks and t5scale's own measured steps ran: attention scores formed in
+# memory, the softmax fused (t5x's XLA einsums; NeMo's `masked_softmax_fusion: True`, Megatron's
+# fused scaled-masked-softmax kernel, in conf/training/t5/3b.yaml; t5scale's H100 steps of
+# 2026-11-23 with 'dot'), not a flash-attention kernel: so 'dot', whatever the default.
+ATTENTION = "ModelConfig.attention='dot'"
+
+
 def run_for(row: Published):
     bindings = ["INPUT_LENGTH=512", "TARGET_LENGTH=128", "ModelConfig.dtype='bfloat16'",
                 "ModelConfig.remat='none'", f"TrainConfig.micro_batches={row.micro_batches}",
-                *row.precision.split()]  # fmt: skip
+                ATTENTION, *row.precision.split()]  # fmt: skip
     if row.vocab:
         bindings.append(f"ModelConfig.vocab_size={row.vocab}")
     parse_gin([f"gin/models/{row.preset}.gin", "gin/clusters/a100.gin"], bindings)

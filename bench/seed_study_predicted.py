@@ -35,7 +35,7 @@ MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid(attention: str = "dot") -> dict[tuple[str, str], Simulation]:
+def predict_grid(attention: str = "auto") -> dict[tuple[str, str], Simulation]:
     """Each cluster's models in a thread of its own: one compiles while the other traces and
     reads its programs in Python (XLA's optimisation passes use one core). Each thread keeps
     its own XLA kernel cache (t5scale/xla_gpu.py), so it reuses its own kernels as before."""
@@ -124,7 +124,7 @@ def pivot(results: dict[tuple[str, str], Simulation]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
-    parser.add_argument("--attention", choices=["dot", "fused", "auto"], default="dot",
+    parser.add_argument("--attention", choices=["dot", "fused", "auto"], default="auto",
                         help="ModelConfig.attention of the predicted steps (docs/attention.md)")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()

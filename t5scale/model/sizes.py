@@ -82,8 +82,9 @@ class ModelConfig:
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
     # (t5scale/model/flash_attention.py; Triton on GPUs, XLA's interpreter of the same kernel
-    # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built.
-    attention: AttentionKind = "dot"
+    # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built
+    # (docs/attention.md; the fused kernel has not yet run on a GPU, 'dot' is one binding away).
+    attention: AttentionKind = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
