@@ -70,24 +70,24 @@ def _span(block: int, size: int, index):
     return pl.ds(start, block), start + lax.broadcasted_iota(jnp.int32, (block,), 0) < size
 
 
-def _load(ref, index, valid, other=0):
-    """ref[index] with the rows `valid` marks (along the first sliced dimension, and the second
-    where `valid` is a pair); the others read as `other`, past the end never touched."""
-    value_shape = ref.at[index].shape
+def _mask(valid, shape: tuple[int, ...]) -> jax.Array:
+    """`valid` (rows, or a pair (rows, columns)) spread over a value of `shape`."""
     if isinstance(valid, tuple):
         mask = valid[0][:, None] & valid[1][None, :]
     else:
-        mask = valid.reshape(valid.shape + (1,) * (len(value_shape) - 1))
-    return plgpu.load(ref.at[index], mask=jnp.broadcast_to(mask, value_shape), other=other)
+        mask = valid.reshape(valid.shape + (1,) * (len(shape) - 1))
+    return jnp.broadcast_to(mask, shape)
+
+
+def _load(ref, index, valid, other=0):
+    """ref[index] with the rows `valid` marks (along the first sliced dimension, and the second
+    where `valid` is a pair); the others read as `other`, past the end never touched."""
+    return plgpu.load(ref.at[index], mask=_mask(valid, ref.at[index].shape), other=other)
 
 
 def _store(ref, index, value, valid):
     """ref[index] = value on the rows `valid` marks (as `_load`)."""
-    if isinstance(valid, tuple):
-        mask = valid[0][:, None] & valid[1][None, :]
-    else:
-        mask = valid.reshape(valid.shape + (1,) * (value.ndim - 1))
-    plgpu.store(ref.at[index], value, mask=jnp.broadcast_to(mask, value.shape))
+    plgpu.store(ref.at[index], value, mask=_mask(valid, value.shape))
 
 
 def _logits(q, k, bias_ref, rows, columns, valid):
