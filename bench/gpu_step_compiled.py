@@ -3,11 +3,13 @@ per step, for each attention and remat setting (issue 34's measure of the GPU st
 
     python bench/gpu_step_compiled.py                       # mt5_small, base, large
     python bench/gpu_step_compiled.py --models mt5_large --remat full
+    python bench/gpu_step_compiled.py --layers loop unrolled   # ModelConfig.scan_layers
 
 Each step as `t5scale plan` builds it for one H100 (gin/clusters/h100.gin): mixed precision,
 batch 32 of 1024/229, ZeRO 0, AdamW. Prints a markdown table: XLA's arguments + temporaries per
 device, how many [32, heads, q, k] score tensors the program text holds, and the kernel
-inventory per step (loops multiplied out; t5scale/analysis/kernels.py), with the compile time.
+inventory per step (loops multiplied out; t5scale/analysis/kernels.py) with the bytes the
+non-GEMM kernels read and write, and the compile time.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ def score_tensors(hlo_text: str) -> int:
     return len(re.findall(rf"\[(?:\d+,)?{BATCH},\d+,{lengths},{lengths}\]", hlo_text))
 
 
-def row(model: str, attention: str, remat: str) -> str:
+def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
     parse_gin(
         [f"gin/models/{model}.gin", "gin/precision/mixed.gin"],
         [f"ModelConfig.remat='{remat}'", f"ModelConfig.attention='{attention}'",
+         f"ModelConfig.scan_layers={layers == 'loop'}",
          f"INPUT_LENGTH={INPUT}", f"TARGET_LENGTH={TARGET}"],
     )  # fmt: skip
     devices = xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1).devices()
@@ -51,13 +54,14 @@ def row(model: str, attention: str, remat: str) -> str:
     memory = step.compiled.memory_analysis()
     kernels = step.analysis.kernels
     non_gemm = kernels.fusion.count + kernels.copy.count
+    non_gemm_bytes = sum(t.bytes_read + t.bytes_written for t in (kernels.fusion, kernels.copy))
     return (
-        f"| {model} | {step.setup.run.model.attention} | {remat} | "
+        f"| {model} | {step.setup.run.model.attention} | {remat} | {layers} | "
         f"{memory.argument_size_in_bytes / 1e9:.1f} + {memory.temp_size_in_bytes / 1e9:.1f} = "
         f"{(memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 1e9:.1f} GB | "
         f"{score_tensors(step.compiled.as_text())} | {kernels.gemm.count:,} | "
         f"{kernels.attention.count:,} | {kernels.fusion.count:,} | {kernels.copy.count:,} | "
-        f"{non_gemm:,} | {cpu_s:.0f} CPU-s |"
+        f"{non_gemm:,} | {non_gemm_bytes / 1e9:,.0f} GB | {cpu_s:.0f} CPU-s |"
     )
 
 
@@ -66,17 +70,19 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--attention", nargs="+", default=["dot", "fused"])
     parser.add_argument("--remat", nargs="+", default=["none", "full"])
+    parser.add_argument("--layers", nargs="+", default=["loop"], choices=["loop", "unrolled"])
     args = parser.parse_args()
     print(
-        "| model | attention | remat | arguments + temporaries | score tensors | GEMMs | "
-        "attention kernels | fusions | copies | non-GEMM | compile |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | attention | remat | layers | arguments + temporaries | score tensors | GEMMs | "
+        "attention kernels | fusions | copies | non-GEMM | non-GEMM bytes | compile |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     for model in args.models:
         for remat in args.remat:
             for attention in args.attention:
-                print(row(model, attention, remat), flush=True)
+                for layers in args.layers:
+                    print(row(model, attention, remat, layers), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The mT5 architecture: published parameter counts, T5 v1.1 features, scan and remat."""
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -92,6 +93,22 @@ def test_remat_policies_do_not_change_the_numbers():
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unrolled_layers_give_the_loop_s_numbers():
+    """scan_layers=False unrolls the same scan: the same stacked parameters, loss and gradients
+    (that the remat survives unrolling is checked on the H100 program, test_xla_gpu.py)."""
+    cfg = ModelConfig(vocab_size=256, remat="full")
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 1, cfg.vocab_size)
+    params = nn.meta.unbox(MT5(cfg).init(jax.random.key(0), tokens, tokens)["params"])
+    shapes = jax.tree.map(lambda x: x.shape, nn.meta.unbox(abstract_params(unrolled)))
+    assert shapes == jax.tree.map(lambda x: x.shape, params)
+    loss, grads = _loss_and_grads(cfg, params, tokens)
+    unrolled_loss, unrolled_grads = _loss_and_grads(unrolled, params, tokens)
+    np.testing.assert_allclose(unrolled_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(unrolled_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -300,3 +300,22 @@ def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch)
         "t5scale: error: global batch 24 is not divisible by data-parallel size 16 × "
         "micro_batches 1 = 16",
     ]
+
+
+def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
+    """ModelConfig.scan_layers=False on one H100 (mt5_tiny, mixed, remat full): fewer fusions
+    and copies than the layer loop, and the GEMM FLOPs of the remat's recomputed forward kept."""
+    kernels = {}
+    for scan in (True, False):
+        parse_gin(
+            ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
+            [*SHORT, "ModelConfig.remat='full'", f"ModelConfig.scan_layers={scan}"],
+            [],
+        )
+        run = WeakScaling(0, 1, 2, hosts=1).run(build_run_config())
+        step = build_setup(run, GpuTopology("h100_sxm").devices()).compile()
+        assert step.analysis.to_json()["scan_layers"] is scan  # step_analysis.json's
+        kernels[scan] = step.analysis.kernels
+    loop, unrolled = kernels[True], kernels[False]
+    assert unrolled.gemm.flops == loop.gemm.flops
+    assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count

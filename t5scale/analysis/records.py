@@ -173,6 +173,9 @@ class StepAnalysis(JsonRecord):
     # ModelConfig.attention as compiled ('dot' or 'fused'; 'auto' resolved); None in files
     # written before it was said.
     attention: str | None = None
+    # ModelConfig.scan_layers as compiled (the layers as a loop, or unrolled); None in files
+    # written before it was said.
+    scan_layers: bool | None = None
     # XLA:GPU's program (compile-only GPUs): its kernels and schedule, what the cluster model's
     # GPU path times (t5scale/cluster_model/gpu_step.py). None from the CPU compiler.
     gpu_program: GpuProgram | None = None

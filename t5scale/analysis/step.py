@@ -79,6 +79,7 @@ def analyze_step(
         remat=RematChoice.from_json(remat or {"requested": policy, "policy": policy}),
         compiler=compiler_name(layout.mesh.devices.flat),
         attention=run.model.attention,
+        scan_layers=run.model.scan_layers,
         gpu_program=gpu_program(text) if gpu else None,
     )
 

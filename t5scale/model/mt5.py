@@ -251,20 +251,24 @@ def remat_policy(name: str):
 
 
 def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast_args: int):
-    """Layers under one scan, so compile time does not grow with depth."""
+    """The layers under one scan (stacked parameters), as a loop or unrolled (cfg.scan_layers)."""
     if module.hooks.gather_layer is not _keep_params and not module.is_initializing():
         path = (*module.scope.path, "layers")
         layer_cls = nn.map_variables(
             layer_cls, "params", trans_in_fn=lambda p: module.hooks.gather_layer(p, path)
         )
     policy = remat_policy(module.cfg.remat)
-    rematted = nn.remat(layer_cls, policy=policy, prevent_cse=False)
+    unrolled = not module.cfg.scan_layers
+    # In a loop, XLA cannot merge a layer's recomputed forward with the first one, so CSE may
+    # stay on (it saves copies); unrolled, it would merge them and undo the remat.
+    rematted = nn.remat(layer_cls, policy=policy, prevent_cse=unrolled)
     return nn.scan(
         rematted,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,) * broadcast_args,
         length=num_layers,
+        unroll=num_layers if unrolled else 1,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
 

@@ -85,6 +85,11 @@ class ModelConfig:
     # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built
     # (docs/attention.md; the fused kernel has not yet run on a GPU, 'dot' is one binding away).
     attention: AttentionKind = "auto"
+    # The layers as one loop (True: compile time does not grow with depth) or unrolled (False:
+    # XLA:GPU then needs a quarter fewer copies and fusions around the layers' GEMMs, at about
+    # six times the compile time; docs/benchmarks.md, "The layer loop"). Parameters are stacked
+    # on a leading layer axis either way, so checkpoints do not depend on it.
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self)
