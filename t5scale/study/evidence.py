@@ -91,8 +91,11 @@ def warmup_length(values: list[float]) -> int:
     if n < 4:
         return 0
     steady = sorted(values[n // 2 :])
-    centre = steady[len(steady) // 2]
-    spread = sorted(abs(v - centre) for v in steady)[len(steady) // 2]
+    middle = len(steady) // 2
+    centre = steady[middle]
+    distances = [abs(v - centre) for v in steady]
+    distances.sort()
+    spread = distances[middle]
     band = centre + max(3 * 1.4826 * spread, 0.01 * abs(centre))
     warmup = 0
     while warmup < n // 2 and values[warmup] > band:
@@ -151,7 +154,7 @@ def measure(
     checking costs little even with many samples."""
     started = clock()
     samples: list[float] = []
-    next_check = rule.floor
+    floor = next_check = rule.floor
     while True:
         samples.append(sample())
         n = len(samples)
@@ -161,7 +164,7 @@ def measure(
         warmup = warmup_length(samples)
         kept = samples[warmup:]
         interval = median_interval(kept, rule.confidence)
-        enough = len(kept) >= rule.floor
+        enough = len(kept) >= floor
         precise = enough and interval.half_width() <= rule.precision
         # the time budget stops only a measurement that has its floor of samples
         stopped_by = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -18,9 +19,11 @@ from t5scale.study.records import TrialRecord
 CONFIDENCE = 0.99
 
 
+@functools.lru_cache(maxsize=1024)
 def student_t_quantile(probability: float, freedom: int) -> float:
     """Student's t quantile. scipy.stats is imported here, when a study compares trials:
-    importing it takes a second, which every start of the CLI would otherwise pay."""
+    importing it takes a second, which every start of the CLI would otherwise pay. Cached: a
+    study asks for the same few quantiles again and again."""
     import scipy.stats
 
     return float(scipy.stats.t.ppf(probability, freedom))
