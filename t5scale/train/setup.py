@@ -225,15 +225,14 @@ class Setup:
         """Fresh parameters and optimizer state straight in their at-rest shardings (seed:
         TrainConfig.seed unless given); the same values on every stage and mesh."""
         seed = self.run.train.seed if seed is None else seed
-        state = self.form.initializer(jax.random.key(seed))
+        state = self.form.create(jax.random.key(seed))
         # Wait: on XLA's CPU backend two multi-device programs running at once can meet in the
         # same collective rendezvous and abort (seen with the init and the first ZeRO-3 step).
         return jax.block_until_ready(state)
 
     def compile_state_init(self) -> None:
         """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-        lowered = self.form.initializer.lower(jax.random.key(self.run.train.seed))
-        lowered.compile(compiler_options=self.compiler_options)
+        self.form.compile_create(jax.random.key(self.run.train.seed), self.compiler_options)
 
 
 def _most_frugal(index: int) -> int:

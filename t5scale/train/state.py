@@ -13,8 +13,13 @@ one form its checkpoints hold. Four choices make the form; `build_form` makes th
   mesh, device count and precision (`StateForm.to_canonical`, `StateForm.from_canonical`), and
   into another synchronisation mode where the replicas agree (`StateForm.restore_target`).
 
-The state is created straight in its shardings (`StateForm.initializer`), never whole on one
-device.
+A large state is created straight in its shardings (`StateForm.initializer`), never whole on
+one device. A small one (up to ONE_DEVICE_INIT_BYTES, in one process) is created in its
+canonical form on one device and then laid out: the random initialisers are the one costly
+program to compile in the init (thousands of HLO ops), and made this way they depend on the
+model and optimizer alone, so one compile serves every stage, mesh, device count and precision
+(and a persistent compilation cache serves them across processes: the study's trials, the
+tests). Partitionable threefry makes the values the same either way.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
 from t5scale.errors import ConfigError
@@ -46,6 +51,10 @@ from t5scale.train.replicas import (
     replica_mean,
     split_over_replicas,
 )
+
+# The largest canonical state (fp32 parameters and optimizer state) made whole on one device
+# before it is laid out; mt5_tiny's is 12 MiB, mt5_small's 3.6 GB.
+ONE_DEVICE_INIT_BYTES = 256 * 2**20
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -123,6 +132,42 @@ class StateForm:
         every stage and mesh."""
         init = _canonical_initializer(self.model, self.tx, self.replicas, self.outer_tx)
         return jax.jit(lambda rng: self._laid_out(init(rng)), out_shardings=self.shardings)
+
+    @functools.cached_property
+    def one_device_init(self) -> bool:
+        """Whether the state is small enough to be made on one device, then laid out (module
+        docstring); one process only, where that device's values can reach every shard."""
+        size = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self.canonical))
+        return jax.process_count() == 1 and size <= ONE_DEVICE_INIT_BYTES
+
+    @functools.cached_property
+    def _canonical_initializer_on_one_device(self):
+        init = _canonical_initializer(self.model, self.tx, self.replicas, self.outer_tx)
+        device = SingleDeviceSharding(self.layout.mesh.devices.flat[0])
+        return jax.jit(init, out_shardings=device)
+
+    def create(self, rng: jax.Array) -> TrainState:
+        """A fresh state in its at-rest shardings (module docstring: one device first, or not)."""
+        if not self.one_device_init:
+            return self.initializer(rng)
+        canonical = self._canonical_initializer_on_one_device(rng)
+        if self.is_canonical:
+            return jax.device_put(canonical, self.shardings)
+        canonical = jax.device_put(canonical, jax.tree.map(lambda x: x.sharding, self.canonical))
+        return self._from_canonical_jitted(canonical)
+
+    def compile_create(self, rng: jax.Array, compiler_options: dict | None = None) -> None:
+        """Compile (not run) what `create` runs, so that a persistent compilation cache holds it."""
+        if not self.one_device_init:
+            self.initializer.lower(rng).compile(compiler_options=compiler_options)
+            return
+        self._canonical_initializer_on_one_device.lower(rng).compile(
+            compiler_options=compiler_options
+        )
+        if not self.is_canonical:
+            self._from_canonical_jitted.lower(self.canonical).compile(
+                compiler_options=compiler_options
+            )
 
     @functools.cached_property
     def _to_canonical_jitted(self):
