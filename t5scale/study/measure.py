@@ -13,15 +13,14 @@ from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
 from t5scale.study.records import StepTimes
-from t5scale.train.config import RunConfig
 from t5scale.train.profiling import StepTrace, step_annotation
-from t5scale.train.setup import CompiledStep, build_setup
+from t5scale.train.setup import CompiledStep, Setup
 
 
-def model_state_per_device(run: RunConfig, devices=None) -> float:
+def model_state_per_device(setup: Setup) -> float:
     """Bytes of parameters, gradients and optimizer state per device by the ZeRO formula: a
     lower bound of the step's memory, known without compiling."""
-    form = build_setup(run, devices).form
+    form = setup.form
     return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)["total"]
 
 

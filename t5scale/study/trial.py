@@ -181,14 +181,15 @@ def _compile(run, devices, budget: int | None) -> tuple[Any, TrialResult]:
     """(compiled step or None, result): out-of-memory by the ZeRO formula before compiling,
     or by XLA's estimate after."""
     try:
-        lower_bound = model_state_per_device(run, devices)
+        setup = build_setup(run, devices)
+        lower_bound = model_state_per_device(setup)
         if budget is not None and lower_bound > budget:  # no need to compile to know
             return None, TrialResult(
                 status="out-of-memory", memory_budget_bytes=budget, fits=False,
                 error=f"the ZeRO formula's model state alone, {lower_bound / 2**30:.2f} GiB per "
                 f"device, exceeds the budget {budget / 2**30:.2f} GiB",
             )  # fmt: skip
-        step = build_setup(run, devices).compile(memory_budget_bytes=budget)
+        step = setup.compile(memory_budget_bytes=budget)
     except (ConfigError, MeshError) as error:
         return None, TrialResult(status="compile error", error=str(error))
     except Exception as error:  # XLA's own compile failures
