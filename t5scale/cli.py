@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -25,26 +23,8 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from t5scale import xla_cpu
-from t5scale.config import (
-    build_cluster_config,
-    build_run_config,
-    build_study_config,
-    operative_config,
-    parse_gin,
-)
-from t5scale.data.loader import host_batches
 from t5scale.errors import (
     COMPILER_ABORTED,
     NONFINITE_STOP,
@@ -57,16 +37,13 @@ from t5scale.errors import (
     MeshError,
     UnsupportedJaxError,
 )
-from t5scale.model.hf_import import params_from_hf
-from t5scale.model.mt5 import abstract_params
-from t5scale.model.sizes import parameter_breakdown
-from t5scale.parallel.distributed import PeerWatch, join_processes
-from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
-from t5scale.study import funnel, plan, simulate
-from t5scale.study.report import write_report
-from t5scale.study.runner import run_study
-from t5scale.train.config import RunConfig, make_model_dir
-from t5scale.train.loop import train
+
+if TYPE_CHECKING:
+    from t5scale.parallel.distributed import PeerWatch
+    from t5scale.train.config import RunConfig
+
+# Each command imports what it uses when it runs: `t5scale --help`, and a bad flag, answer
+# without importing JAX, Flax and the rest (docs/benchmarks.md, "CLI start").
 
 # Set in that child: it runs the command itself.
 IN_CHILD = "T5SCALE_COMMAND_CHILD"
@@ -82,12 +59,17 @@ class Invocation:
     processes: PeerWatch | None = None
 
     def run_config(self) -> RunConfig:
+        from t5scale.config import build_run_config, parse_gin
+
         parse_gin(self.args.gin_file, self.bindings, self.args.gin_search_paths)
         return build_run_config()
 
     def join_processes(self, run: RunConfig) -> None:
         """The distributed runtime (before anything uses a device), with `--cpu_devices`
         emulated devices and their workarounds where the backend is the CPU."""
+        from t5scale import xla_cpu
+        from t5scale.parallel.distributed import join_processes
+
         xla_cpu.configure_cpu_devices(self.args.cpu_devices)
         self.processes = join_processes(run.distributed)
         xla_cpu.patch_cpu_collectives()
@@ -97,6 +79,12 @@ class Invocation:
 
 
 def train_command(call: Invocation) -> None:
+    import jax
+
+    from t5scale.config import operative_config
+    from t5scale.train.config import make_model_dir
+    from t5scale.train.loop import train
+
     run = call.run_config()
     if run.train.model_dir:
         make_model_dir(run.train.model_dir)
@@ -114,6 +102,14 @@ def train_command(call: Invocation) -> None:
 
 
 def params_command(call: Invocation) -> None:
+    import math
+
+    import flax.linen as nn
+    import jax
+
+    from t5scale.model.mt5 import abstract_params
+    from t5scale.model.sizes import parameter_breakdown
+
     run = call.run_config()
     shapes = nn.meta.unbox(abstract_params(run.model))
     breakdown = parameter_breakdown(shapes)
@@ -127,6 +123,12 @@ def params_command(call: Invocation) -> None:
 
 
 def data_bench_command(call: Invocation) -> None:
+    import itertools
+
+    import numpy as np
+
+    from t5scale.data.loader import host_batches
+
     run = call.run_config()
     call.join_processes(run)
     data = run.data
@@ -154,7 +156,15 @@ def data_bench_command(call: Invocation) -> None:
 
 
 def convert_command(call: Invocation) -> None:
-    from t5scale.train.checkpoint import write_converted  # orbax: only on this path
+    import math
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+
+    from t5scale.model.hf_import import params_from_hf
+    from t5scale.train.checkpoint import write_converted
+    from t5scale.train.config import make_model_dir
 
     run = call.run_config()
     call.join_processes(run)
@@ -183,6 +193,14 @@ def convert_command(call: Invocation) -> None:
 
 def distributed_check_command(call: Invocation) -> None:
     """Prove the processes work together: every device adds its process id + 1 in one all-reduce."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
+
     run = call.run_config()
     call.join_processes(run)
     mesh = make_mesh(run.parallel)
@@ -205,6 +223,11 @@ def distributed_check_command(call: Invocation) -> None:
 
 def study_command(call: Invocation) -> None:
     """The grid's trials each run in a process of their own: this one starts no device."""
+    from t5scale.config import build_cluster_config, build_study_config, operative_config, parse_gin
+    from t5scale.study import funnel
+    from t5scale.study.report import write_report
+    from t5scale.study.runner import run_study
+
     parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
     study = build_study_config()
     # a cluster file: the compile-only rounds compile for its GPUs (XLA's GPU compiler)
@@ -230,11 +253,16 @@ def study_command(call: Invocation) -> None:
 
 
 def report_command(call: Invocation) -> None:
+    from t5scale.study.report import write_report
+
     path = write_report(call.args.study_dir)
     print(f"wrote {path} and its plots")
 
 
 def plan_command(call: Invocation) -> None:
+    from t5scale.config import build_cluster_config, build_study_config
+    from t5scale.study import plan
+
     run = call.run_config()
     config = build_study_config("plan")
     cluster = build_cluster_config()  # given: XLA's GPU compiler, for the cluster's GPUs
@@ -244,6 +272,9 @@ def plan_command(call: Invocation) -> None:
 
 
 def simulate_command(call: Invocation) -> None:
+    from t5scale.config import build_study_config
+    from t5scale.study import simulate
+
     run = call.run_config()
     try:
         cluster = build_study_config("cluster")
@@ -268,6 +299,11 @@ def _emulate_cpu_devices(count: int, as_json: bool) -> Callable[[str], None]:
     not have), unless JAX already runs here (cli.main called in a process that has used it:
     the devices are then what they are, and a plan that needs more says so); progress goes to
     stderr when stdout is JSON."""
+    import jax
+    from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+
+    from t5scale import xla_cpu
+
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         xla_cpu.emulate_cpu_devices(count)
@@ -449,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if call.processes is None or not call.processes.multi_process:
             raise
+        import jax
+
         if isinstance(error, jax.errors.JaxRuntimeError):
             # Most often a collective whose peer is gone: the watch names it and exits meanwhile.
             call.processes.wait_for_verdict()

@@ -116,6 +116,30 @@ def test_bad_input_in_a_process_of_its_own_exits_2_with_one_line():
     assert line.startswith("t5scale: error:") and "does not divide 8 devices" in line
 
 
+# The console script's start as a plain install has it (no CUDA plugin: with it, t5scale
+# imports jax at once to start it quietly, t5scale/startup.py).
+WITHOUT_PLUGIN = """
+import sys
+sys.modules["jax_cuda12_plugin"] = None
+from t5scale.cli import main
+try:
+    sys.exit(main(sys.argv[1:]))  # argparse exits by itself on --help and on a bad flag
+finally:
+    heavy = {"jax", "flax", "optax", "orbax", "tensorflow", "numpy"} & set(sys.modules)
+    print("imported:" + ",".join(sorted(heavy)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["train", "--no_such_flag"], 2)])
+def test_help_and_a_bad_flag_import_no_jax(args, code):
+    """`t5scale --help` and argparse's errors answer before any command imports its modules."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_PLUGIN, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "imported:"
+    assert "train" in done.stdout if code == 0 else "t5scale: error:" in done.stderr
+
+
 def test_an_xla_abort_in_plan_is_one_line_and_exit_code_5():
     """plan and simulate compile in a child process: when XLA aborts there (a failed C++ check
     kills the process with SIGABRT), the user gets one line, not a stack dump. Here the abort is
