@@ -191,6 +191,35 @@ def convert_command(call: Invocation) -> None:
     )
 
 
+def export_command(call: Invocation) -> None:
+    from t5scale.config import build_run_config, parse_gin
+    from t5scale.model.hf_export import parse_size
+    from t5scale.train.export import export_checkpoint
+
+    parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
+    model_dir = build_run_config().train.model_dir
+    if not model_dir:
+        raise ConfigError("export reads a run: give --gin.MODEL_DIR=/path")
+    try:
+        max_shard_bytes = parse_size(call.args.max_shard_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    from t5scale import xla_cpu
+
+    xla_cpu.emulate_cpu_devices(call.args.cpu_devices)
+    done = export_checkpoint(
+        model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes
+    )
+    model = done.run.model
+    print(f"{model.name} step {done.step}: {done.parameters:,} parameters → {call.args.out_dir}")
+    print("  " + ", ".join(path.name for path in done.files))
+    if not done.tokenizer:
+        print("  no tokenizer: the run trained on synthetic tokens (DataConfig.source)")
+    print(
+        f"load it: transformers.MT5ForConditionalGeneration.from_pretrained({call.args.out_dir!r})"
+    )
+
+
 def distributed_check_command(call: Invocation) -> None:
     """Prove the processes work together: every device adds its process id + 1 in one all-reduce."""
     import jax
@@ -349,6 +378,14 @@ COMMANDS: dict[str, Command] = {
         "a Hugging Face mT5 checkpoint (config.json + safetensors) → step 0 in MODEL_DIR",
         convert_command,
         (("--hf_dir", {"required": True, "help": "as save_pretrained wrote it"}),),
+    ),
+    "export": Command(
+        "a run's checkpoint → a Hugging Face mT5 directory (config.json + safetensors)",
+        export_command,
+        (("--out_dir", {"required": True, "help": "where to write the model"}),
+         ("--step", {"type": _count(0), "default": None, "help": "default: the newest"}),
+         ("--overwrite", {"action": "store_true", "help": "replace a model in out_dir"}),
+         ("--max_shard_size", {"default": "5GB", "help": "safetensors shard size (5GB)"})),
     ),
     "study": Command(
         "the scaling study: a grid of isolated trials, funneled (gin/study/quick.gin)",

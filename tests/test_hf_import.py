@@ -223,11 +223,11 @@ def test_aliases_of_shared_are_accepted(hf_checkpoint, tmp_path):
     np.testing.assert_array_equal(got["embedding"], expected["embedding"])
 
 
-def _train_two_steps_from(out: Path, stage: int, capsys) -> tuple[int, str, str]:
+def _train_two_steps_from(out: Path, stage: int, capsys, steps: int = 2) -> tuple[int, str, str]:
     return cli_in_process(
         ["train", f"--gin_file={out}/model.gin", f"--gin_file=gin/zero/stage{stage}.gin",
          "--gin.DATA_SOURCE=synthetic", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=16",
-         "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{out}'"], capsys,
+         f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{out}'"], capsys,
     )  # fmt: skip
 
 
@@ -271,3 +271,124 @@ def test_convert_writes_a_mixed_precision_run(hf_checkpoint, tmp_path, capsys):
     analysis = json.loads((out / "step_analysis.json").read_text())
     assert analysis["precision"]["mode"] == "mixed"
     assert analysis["model_state_per_device"]["zero_formula"] == "2Ψ + 14Ψ/N"
+
+
+# ---- export: a run's checkpoint back out as a Hugging Face mT5 ---------------------------------
+
+
+def _trained_params(run: Path, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    state = ocp.StandardCheckpointer().restore(run / "checkpoints" / str(step) / "state")
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, tmp_path, capsys):
+    """transformers' model → convert → 3 steps at ZeRO-3 on 8 devices → export → transformers
+    loads it and its logits are t5scale's (fp32); exported, then converted again: the same."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, directory = hf_checkpoint
+    run, out = tmp_path / "run", tmp_path / "exported"
+    convert = ["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{run}'"]
+    assert cli_in_process(convert, capsys)[0] == 0
+    code, _, err = _train_two_steps_from(run, 3, capsys, steps=3)
+    assert code == 0, err
+    code, printed, err = cli_in_process(
+        ["export", f"--gin.MODEL_DIR='{run}'", f"--out_dir={out}"], capsys
+    )
+    assert code == 0, err
+    assert "step 3" in printed and "no tokenizer" in printed
+
+    cfg, imported = params_from_hf(directory)
+    trained = _trained_params(run, 3)
+    assert not np.array_equal(trained["lm_head"], imported["lm_head"])  # training moved it
+    model = transformers.MT5ForConditionalGeneration.from_pretrained(out).eval()
+    assert model.lm_head.weight.data_ptr() != model.shared.weight.data_ptr()  # untied
+    encoder, decoder = _inputs()
+    with torch.no_grad():
+        expected = model(
+            input_ids=torch.from_numpy(encoder).long(),
+            attention_mask=torch.from_numpy(encoder != 0).long(),
+            decoder_input_ids=torch.from_numpy(decoder).long(),
+        ).logits.numpy()
+    got = np.asarray(jax.jit(MT5(cfg).apply)({"params": trained}, encoder, decoder))
+    diff = float(np.max(np.abs(got - expected)))
+    with capsys.disabled():  # the parity figure, shown with -s
+        print(f"export round trip: max |t5scale - transformers| logit difference {diff:.3g}")
+    assert diff <= 1e-4, f"max |t5scale - transformers| logit difference {diff:.3g}"
+    assert np.std(expected) > 1.0
+
+    _, again = params_from_hf(out)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Sharded past a size limit, with transformers' index: the same tensors.
+    sharded = tmp_path / "sharded"
+    code, _, err = cli_in_process(["export", f"--gin.MODEL_DIR='{run}'", f"--out_dir={sharded}",
+                                   "--max_shard_size=100KB", "--step=0"], capsys)  # fmt: skip
+    assert code == 0, err
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert (
+        len(set(index["weight_map"].values())) > 1 and not (sharded / "model.safetensors").exists()
+    )
+    _, step_zero = params_from_hf(sharded)
+    for a, b in zip(jax.tree.leaves(step_zero), jax.tree.leaves(imported), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Bad input: one line, exit code 2, nothing written.
+    for args, message in (
+        ([f"--gin.MODEL_DIR='{tmp_path / 'none'}'", f"--out_dir={tmp_path / 'x'}"],
+         "no checkpoint in"),
+        ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={tmp_path / 'x'}", "--step=7"],
+         "no checkpoint at step 7"),
+        ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={directory / 'config.json'}"], "is a file"),
+        ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={out}"], "already holds a model"),
+    ):  # fmt: skip
+        code, _, err = cli_in_process(["export", *args], capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "x").exists()
+    assert cli_in_process(["export", f"--gin.MODEL_DIR='{run}'", f"--out_dir={out}",
+                           "--overwrite"], capsys)[0] == 0  # fmt: skip
+
+
+def test_mt5_small_exports_the_parameters_transformers_counts():
+    """mt5_small's export: transformers' MT5 of its config.json (built on torch's meta device,
+    nothing allocated) has exactly the tensors, shapes and 300,176,768 parameters it writes."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from t5scale.model.hf_export import hf_config, hf_shapes, parameter_count
+    from t5scale.model.sizes import preset
+
+    cfg = preset("mt5_small")
+    assert parameter_count(cfg) == 300_176_768
+    with torch.device("meta"):
+        model = transformers.MT5ForConditionalGeneration(transformers.MT5Config(**hf_config(cfg)))
+        # transformers >= 5 ties a freshly built mT5's head to `shared` (loaded from an export,
+        # which holds lm_head.weight, it is untied: the round-trip test above)
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+    assert sum(p.numel() for p in model.parameters()) == 300_176_768
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()
+              if not name.endswith("embed_tokens.weight")}  # fmt: skip
+    assert shapes == hf_shapes(cfg)
+
+
+def test_the_exported_tokenizer_gives_seqio_s_ids(tmp_path):
+    """The shipped SentencePiece vocabulary with mT5's 100 sentinels, loaded by transformers:
+    the pieces' ids, EOS, and <extra_id_0> as the last id (seqio's numbering)."""
+    transformers = pytest.importorskip("transformers")
+    import sentencepiece
+
+    from t5scale.data.config import DataConfig
+    from t5scale.model.hf_export import write_tokenizer
+
+    data = DataConfig()
+    write_tokenizer(tmp_path, data.vocabulary, data.extra_ids)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    pieces = sentencepiece.SentencePieceProcessor(model_file=data.vocabulary)
+    text = "Ein kleiner Test, un petit essai."
+    assert tokenizer(text).input_ids == [*pieces.encode(text), 1]
+    size = pieces.get_piece_size() + data.extra_ids
+    assert len(tokenizer) == size == 4096
+    assert tokenizer.convert_tokens_to_ids("<extra_id_0>") == size - 1
+    assert tokenizer.convert_tokens_to_ids("<extra_id_99>") == size - 100

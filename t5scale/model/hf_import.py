@@ -125,20 +125,29 @@ def model_config_from_hf(
     )
 
 
+Layout = Callable[[np.ndarray], np.ndarray]
+
+
 @dataclass(frozen=True)
-class _Weight:
-    """One t5scale parameter: where it goes, which HF tensor(s) fill it and how."""
+class Weight:
+    """One t5scale parameter: where it goes, which HF tensor(s) fill it and how (both ways)."""
 
     path: tuple[str, ...]  # in the t5scale params tree
     hf_name: str  # with "{i}" for the layer index when stacked
     hf_shape: tuple[int, ...]  # of each HF tensor
-    convert: Callable[[np.ndarray], np.ndarray]
+    layouts: tuple[Layout, Layout]  # HF tensor -> t5scale's layout, and back
     layers: int | None = None  # stacked over this many layers, else a single tensor
 
     def hf_names(self) -> list[str]:
         if self.layers is None:
             return [self.hf_name]
         return [self.hf_name.format(i=i) for i in range(self.layers)]
+
+    def convert(self, hf_tensor: np.ndarray) -> np.ndarray:
+        return self.layouts[0](hf_tensor)
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        return self.layouts[1](value)
 
 
 def _same(weight: np.ndarray) -> np.ndarray:
@@ -149,48 +158,46 @@ def _transpose(weight: np.ndarray) -> np.ndarray:
     return weight.T
 
 
-def _weight_plan(cfg: ModelConfig) -> list[_Weight]:
+def weight_plan(cfg: ModelConfig) -> list[Weight]:
     """Every t5scale parameter with its HF source, for MT5ForConditionalGeneration's names."""
     d, f, h, k = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.d_kv
+    same, transpose = (_same, _same), (_transpose, _transpose)
+    # q, k, v: [h*k, d] <-> [d, h, k]; o: [d, h*k] <-> [h, k, d] (HF's head-major order)
+    to_heads = (lambda w: w.T.reshape(d, h, k), lambda w: w.reshape(d, h * k).T)
+    from_heads = (lambda w: w.T.reshape(h, k, d), lambda w: w.reshape(h * k, d).T)
 
-    def to_heads(w: np.ndarray) -> np.ndarray:  # [h*k, d] -> [d, h, k]
-        return w.T.reshape(d, h, k)
-
-    def from_heads(w: np.ndarray) -> np.ndarray:  # [d, h*k] -> [h, k, d]
-        return w.T.reshape(h, k, d)
-
-    def attention(path: tuple[str, ...], hf: str, layers: int) -> list[_Weight]:
+    def attention(path: tuple[str, ...], hf: str, layers: int) -> list[Weight]:
         return [
-            _Weight((*path, "query"), f"{hf}.q.weight", (h * k, d), to_heads, layers),
-            _Weight((*path, "key"), f"{hf}.k.weight", (h * k, d), to_heads, layers),
-            _Weight((*path, "value"), f"{hf}.v.weight", (h * k, d), to_heads, layers),
-            _Weight((*path, "out"), f"{hf}.o.weight", (d, h * k), from_heads, layers),
+            Weight((*path, "query"), f"{hf}.q.weight", (h * k, d), to_heads, layers),
+            Weight((*path, "key"), f"{hf}.k.weight", (h * k, d), to_heads, layers),
+            Weight((*path, "value"), f"{hf}.v.weight", (h * k, d), to_heads, layers),
+            Weight((*path, "out"), f"{hf}.o.weight", (d, h * k), from_heads, layers),
         ]
 
-    def mlp(path: tuple[str, ...], hf: str, layers: int) -> list[_Weight]:
+    def mlp(path: tuple[str, ...], hf: str, layers: int) -> list[Weight]:
         return [
-            _Weight((*path, "wi_0"), f"{hf}.wi_0.weight", (f, d), _transpose, layers),
-            _Weight((*path, "wi_1"), f"{hf}.wi_1.weight", (f, d), _transpose, layers),
-            _Weight((*path, "wo"), f"{hf}.wo.weight", (d, f), _transpose, layers),
+            Weight((*path, "wi_0"), f"{hf}.wi_0.weight", (f, d), transpose, layers),
+            Weight((*path, "wi_1"), f"{hf}.wi_1.weight", (f, d), transpose, layers),
+            Weight((*path, "wo"), f"{hf}.wo.weight", (d, f), transpose, layers),
         ]
 
-    def norm(path: tuple[str, ...], hf: str, layers: int | None = None) -> _Weight:
-        return _Weight((*path, "scale"), f"{hf}.weight", (d,), _same, layers)
+    def norm(path: tuple[str, ...], hf: str, layers: int | None = None) -> Weight:
+        return Weight((*path, "scale"), f"{hf}.weight", (d,), same, layers)
 
-    def relpos(stack: str) -> _Weight:
-        return _Weight(
+    def relpos(stack: str) -> Weight:
+        return Weight(
             (stack, "relpos_bias", "rel_embedding"),
             f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
             (cfg.relative_attention_num_buckets, h),
-            _transpose,
+            transpose,
         )
 
     enc, enc_layers = ("encoder", "layers"), cfg.num_encoder_layers
     dec, dec_layers = ("decoder", "layers"), cfg.num_decoder_layers
     eb, db = "encoder.block.{i}.layer", "decoder.block.{i}.layer"
     return [
-        _Weight(("embedding",), "shared.weight", (cfg.vocab_size, d), _same),
-        _Weight(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), _transpose),
+        Weight(("embedding",), "shared.weight", (cfg.vocab_size, d), same),
+        Weight(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), transpose),
         relpos("encoder"),
         norm((*enc, "pre_attention_norm"), f"{eb}.0.layer_norm", enc_layers),
         *attention((*enc, "attention"), f"{eb}.0.SelfAttention", enc_layers),
@@ -274,7 +281,7 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: np.ndarray) -> None
     tree[path[-1]] = value
 
 
-def _check_layout(cfg: ModelConfig, params: dict[str, Any]) -> None:
+def check_layout(cfg: ModelConfig, params: dict[str, Any]) -> None:
     """The tree must be exactly the model's: same paths, same shapes (guards model changes)."""
     expected = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract_params(cfg)))[0]
     got = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -300,7 +307,7 @@ def params_from_hf(
     if not config_path.is_file():
         raise ValueError(f"{model_dir}: no config.json")
     cfg = model_config_from_hf(_json_object(config_path), dtype)
-    plan = _weight_plan(cfg)
+    plan = weight_plan(cfg)
     with _open_tensors(model_dir) as where:
         wanted = [name for weight in plan for name in weight.hf_names()]
         missing = [name for name in wanted if name not in where]
@@ -343,5 +350,5 @@ def params_from_hf(
                 "HF lm_head.weight equals shared.weight (tied output projection); "
                 "t5scale's lm_head is untied"
             )
-    _check_layout(cfg, params)
+    check_layout(cfg, params)
     return cfg, params
