@@ -82,20 +82,27 @@ def _inputs() -> tuple[np.ndarray, np.ndarray]:
     return encoder.astype(np.int32), decoder.astype(np.int32)
 
 
+def _transformers_logits(model, encoder: np.ndarray, decoder: np.ndarray) -> np.ndarray:
+    """transformers' logits for the batch, the encoder's padding (token 0) masked."""
+    import torch
+
+    with torch.no_grad():
+        return model(
+            input_ids=torch.from_numpy(encoder).long(),
+            attention_mask=torch.from_numpy(encoder != 0).long(),
+            decoder_input_ids=torch.from_numpy(decoder).long(),
+        ).logits.numpy()
+
+
 def test_imported_model_gives_transformers_logits(hf_checkpoint):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     hf_model, directory = hf_checkpoint
     cfg, params = params_from_hf(directory)
     assert (cfg.num_encoder_layers, cfg.num_decoder_layers) == (ENCODER_LAYERS, DECODER_LAYERS)
     assert cfg.layer_norm_epsilon == pytest.approx(1e-5)
     encoder, decoder = _inputs()
 
-    with torch.no_grad():
-        expected = hf_model(
-            input_ids=torch.from_numpy(encoder).long(),
-            attention_mask=torch.from_numpy(encoder != 0).long(),
-            decoder_input_ids=torch.from_numpy(decoder).long(),
-        ).logits.numpy()
+    expected = _transformers_logits(hf_model, encoder, decoder)
 
     # Unpacked: t5scale derives the encoder's segment ids from the padding (token 0).
     got = np.asarray(jax.jit(MT5(cfg).apply)({"params": params}, encoder, decoder))
@@ -271,6 +278,15 @@ def test_convert_writes_a_mixed_precision_run(hf_checkpoint, tmp_path, capsys):
     analysis = json.loads((out / "step_analysis.json").read_text())
     assert analysis["precision"]["mode"] == "mixed"
     assert analysis["model_state_per_device"]["zero_formula"] == "2Ψ + 14Ψ/N"
+    # Exported, the mixed-precision ZeRO-2 run gives its fp32 master, as the checkpoint holds it.
+    exported = tmp_path / "exported"
+    code, _, err = cli_in_process(["export", f"--gin.MODEL_DIR='{out}'", f"--out_dir={exported}"],
+                                  capsys)  # fmt: skip
+    assert code == 0, err
+    _, params = params_from_hf(exported)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_trained_params(out, 2)), strict=True):
+        assert a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
 
 
 # ---- export: a run's checkpoint back out as a Hugging Face mT5 ---------------------------------
@@ -286,7 +302,7 @@ def _trained_params(run: Path, step: int) -> dict:
 def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, tmp_path, capsys):
     """transformers' model → convert → 3 steps at ZeRO-3 on 8 devices → export → transformers
     loads it and its logits are t5scale's (fp32); exported, then converted again: the same."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     _, directory = hf_checkpoint
     run, out = tmp_path / "run", tmp_path / "exported"
@@ -306,12 +322,7 @@ def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, t
     model = transformers.MT5ForConditionalGeneration.from_pretrained(out).eval()
     assert model.lm_head.weight.data_ptr() != model.shared.weight.data_ptr()  # untied
     encoder, decoder = _inputs()
-    with torch.no_grad():
-        expected = model(
-            input_ids=torch.from_numpy(encoder).long(),
-            attention_mask=torch.from_numpy(encoder != 0).long(),
-            decoder_input_ids=torch.from_numpy(decoder).long(),
-        ).logits.numpy()
+    expected = _transformers_logits(model, encoder, decoder)
     got = np.asarray(jax.jit(MT5(cfg).apply)({"params": trained}, encoder, decoder))
     diff = float(np.max(np.abs(got - expected)))
     with capsys.disabled():  # the parity figure, shown with -s
