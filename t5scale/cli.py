@@ -192,20 +192,17 @@ def convert_command(call: Invocation) -> None:
 
 
 def export_command(call: Invocation) -> None:
-    from t5scale.config import build_run_config, parse_gin
+    from t5scale import xla_cpu
     from t5scale.model.hf_export import parse_size
     from t5scale.train.export import export_checkpoint
 
-    parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
-    model_dir = build_run_config().train.model_dir
+    model_dir = call.run_config().train.model_dir
     if not model_dir:
         raise ConfigError("export reads a run: give --gin.MODEL_DIR=/path")
     try:
         max_shard_bytes = parse_size(call.args.max_shard_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    from t5scale import xla_cpu
-
     xla_cpu.emulate_cpu_devices(call.args.cpu_devices)
     done = export_checkpoint(
         model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes

@@ -75,18 +75,21 @@ def check_compatible(meta: dict, model: ModelConfig, optimizer: str, where: str)
 class Checkpoints:
     """The run's CheckpointManager, with damage fallback and a compatibility check."""
 
-    def __init__(self, model_dir: str, config: CheckpointConfig):
+    def __init__(self, model_dir: str, config: CheckpointConfig, read_only: bool = False):
         self.directory = (Path(model_dir) / "checkpoints").resolve()
         self.damaged = self.directory.parent / "checkpoints_damaged"
         self.config = config
+        # read_only: a reader beside the run (export), which must not remove a save in flight
+        self.read_only = read_only
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.config.keep,
             enable_async_checkpointing=self.config.async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # what a killed save left behind
+            create=not self.read_only,
+            cleanup_tmp_directories=not self.read_only,  # what a killed save left behind
+            read_only=self.read_only,
         )
         return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -114,21 +117,22 @@ class Checkpoints:
         for step in reversed(self.steps()):
             where = f"checkpoint {self.directory}/{step}"
             try:
-                meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
+                meta = self.restore(step, meta=ocp.args.JsonRestore())["meta"]
             except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: fall back)
                 self._set_aside(step, error)
                 continue
             check_compatible(meta, model, optimizer, where)  # a mismatch is the user's: stop
             target = abstract_state(meta) if callable(abstract_state) else abstract_state
             try:
-                state = self._restore(step, state=ocp.args.StandardRestore(target))
+                state = self.restore(step, state=ocp.args.StandardRestore(target))
             except Exception as error:  # noqa: BLE001
                 self._set_aside(step, error)
                 continue
             return Restored(state["state"], meta)
         return None
 
-    def _restore(self, step: int, **items) -> Any:
+    def restore(self, step: int, **items) -> Any:
+        """The items (orbax restore args by name: state, meta) of the checkpoint at `step`."""
         return self.manager.restore(step, args=ocp.args.Composite(**items))
 
     def _set_aside(self, step: int, error: Exception) -> None:

@@ -21,8 +21,8 @@ from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError
 from t5scale.model import hf_export
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import check_compatible
-from t5scale.train.config import RunConfig
+from t5scale.train.checkpoint import Checkpoints, check_compatible
+from t5scale.train.config import CheckpointConfig, RunConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
@@ -35,10 +35,6 @@ class Exported:
     files: list[Path]
     parameters: int
     tokenizer: bool
-
-
-def _steps(directory: Path) -> list[int]:
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -83,32 +79,30 @@ def export_checkpoint(
     loads it; a ConfigError in one line for a run without checkpoints, a step it does not
     have, or an out_dir that is a file or already holds a model (unless `overwrite`)."""
     directory = (Path(model_dir) / "checkpoints").resolve()
-    steps = _steps(directory) if directory.is_dir() else []
-    if not steps:
+    if not directory.is_dir():
         raise ConfigError(f"no checkpoint in {directory}: export reads a run's MODEL_DIR")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(
-            f"no checkpoint at step {step} in {directory}; it has steps "
-            f"{', '.join(map(str, steps))}"
-        )
-    out = Path(out_dir)
-    _check_out_dir(out, overwrite)
-
-    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
-    manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "meta"))
+    checkpoints = Checkpoints(model_dir, CheckpointConfig(), read_only=True)
     try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        steps = checkpoints.steps()
+        if not steps:
+            raise ConfigError(f"no checkpoint in {directory}: export reads a run's MODEL_DIR")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise ConfigError(
+                f"no checkpoint at step {step} in {directory}; it has steps "
+                f"{', '.join(map(str, steps))}"
+            )
+        out = Path(out_dir)
+        _check_out_dir(out, overwrite)
+        meta = checkpoints.restore(step, meta=ocp.args.JsonRestore())["meta"]
         run = _run_of(meta)
         check_compatible(meta, run.model, run.optimizer.name, f"checkpoint {directory}/{step}")
         setup = build_setup(_as_exported(run))
         target = setup.form.restore_target(meta)
-        state = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
+        state = checkpoints.restore(step, state=ocp.args.StandardRestore(target))["state"]
     finally:
-        manager.close()
+        checkpoints.close()
     state = setup.form.from_canonical(state, meta)
     params = jax.tree.map(np.asarray, jax.device_get(setup.form.to_canonical(state).params))
 
