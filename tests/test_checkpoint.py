@@ -16,6 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO, TINY_ARGS, TINY_MODEL, cli_in_process, run_cli, run_steps, tiny_setup
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import Checkpoints, model_signature
@@ -185,6 +187,38 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
     again = _read_metrics(tmp_path)
     assert [r["step"] for r in again] == list(range(1, 9))
     assert [r["loss"] for r in again[:6]] == [r["loss"] for r in first]
+
+
+def test_a_save_on_the_cpu_copies_whole_shards_and_compiles_nothing(tmp_path):
+    """Replicated arrays on 8 CPU devices: orbax's replica-parallel save would cut each
+    replica's slice with an eager jax slice (a program per shape, compiled at the first save);
+    on the CPU t5scale saves whole shards, and they restore as they were."""
+    mesh = jax.make_mesh((8,), ("zero",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.device_put(
+        np.arange(24 * 40, dtype=np.float32).reshape(24, 40), NamedSharding(mesh, P())
+    )  # a shape no other test saves: its slices would be compiled here
+    sharded = jax.device_put(np.arange(16.0, dtype=np.float32), NamedSharding(mesh, P("zero")))
+    state = {"replicated": replicated, "sharded": sharded}
+    compiled = []
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    checkpoints = Checkpoints(str(tmp_path), CheckpointConfig())
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        checkpoints.save(1, state, {"step": 1})
+        checkpoints.manager.wait_until_finished()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+    assert compiled == []
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    restored = checkpoints.restore(1, state=ocp.args.StandardRestore(target))["state"]
+    for name, array in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(array))
 
 
 def test_a_checkpoint_of_another_model_stops_at_start(tmp_path, capsys):

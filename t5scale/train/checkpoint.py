@@ -16,6 +16,7 @@ previous one is tried; a checkpoint of a different model is one ConfigError nami
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import sys
 from pathlib import Path
@@ -72,10 +73,26 @@ def check_compatible(meta: dict, model: ModelConfig, optimizer: str, where: str)
         )
 
 
+@functools.cache  # once per process
+def _whole_shards_on_the_cpu() -> None:
+    """On the CPU, orbax saves each shard of an array whole instead of replica-parallel.
+
+    Replica-parallel saving has each replica of a replicated shard copy a slice of it to the
+    host, cut by one eager jax slice per shard: work for nothing where the devices share the
+    host's memory. mt5_tiny on 8 CPU devices: 700 slices per save, 144 slice programs compiled
+    at a process's first save (2 s of it), 0.2 s for each later save; whole shards: 0.02 s and
+    0.14 s. The files are alike (tensorstore reads either); on GPUs orbax's default stands.
+    """
+    if jax.default_backend() == "cpu":
+        whole = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
+        ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
+
+
 class Checkpoints:
     """The run's CheckpointManager, with damage fallback and a compatibility check."""
 
     def __init__(self, model_dir: str, config: CheckpointConfig, read_only: bool = False):
+        _whole_shards_on_the_cpu()
         self.directory = (Path(model_dir) / "checkpoints").resolve()
         self.damaged = self.directory.parent / "checkpoints_damaged"
         self.config = config
