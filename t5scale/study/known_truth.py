@@ -93,7 +93,7 @@ class SimulatedTrials:
         self, c: Configuration, devices: int, kind: str, wall: float,
         timing: TrialTiming | None = None, repeat: int = 0,
     ) -> TrialRecord:  # fmt: skip
-        point = Point(**dataclasses.asdict(c), devices=devices)
+        point = Point(**vars(c), devices=devices)  # asdict's deep copies cost a tenth of a run
         result = TrialResult(status="ok", timing=timing, wall_s=wall)
         return TrialRecord(key=f"{kind}:{c}:{devices}", kind=kind, point=point, result=result,
                            repeat=repeat)  # fmt: skip
@@ -131,8 +131,10 @@ class SimulatedTrials:
 
     def _draw(self, truth: float, drawn: list[float]) -> float:
         warmup = WARMUP_FACTORS[len(drawn)] if len(drawn) < len(WARMUP_FACTORS) else 1.0
-        drawn.append(truth * warmup * self.rng.lognormvariate(0.0, self.noise.step))
-        return drawn[-1]
+        # random.lognormvariate(0, σ) is exp(normalvariate(0, σ)): the same draws, one call less
+        sample = truth * warmup * math.exp(self.rng.normalvariate(0.0, self.noise.step))
+        drawn.append(sample)
+        return sample
 
     def ahead(self, alive: int, devices: Sequence[int]) -> None:
         pass
