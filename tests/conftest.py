@@ -57,21 +57,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The files that take longest (`pytest --durations=0`, summed per file), started first: xdist
-# hands out whole files (`--dist loadfile`, in this order with `--no-loadscope-reorder`), and
-# a long file taken last would leave the other worker idle at the end. The rest follow as
-# collected.
-LONGEST_FIRST = (
-    "test_xla_gpu.py", "test_study.py", "test_checkpoint.py", "test_replicas.py",
-    "test_attention.py", "test_precision.py", "test_data.py", "test_zero.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
-
-
 def pytest_sessionstart(session):
     """Without t5scale's channel-id stand-in (t5scale/xla_cpu.py) a newer JAX would deadlock the
     multi-device tests: stop at once and say why instead."""
