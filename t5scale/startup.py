@@ -89,3 +89,17 @@ def start_jax() -> None:
         register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
         if register is not None:
             register()
+
+
+@contextlib.contextmanager
+def absl_quiet():
+    """Run the body with absl's Python log (TensorFlow's, orbax's) at FATAL: for warnings
+    that say nothing to the user (t5scale reports what matters in its own line)."""
+    from absl import logging as absl_logging  # comes with orbax and TensorFlow
+
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)

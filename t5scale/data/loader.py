@@ -14,7 +14,6 @@ cheap beside the training step it feeds).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import queue
 import threading
@@ -27,6 +26,7 @@ from t5scale.data.config import DataConfig
 from t5scale.data.corpus import scan_corpus
 from t5scale.data.synthetic import FEATURES, synthetic_batch
 from t5scale.errors import DataError
+from t5scale.startup import absl_quiet
 
 
 def _local_batch_size(global_batch: int) -> int:
@@ -76,7 +76,7 @@ def seqio_dataset(
     if global_batch % count:
         raise DataError(f"global batch {global_batch} is not divisible by {count} data shards")
     try:
-        with _absl_quiet():  # the error is reported below, in one line
+        with absl_quiet():  # the error is reported below, in one line
             return _get_dataset(config, name, global_batch // count, seed, split, (index, count))
     except (KeyError, FileNotFoundError, AssertionError) as error:
         if config.source != "mc4":
@@ -85,18 +85,6 @@ def seqio_dataset(
             f"mC4 ({tasks.MC4_TFDS_NAME}) is not prepared in tfds_data_dir "
             f"{config.tfds_data_dir!r}: {str(error).strip(chr(34))}"
         ) from None
-
-
-@contextlib.contextmanager
-def _absl_quiet():
-    from absl import logging as absl_logging  # comes with TensorFlow: only runs that read text
-
-    level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.FATAL)
-    try:
-        yield
-    finally:
-        absl_logging.set_verbosity(level)
 
 
 # seqio hands out per-preprocessor seeds from module-level state while a pipeline is built, so

@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
+from t5scale.startup import absl_quiet
 from t5scale.train.config import CheckpointConfig
 from t5scale.train.optim import make_optimizer
 from t5scale.train.state import TrainState
@@ -85,7 +86,8 @@ def _whole_shards_on_the_cpu() -> None:
     """
     if jax.default_backend() == "cpu":
         whole = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
-        ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
+        with absl_quiet():  # orbax warns of every override it is asked for
+            ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
 
 
 class Checkpoints:
