@@ -82,7 +82,12 @@ def test_params_prints_the_count_without_allocating():
         (["--gin.ParallelConfig.zero_stage=4"], "ZeRO stage must be 0, 1, 2 or 3"),
         (["--gin.ParallelConfig.tensor=3"], "does not divide 8 devices"),
         (["--gin.ParallelConfig.zero=3"], "needs 3 devices, but 8 are there"),
-        (["--gin.ParallelConfig.tensor=8"], "does not divide the 'heads' dimension"),
+        (
+            ["--gin.ModelConfig.num_heads=6", "--gin.ParallelConfig.tensor=4"],
+            "does not divide the 'heads' dimension",
+        ),  # fmt: skip
+        # XLA's SPMD partitioner cannot compile the step without a data-parallel axis
+        (["--gin.ParallelConfig.tensor=8"], "tensor=8 over all 8 devices leaves no data-parallel"),
         (["--gin.BATCH_SIZE=12"], "not divisible by data-parallel size 8"),
         (["--gin.MICRO_BATCHES=3"], "micro_batches 3"),
         (["--gin.STEPS_PER_EXECUTION=0"], "steps_per_execution must be >= 1"),

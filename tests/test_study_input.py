@@ -42,6 +42,8 @@ from t5scale.study.trial import run_trial
         ({"data_source": "wiki"}, "StudyConfig.data_source: .*'wiki'"),
         ({"tensor": 0}, "StudyConfig.tensor must be >= 1, got 0"),  # was ZeroDivisionError
         ({"tensor": -1}, "StudyConfig.tensor must be >= 1, got -1"),
+        # a mesh of tensor alone: XLA's SPMD partitioner cannot compile the step
+        ({"tensor": 2, "devices": [2, 4]}, r"StudyConfig.devices \[2\]: with tensor=2 each must"),
         ({"device_memory_gb": 0}, "StudyConfig.device_memory_gb must be None or > 0, got 0"),
         ({"device_memory_gb": -1.0}, "StudyConfig.device_memory_gb must be None or > 0"),
         ({"learning_rates": [0]}, r"StudyConfig.learning_rates \[0\]: each must be > 0"),

@@ -75,6 +75,16 @@ class ParallelConfig:
             raise MeshError(
                 f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} are there"
             )
+        replica, zero, tensor = sizes
+        if tensor > 1 and replica * zero == 1:
+            # XLA's SPMD partitioner rejects the step's gradient all-reduce over data axes of
+            # one device for a tensor-split leaf ("Cross-partition allreduce must be in (partial)
+            # manual partitioning mode", JAX 0.10.2): say so before it is compiled.
+            raise MeshError(
+                f"mesh {self.shape_str()}: tensor={tensor} over all {num_devices} devices leaves "
+                "no data-parallel axis, which t5scale's step cannot compile (XLA's SPMD "
+                "partitioner); give zero or replica at least 2 of the devices"
+            )
         across = sizes[AXES.index(self.axis_across_hosts)]
         if across % hosts:
             raise MeshError(

@@ -122,6 +122,11 @@ class StudyConfig:
             raise ConfigError(
                 f"StudyConfig.devices {bad}: each must be a positive multiple of tensor={self.tensor}"
             )
+        if self.tensor > 1 and (bad := [d for d in self.devices if d == self.tensor]):
+            raise ConfigError(  # a mesh of tensor alone does not compile: t5scale/parallel/mesh.py
+                f"StudyConfig.devices {bad}: with tensor={self.tensor} each must be at least "
+                f"{2 * self.tensor}, so that some devices split the batch"
+            )
         if bad := [m for m in self.micro_batch_sizes if m < 1]:
             raise ConfigError(f"StudyConfig.micro_batch_sizes {bad}: each must be >= 1")
         if bad := [r for r in self.remats if r not in (*REMAT_LADDER, "auto")]:
