@@ -151,10 +151,10 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
     assert oom["status"] == "out-of-memory" and "exceeds the budget" in oom["error"]
     # 4 heads do not split over tensor=3
     bad = Point(
-        "mt5_tiny", 0, 1, "none", 1e-3, devices=3, tensor=3, input_length=32, target_length=8
+        "mt5_tiny", 0, 1, "none", 1e-3, devices=6, tensor=3, input_length=32, target_length=8
     )
     error = run_trial(_spec(bad), tmp_path, "bad", timeout_s=180)
-    assert error["status"] == "compile error", error
+    assert error["status"] == "compile error" and "'heads' dimension" in error["error"], error
     missing = dataclasses.replace(tiny, model="mt5_missing")  # its gin file does not exist
     crash = run_trial(_spec(missing), tmp_path, "crash", timeout_s=180)
     assert crash["status"] == "crash" and "mt5_missing.gin" in crash["error"]
