@@ -236,6 +236,10 @@ def distributed_check_command(call: Invocation) -> None:
         ids.shape, NamedSharding(mesh, P(*AXES)), lambda index: ids[index].astype(np.float32)
     )
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
+    # Every local device's part finished, not only the one `float` reads: XLA:CPU sums in steps
+    # (inside a process, then across), so another device may still be in its cross-process
+    # step, and a process that exits meanwhile left its peer stuck at exit, in gloo.
+    total = jax.block_until_ready(total)
     got, expected = float(total), float(ids.sum())
     if got != expected:
         raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
