@@ -174,7 +174,11 @@ def validation_loss(setup: Setup, held_out: Batches):
     eval_step = setup.eval_step()
 
     def evaluate(params) -> float:
-        sums = [jax.device_get(eval_step(params, batch)) for batch in batches]
+        # Every device's part done (device_get reads one copy of a replicated sum): a process
+        # must not exit with a device still in a cross-process step (t5scale/cli.py's check).
+        sums = [
+            jax.device_get(jax.block_until_ready(eval_step(params, batch))) for batch in batches
+        ]
         total = sum(float(s["cross_entropy_sum"] + s["z_loss_sum"]) for s in sums)
         return total / max(sum(float(s["target_tokens"]) for s in sums), 1.0)
 
