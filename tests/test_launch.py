@@ -1,9 +1,12 @@
 """The multi-host launch files: slurm.sbatch run under a stand-in for srun, the Kubernetes manifest
 read as Kubernetes would give it to each pod, and the GPU XLA flags they share."""
 
+import os
+import signal
 import subprocess
 import sys
 
+import pytest
 import yaml
 from conftest import REPO, fake_slurm_env
 
@@ -25,13 +28,19 @@ def test_slurm_sbatch_starts_a_cluster_with_the_gpu_flags(tmp_path):
         "SLURM_SUBMIT_DIR": str(REPO), "T5SCALE_PYTHON": sys.executable,
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
     }  # fmt: skip
-    result = subprocess.run(
+    process = subprocess.Popen(
         ["bash", str(LAUNCH / "slurm.sbatch"), "t5scale", "distributed-check", "--cpu_devices=2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
-    output = result.stdout + result.stderr
+    try:
+        output, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # a hang: stop every process of the job, say where it was
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the job did not end within 120 s; its output:\n{output[-3000:]}")
     # jaxlib aborts on an XLA flag it does not know: these GPU flags all exist in this version.
-    assert result.returncode == 0, output
+    assert process.returncode == 0, output
     assert f"XLA_FLAGS= {_gpu_flags()}" in output
     for i in (0, 1):
         assert f"process {i}/2 (slurm)" in output
