@@ -1,4 +1,4 @@
-"""The fused attention kernel (t5scale/model/flash_attention.py): the same kernels, run by
+"""The fused attention kernel (t5scale/model/attention_kernels.py): the same kernels, run by
 Pallas's interpreter on the CPU, against the einsum path's own arithmetic (packed segments,
 padding, causal, odd and unequal lengths, the bias and its gradient); and the train step that
 uses them, compiled for H100s (Triton) without a GPU."""
@@ -21,7 +21,7 @@ from conftest import (
 )
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.model.flash_attention import Blocks, flash_attention
+from t5scale.model.attention_kernels import Blocks, flash_attention
 from t5scale.model.mt5 import NEG_INF
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
@@ -116,7 +116,7 @@ def test_auto_attention_is_the_einsum_path_on_cpu_devices():
 
 
 # On CPU devices the fused step gives `reference_attention` exactly what the kernels would get
-# (t5scale/model/flash_attention.py, attend_on_mesh): padded to blocks, the segments, the bias
+# (t5scale/parallel/attention.py, attend_on_mesh): padded to blocks, the segments, the bias
 # [heads, q, k], each device's heads. Trained 5 steps it must end where the einsum path ends:
 # in fp32 the one-device reference every layout reproduces (conftest.py), in mixed precision the
 # einsum path on the same mesh, by the losses within bf16's tolerance, as

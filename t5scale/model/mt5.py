@@ -9,9 +9,11 @@ an untied output projection; one input embedding shared by encoder and decoder.
 Hooks connect the model to the parallel layout without the model knowing about meshes:
 `gather_layer(params, path)` is applied to each scanned layer's parameters where the layer runs
 (ZeRO stage 3 all-gathers the layer's shards there, in the forward pass and again in the
-backward pass), `constrain(array, logical_axes)` to the main activations (tensor parallelism)
-and `embed(table, tokens, dtype)` looks up the encoder's and decoder's tokens, together (stage 3
-looks them up in a table split by vocabulary). They default to the identity and a plain gather.
+backward pass), `constrain(array, logical_axes)` to the main activations (tensor parallelism),
+`embed(table, tokens, dtype)` looks up the encoder's and decoder's tokens, together (stage 3
+looks them up in a table split by vocabulary) and `attend` runs the fused attention (on each
+device's heads: t5scale/parallel/attention.py). They default to the identity, a plain gather
+and the fused attention on whole arrays.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5scale.model import flash_attention
+from t5scale.model.attention_kernels import attend_locally
 from t5scale.model.sizes import ModelConfig
 
 Axes = tuple[str, ...]
@@ -80,7 +82,7 @@ def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 class ShardingHooks:
     # attend(q, k, v, position bias or None, q segments, k segments, causal): fused attention
     # (ModelConfig.attention 'fused'), on this device's heads.
-    attend: Callable[..., jax.Array] = flash_attention.attend_locally
+    attend: Callable[..., jax.Array] = attend_locally
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.

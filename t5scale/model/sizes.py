@@ -81,7 +81,7 @@ class ModelConfig:
     loss_chunk_tokens: int | None = None
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
-    # (t5scale/model/flash_attention.py; Triton on GPUs, XLA's interpreter of the same kernel
+    # (t5scale/model/attention_kernels.py; Triton on GPUs, XLA's interpreter of the same kernel
     # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built
     # (docs/attention.md; the fused kernel has not yet run on a GPU, 'dot' is one binding away).
     attention: AttentionKind = "auto"
@@ -167,3 +167,11 @@ def parameter_breakdown(params_shapes) -> dict[str, int]:
         part = "/".join(str(getattr(key, "key", key)) for key in path[:2])
         counts[part] = counts.get(part, 0) + math.prod(leaf.shape)
     return counts
+
+
+def attention_for(model: ModelConfig, fused_kernels: bool) -> ModelConfig:
+    """`model` with its attention as its compile target runs it: 'auto' is 'fused' where the
+    fused kernels compile (GPUs), 'dot' elsewhere."""
+    if model.attention != "auto":
+        return model
+    return dataclasses.replace(model, attention="fused" if fused_kernels else "dot")

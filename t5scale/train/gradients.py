@@ -43,11 +43,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from t5scale.model import flash_attention
 from t5scale.model.head import loss_sums, model_loss_sums
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
+from t5scale.parallel.attention import attend_on_mesh
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train.precision import Precision
@@ -169,7 +169,7 @@ def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
     """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs,
     in the parameters' dtype."""
     hooks = ShardingHooks(
-        constrain=_constrain, attend=functools.partial(flash_attention.attend_on_mesh, layout.mesh)
+        constrain=_constrain, attend=functools.partial(attend_on_mesh, layout.mesh)
     )
     if layout.stage.shard_parameters:
         gather = functools.partial(gather_layer, layout, precision.param_dtype)

@@ -18,6 +18,9 @@ Lengths need not be whole blocks: the last block's rows past the end are loaded 
 padding, segment 0) and never stored, so the arguments are used as they are, with no padded copy
 of them in the program. The head dimension is padded to a power of two where it is not one.
 `interpret=True` runs the same kernels through XLA on any backend (the tests, on the CPU).
+
+What the kernels compute, as einsums: t5scale/model/attention_reference.py. Their placement on
+the mesh (each device's heads, inside the train step): t5scale/parallel/attention.py.
 """
 
 from __future__ import annotations
@@ -31,12 +34,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-# Finite: a row with every key masked (a padding query) then gets p = 1 everywhere instead of
-# NaN; its output is never used (nothing attends to padding, and the loss skips it).
-MASKED = -1e30
+from t5scale.model.attention_reference import MASKED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +223,19 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
         lax.fori_loop(blocks, pl.cdiv(k_len, block_k), clear, 0)
 
 
-def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
+def forward_pass(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool,
+    blocks: Blocks,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel on arguments in the kernels' form (`kernel_arguments`): the output
+    and the log-sum-exp per query [batch, heads, q], which the backward pass takes."""
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     has_bias = bias is not None
@@ -258,7 +269,22 @@ def _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
     return out, lse
 
 
-def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret):
+def backward_pass(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    causal: bool,
+    blocks: Blocks,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The two backward kernels: (dq, dk, dv, the bias's gradient or None) from the forward
+    pass's output and log-sum-exp and the output's cotangent `d_out`."""
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     has_bias = bias is not None
@@ -327,17 +353,17 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, bl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _attention(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
-    return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)[0]
+    return forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)[0]
 
 
 def _attention_forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
-    out, lse = _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
+    out, lse = forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
     return out, (q, k, v, bias, q_segments, k_segments, out, lse)
 
 
 def _attention_backward(causal, blocks, interpret, residuals, d_out):
     q, k, v, bias, q_segments, k_segments, out, lse = residuals
-    dq, dk, dv, d_bias = _backward(
+    dq, dk, dv, d_bias = backward_pass(
         q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret
     )
     no_gradient = np.zeros(q_segments.shape, jax.dtypes.float0)
@@ -352,7 +378,16 @@ def _block(length: int, preferred: int) -> int:
     return min(preferred, max(16, pl.next_power_of_2(length)))
 
 
-def _to_blocks(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
+def kernel_arguments(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool,
+    blocks: Blocks,
+) -> tuple[tuple[jax.Array | None, ...], Blocks]:
     """The arguments as the kernels take them (int32 segment ids; the head dimension a power of
     two >= 16, zero-padded where it is not one) and the blocks for these lengths."""
     q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
@@ -368,7 +403,8 @@ def _to_blocks(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Bloc
     return (q, k, v, bias, *segments), blocks
 
 
-def _unpadded(out: jax.Array, dim: int) -> jax.Array:
+def without_head_padding(out: jax.Array, dim: int) -> jax.Array:
+    """The kernels' output [batch, q, heads, padded dim] cut back to the heads' `dim`."""
     return out if out.shape[3] == dim else out[..., :dim]
 
 
@@ -386,38 +422,8 @@ def flash_attention(
     """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
     [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
-    arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, blocks)
-    return _unpadded(_attention(*arguments, causal, blocks, interpret), q.shape[3])
-
-
-def reference_attention(q, k, v, bias, q_segments, k_segments, causal: bool = False):
-    """What the kernels compute, as einsums over the [batch, heads, q, k] scores in XLA."""
-    p = _reference_probabilities(q, k, bias, q_segments, k_segments, causal)
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
-
-
-def _reference_probabilities(q, k, bias, q_segments, k_segments, causal: bool):
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    if bias is not None:
-        logits = logits + bias[None].astype(jnp.float32)
-    allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
-    if causal:
-        allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None]
-    return jax.nn.softmax(jnp.where(allowed[:, None], logits, MASKED), axis=-1)
-
-
-def _reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal: bool):
-    """reference_attention's gradients in closed form, the kernels' arithmetic: dv = pᵀ·dout,
-    ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds."""
-    p = _reference_probabilities(q, k, bias, q_segments, k_segments, causal)
-    d_out32 = d_out.astype(jnp.float32)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, d_out32)
-    d_p = jnp.einsum("bqhd,bkhd->bhqk", d_out32, v.astype(jnp.float32))
-    d_logits = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
-    dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits, k.astype(jnp.float32))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
-    d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
+    arguments, blocks = kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, blocks)
+    return without_head_padding(_attention(*arguments, causal, blocks, interpret), q.shape[3])
 
 
 def attend_locally(
@@ -433,111 +439,3 @@ def attend_locally(
     by Triton where the default backend is a GPU, run by Pallas's interpreter elsewhere."""
     interpret = jax.default_backend() != "gpu"
     return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x marked as varying over the manual mesh axes `like` varies over (a value out of a
-    shard_map that does not check them has lost that mark)."""
-    missing = tuple(
-        set(jax.typeof(like).manual_axis_type.varying) - set(jax.typeof(x).manual_axis_type.varying)
-    )
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-_HEADS = P(None, None, "tensor", None)
-_PER_HEAD = P(None, "tensor")  # lse [batch, heads, q]
-
-
-def _on_heads(mesh, function, arguments, in_specs, out_specs, check_vma: bool = True):
-    """`function` on each device's heads: a shard_map over `tensor`, the only axis XLA still
-    partitions inside the train step's data-parallel shard_map."""
-    return jax.shard_map(
-        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={"tensor"},
-        check_vma=check_vma,
-    )(*arguments)  # fmt: skip
-
-
-# The kernels run in shard_maps that do not check which values vary over the manual axes
-# (Triton's kernels are opaque to that check, and Pallas's interpreter loses it in its loops);
-# the forward and backward passes mark their results again (`_varying_like`), so the
-# custom_vjp sits outside the shard_maps. `kernels=False` (CPU devices): `reference_attention`
-# in their place, given the same arguments; its backward pass recomputes the forward one.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels):
-    arguments = (q, k, v, bias, q_segments, k_segments)
-    return _attention_on_heads_forward(*arguments, mesh, causal, blocks, kernels)[0]
-
-
-def _specs_of(bias, *more):
-    bias_spec = None if bias is None else P("tensor")
-    return (_HEADS, _HEADS, _HEADS, bias_spec, P(), P(), *more)
-
-
-def _attention_on_heads_forward(
-    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels
-):
-    def forward(q, k, v, bias, q_segments, k_segments):
-        if kernels:
-            return _forward(q, k, v, bias, q_segments, k_segments, causal, blocks, False)
-        out = reference_attention(q, k, v, bias, q_segments, k_segments, causal)
-        return out, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2], jnp.float32)
-
-    out, lse = _on_heads(
-        mesh, forward, (q, k, v, bias, q_segments, k_segments), _specs_of(bias),
-        (_HEADS, _PER_HEAD), check_vma=False,
-    )  # fmt: skip
-    out = _varying_like(out, q)
-    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
-
-
-def _attention_on_heads_backward(mesh, causal, blocks, kernels, residuals, d_out):
-    q, k, v, bias, q_segments, k_segments, out, lse = residuals
-
-    def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
-        if kernels:
-            return _backward(
-                q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, False
-            )
-
-        return _reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal)
-
-    bias_spec = None if bias is None else P("tensor")
-    dq, dk, dv, d_bias = _on_heads(
-        mesh, backward, (q, k, v, bias, q_segments, k_segments, out, lse, d_out),
-        _specs_of(bias, _HEADS, _PER_HEAD, _HEADS), (_HEADS, _HEADS, _HEADS, bias_spec),
-        check_vma=False,
-    )  # fmt: skip
-    dq, dk, dv = (_varying_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
-    if bias is not None:
-        d_bias = _varying_like(d_bias, bias)
-    return (
-        dq, dk, dv, d_bias,
-        np.zeros(q_segments.shape, jax.dtypes.float0),
-        np.zeros(k_segments.shape, jax.dtypes.float0),
-    )  # fmt: skip
-
-
-_attention_on_heads.defvjp(_attention_on_heads_forward, _attention_on_heads_backward)
-
-
-def attend_on_mesh(
-    mesh: Mesh,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bias: jax.Array | None,
-    q_segments: jax.Array,
-    k_segments: jax.Array,
-    causal: bool = False,
-) -> jax.Array:
-    """The model's `attend` inside the train step's data-parallel shard_map, where each device
-    already holds its examples: each device attends over its own heads. On GPUs with the
-    kernels; on other devices with `reference_attention`, given exactly what the kernels would
-    be (the same arguments, a shard_map over heads): Pallas's interpreter cannot yet run inside
-    that shard_map (it loses the values' manual-axis types in its loops), and the kernels
-    themselves are tested on their own (tests/test_attention.py)."""
-    inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
-    on_gpus = mesh.devices.flat[0].platform == "gpu"
-    mesh = mesh if inside.empty else inside
-    arguments, blocks = _to_blocks(q, k, v, bias, q_segments, k_segments, causal, Blocks())
-    return _unpadded(_attention_on_heads(*arguments, mesh, causal, blocks, on_gpus), q.shape[3])

@@ -1,0 +1,69 @@
+"""What t5scale's fused attention kernels compute (t5scale/model/attention_kernels.py), as
+einsums over the [batch, heads, q, k] scores in XLA, and its backward pass in the closed form
+the kernels use.
+
+    softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
+
+where a query attends to a key when both are in the same packed segment, the key is not padding
+(segment 0) and, for causal attention, the key is not ahead of the query. It runs where the
+kernels do not ('fused_reference': the fused route's placement with this arithmetic).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite: a row with every key masked (a padding query) then gets p = 1 everywhere instead of
+# NaN; its output is never used (nothing attends to padding, and the loss skips it).
+MASKED = -1e30
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+) -> jax.Array:
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
+    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding), as the
+    kernels compute it; returns [batch, q, heads, dim] in q's dtype."""
+    p = _probabilities(q, k, bias, q_segments, k_segments, causal)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
+
+
+def _probabilities(q, k, bias, q_segments, k_segments, causal: bool) -> jax.Array:
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias[None].astype(jnp.float32)
+    allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None]
+    return jax.nn.softmax(jnp.where(allowed[:, None], logits, MASKED), axis=-1)
+
+
+def reference_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    d_out: jax.Array,
+    causal: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """reference_attention's gradients (dq, dk, dv, the bias's or None) for the output's
+    cotangent `d_out`, in closed form, the kernels' arithmetic: dv = pᵀ·dout,
+    ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds."""
+    p = _probabilities(q, k, bias, q_segments, k_segments, causal)
+    d_out32 = d_out.astype(jnp.float32)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, d_out32)
+    d_p = jnp.einsum("bqhd,bkhd->bhqk", d_out32, v.astype(jnp.float32))
+    d_logits = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
+    dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits, k.astype(jnp.float32))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
+    d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias

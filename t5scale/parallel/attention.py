@@ -1,0 +1,137 @@
+"""The fused attention placed on the mesh: inside the train step's data-parallel shard_map, where
+each device already holds its examples, each device attends over its own heads, in a shard_map
+over the axis tensor parallelism splits the heads over (t5scale/parallel/rules.py), the only
+axis XLA still partitions there. The kernels (t5scale/model/attention_kernels.py) are opaque to
+XLA's partitioner, so they must be given whole heads.
+
+On GPUs the kernels run in that shard_map; on other devices the kernels' arithmetic as einsums
+(t5scale/model/attention_reference.py) given exactly what the kernels would be given: the
+arguments padded as the kernels take them, the segments, the bias [heads, q, k], the same
+shard_map and custom_vjp. Pallas's interpreter cannot yet run inside that shard_map (it loses
+the values' manual-axis types in its loops), and the kernels themselves are tested on their
+own (tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from t5scale.model.attention_kernels import (
+    Blocks,
+    backward_pass,
+    forward_pass,
+    kernel_arguments,
+    without_head_padding,
+)
+from t5scale.model.attention_reference import reference_attention, reference_backward
+from t5scale.parallel.rules import TENSOR_RULES, activation_spec
+
+HEADS_AXIS = TENSOR_RULES["heads"]  # the mesh axis the heads are split over
+_HEADS = activation_spec(("batch", "length", "heads", "kv"))  # q, k, v, out and their gradients
+_PER_HEAD = activation_spec(("batch", "heads", "length"))  # the log-sum-exp [batch, heads, q]
+_BIAS = activation_spec(("heads", "length", "length"))  # the position bias [heads, q, k]
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x marked as varying over the manual mesh axes `like` varies over (a value out of a
+    shard_map that does not check them has lost that mark)."""
+    missing = tuple(
+        set(jax.typeof(like).manual_axis_type.varying) - set(jax.typeof(x).manual_axis_type.varying)
+    )
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _on_heads(mesh, function, arguments, in_specs, out_specs):
+    """`function` on each device's heads: a shard_map over the heads' axis. It does not check
+    which values vary over the manual axes: Triton's kernels are opaque to that check."""
+    return jax.shard_map(
+        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={HEADS_AXIS},
+        check_vma=False,
+    )(*arguments)  # fmt: skip
+
+
+def _specs_of(bias, *more) -> tuple:
+    """The shard_map's specs of (q, k, v, bias, q segments, k segments, *more)."""
+    return (_HEADS, _HEADS, _HEADS, None if bias is None else _BIAS, P(), P(), *more)
+
+
+# The shard_maps do not check which values vary over the manual axes, so their results have
+# lost that mark; the forward and backward passes mark them again (`_varying_like`), and the
+# custom_vjp sits outside the shard_maps. The reference's backward pass is its closed form,
+# recomputing the probabilities, as the kernels do.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels):
+    arguments = (q, k, v, bias, q_segments, k_segments)
+    return _attention_on_heads_forward(*arguments, mesh, causal, blocks, kernels)[0]
+
+
+def _attention_on_heads_forward(
+    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels
+):
+    def forward(q, k, v, bias, q_segments, k_segments):
+        if kernels:
+            return forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, False)
+        out = reference_attention(q, k, v, bias, q_segments, k_segments, causal)
+        # the reference keeps no log-sum-exp: a stand-in of its shape [batch, heads, q]
+        return out, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2], jnp.float32)
+
+    arguments = (q, k, v, bias, q_segments, k_segments)
+    out, lse = _on_heads(mesh, forward, arguments, _specs_of(bias), (_HEADS, _PER_HEAD))
+    out = _varying_like(out, q)
+    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
+
+
+def _attention_on_heads_backward(mesh, causal, blocks, kernels, residuals, d_out):
+    q, k, v, bias, q_segments, k_segments, out, lse = residuals
+
+    def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
+        if kernels:
+            return backward_pass(
+                q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, False
+            )
+        return reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal)
+
+    bias_spec = None if bias is None else _BIAS
+    dq, dk, dv, d_bias = _on_heads(
+        mesh, backward, (*residuals, d_out), _specs_of(bias, _HEADS, _PER_HEAD, _HEADS),
+        (_HEADS, _HEADS, _HEADS, bias_spec),
+    )  # fmt: skip
+    dq, dk, dv = (_varying_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    if bias is not None:
+        d_bias = _varying_like(d_bias, bias)
+    return (
+        dq, dk, dv, d_bias,
+        np.zeros(q_segments.shape, jax.dtypes.float0),
+        np.zeros(k_segments.shape, jax.dtypes.float0),
+    )  # fmt: skip
+
+
+_attention_on_heads.defvjp(_attention_on_heads_forward, _attention_on_heads_backward)
+
+
+def attend_on_mesh(
+    mesh: Mesh,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool = False,
+) -> jax.Array:
+    """The model's `attend` on `mesh` (mt5.ShardingHooks): q [batch, q, heads, dim] over k, v
+    [batch, k, heads, dim], with the position bias [heads, q, k] or None and the segment ids,
+    on each device's heads; with the kernels on GPUs, their arithmetic as einsums elsewhere."""
+    inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
+    kernels = mesh.devices.flat[0].platform == "gpu"
+    mesh = mesh if inside.empty else inside
+    arguments, blocks = kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, Blocks())
+    out = _attention_on_heads(*arguments, mesh, causal, blocks, kernels)
+    return without_head_padding(out, q.shape[3])
