@@ -1,7 +1,8 @@
-"""The fused attention kernel (t5scale/model/attention_kernels.py): the same kernels, run by
+"""The fused attention kernels (t5scale/model/attention_kernels.py): the same kernels, run by
 Pallas's interpreter on the CPU, against the einsum path's own arithmetic (packed segments,
-padding, causal, odd and unequal lengths, the bias and its gradient); and the train step that
-uses them, compiled for H100s (Triton) without a GPU."""
+padding, causal, odd and unequal lengths, the bias and its gradient); the fused route on CPU
+devices ('fused_reference', t5scale/parallel/attention.py); and the train step that uses the
+kernels, compiled for H100s (Triton) without a GPU."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from conftest import (
     TINY_MODEL,
     assert_same_parameters,
     one_device_reference,
+    run_steps,
     tiny_setup,
     train_tiny,
 )
 
 from t5scale.config import build_run_config, parse_gin
 from t5scale.model.attention_kernels import Blocks, flash_attention
-from t5scale.model.mt5 import NEG_INF
-from t5scale.model.sizes import ModelConfig
+from t5scale.model.mt5 import MT5, NEG_INF
+from t5scale.model.sizes import ModelConfig, attention_for
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.startup import cuda_plugin_installed
 from t5scale.study.weak_scaling import WeakScaling
@@ -115,8 +117,51 @@ def test_auto_attention_is_the_einsum_path_on_cpu_devices():
     assert tiny_setup(ParallelConfig(zero_stage=3), model=model).run.model.attention == "dot"
 
 
-# On CPU devices the fused step gives `reference_attention` exactly what the kernels would get
-# (t5scale/parallel/attention.py, attend_on_mesh): padded to blocks, the segments, the bias
+@pytest.mark.parametrize(
+    ("asked", "on_gpus", "elsewhere"),
+    [("auto", "fused", "dot"), ("fused", "fused", "fused_reference"), ("dot", "dot", "dot"),
+     ("fused_reference", "fused_reference", "fused_reference")],
+)  # fmt: skip
+def test_attention_is_named_for_what_the_target_runs(asked, on_gpus, elsewhere):
+    model = dataclasses.replace(TINY_MODEL, attention=asked)
+    assert attention_for(model, fused_kernels=True).attention == on_gpus
+    assert attention_for(model, fused_kernels=False).attention == elsewhere
+
+
+def test_the_models_own_fused_attention_equals_the_einsum_path():
+    """Without a mesh (the model's default `attend`, attention_kernels.attend_locally): 'fused'
+    runs the kernels (Pallas's interpreter on the CPU), 'fused_reference' their arithmetic as
+    einsums; both give the 'dot' model's logits, padding and all."""
+    model = dataclasses.replace(TINY_MODEL, attention="dot")
+    rng = np.random.default_rng(0)
+    encoder_tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 12)), jnp.int32)
+    decoder_tokens = jnp.asarray(rng.integers(1, model.vocab_size, (2, 7)), jnp.int32)
+    params = MT5(model).init(jax.random.key(0), encoder_tokens, decoder_tokens)
+    want = MT5(model).apply(params, encoder_tokens, decoder_tokens)
+    for attention in ("fused", "fused_reference"):
+        fused = MT5(dataclasses.replace(model, attention=attention))
+        got = fused.apply(params, encoder_tokens, decoder_tokens)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=attention)
+
+
+def test_fused_on_cpu_devices_is_named_for_the_arithmetic_it_runs():
+    """'fused' asked of CPU devices, for which Triton does not compile the kernels, is built as
+    'fused_reference' (the fused route, the kernels' arithmetic as einsums); the step's analysis
+    (step_analysis.json) says so, and the step trains as the einsum step does."""
+    parallel = ParallelConfig(zero_stage=1, tensor=2)  # fp32 here, mixed below
+    setup = tiny_setup(parallel, model=dataclasses.replace(TINY_MODEL, attention="fused"))
+    assert setup.run.model.attention == "fused_reference"
+    step = setup.compile()
+    assert step.analysis.attention == "fused_reference"
+    state, losses = run_steps(setup, setup.create_state(seed=0), 0, 4, step.compiled)
+    want_losses, want_params = one_device_reference()
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    params = jax.device_get(setup.form.to_canonical(state).params)
+    assert_same_parameters(params, want_params, 1e-5)
+
+
+# On CPU devices the fused step ('fused_reference') gives `reference_attention` exactly what
+# the kernels would get (t5scale/parallel/attention.py): padded to blocks, the segments, the bias
 # [heads, q, k], each device's heads. Trained 5 steps it must end where the einsum path ends:
 # in fp32 the one-device reference every layout reproduces (conftest.py), in mixed precision the
 # einsum path on the same mesh, by the losses within bf16's tolerance, as
@@ -145,7 +190,7 @@ def test_the_fused_step_trains_like_the_einsum_step(stage, tensor, precision):
 
 
 def test_an_unknown_attention_is_rejected():
-    with pytest.raises(ValueError, match="attention must be dot, fused or auto"):
+    with pytest.raises(ValueError, match="attention must be dot, fused, fused_reference or auto"):
         ModelConfig(name="mt5_tiny", attention="flash")
 
 

@@ -35,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.attention_reference import MASKED
+from t5scale.model.attention_reference import MASKED, reference_attention
+from t5scale.target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,8 +435,13 @@ def attend_locally(
     q_segments: jax.Array,
     k_segments: jax.Array,
     causal: bool = False,
+    kernels: bool = True,
 ) -> jax.Array:
     """The model's default `attend` (no mesh): `flash_attention` on the whole arrays, compiled
-    by Triton where the default backend is a GPU, run by Pallas's interpreter elsewhere."""
-    interpret = jax.default_backend() != "gpu"
+    by Triton where the devices at hand take the kernels (GPUs), run by Pallas's interpreter
+    elsewhere; with `kernels=False` ('fused_reference') the kernels' arithmetic as einsums."""
+    if not kernels:
+        return reference_attention(q, k, v, bias, q_segments, k_segments, causal)
+    # Asked at trace time, of the devices at hand: without a mesh the program runs on them.
+    interpret = not Target.local().fused_kernels
     return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)

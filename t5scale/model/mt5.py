@@ -32,7 +32,8 @@ from t5scale.model.sizes import ModelConfig
 
 Axes = tuple[str, ...]
 # What a layer's attention gets besides its inputs (Attention.__call__): an array for 'dot',
-# (position bias or None, query segments, key segments) for 'fused'.
+# (position bias or None, query segments, key segments) for the fused route ('fused',
+# 'fused_reference').
 AttentionBias = Any
 NEG_INF = -1e10
 
@@ -80,8 +81,9 @@ def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
-    # attend(q, k, v, position bias or None, q segments, k segments, causal): fused attention
-    # (ModelConfig.attention 'fused'), on this device's heads.
+    # attend(q, k, v, position bias or None, q segments, k segments, causal, kernels): fused
+    # attention on this device's heads, with the kernels (ModelConfig.attention 'fused') or
+    # their arithmetic as einsums (kernels=False: 'fused_reference').
     attend: Callable[..., jax.Array] = attend_locally
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
@@ -129,8 +131,8 @@ class Attention(_Module):
     @nn.compact
     def __call__(self, x_q: jax.Array, x_kv: jax.Array, bias) -> jax.Array:
         """`bias`: for 'dot' attention the additive [batch or 1, heads or 1, q, k] bias with
-        the masks folded in; for 'fused' (position bias [heads, q, k] or None, query segment
-        ids, key segment ids)."""
+        the masks folded in; for the fused route (position bias [heads, q, k] or None, query
+        segment ids, key segment ids)."""
         d, h, k = self.cfg.d_model, self.cfg.num_heads, self.cfg.d_kv
         # T5 folds 1/sqrt(d_kv) into the query's initial scale instead of scaling the logits.
         wq = self.weight("query", _normal((d * k) ** -0.5), (d, h, k), ("embed", "heads", "kv"))
@@ -141,8 +143,9 @@ class Attention(_Module):
         q = self.constrain(jnp.einsum("bqd,dhk->bqhk", x_q, wq), head_axes)
         key = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wk), head_axes)
         value = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wv), head_axes)
-        if self.cfg.attention == "fused":
-            context = self.hooks.attend(q, key, value, *bias, causal=self.causal)
+        if self.cfg.fused_route:
+            kernels = self.cfg.attention == "fused"  # 'fused_reference': their arithmetic
+            context = self.hooks.attend(q, key, value, *bias, causal=self.causal, kernels=kernels)
         else:
             logits = jnp.einsum("bqhk,bshk->bhqs", q, key).astype(jnp.float32) + bias
             probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)
@@ -316,7 +319,7 @@ class Encoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(
             length, length
         )
-        if self.cfg.attention == "fused":  # the kernel masks by segment: no [b, q, k] mask
+        if self.cfg.fused_route:  # the kernel masks by segment: no [b, q, k] mask
             bias = (position_bias[0], segment_ids, segment_ids)
         else:
             same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -339,7 +342,7 @@ class Decoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(
             length, length
         )
-        if self.cfg.attention == "fused":  # the kernel masks by segment and position
+        if self.cfg.fused_route:  # the kernel masks by segment and position
             self_bias = (position_bias[0], segment_ids, segment_ids)
             cross_bias = (None, segment_ids, encoder_segment_ids)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 
@@ -19,7 +19,8 @@ RematPolicy = Literal["none", "minimal", "full", "auto"]
 # Cheapest first: what `remat = 'auto'` tries until the compiled step fits (t5scale/train/setup.py).
 REMAT_LADDER: tuple[str, ...] = ("none", "minimal", "full")
 DType = Literal["float32", "bfloat16"]
-AttentionKind = Literal["dot", "fused", "auto"]
+AttentionKind = Literal["dot", "fused", "fused_reference", "auto"]
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 
 
 def _mt5(d_model: int, d_ff: int, num_heads: int, layers: int) -> dict[str, int]:
@@ -81,8 +82,12 @@ class ModelConfig:
     loss_chunk_tokens: int | None = None
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
-    # (t5scale/model/attention_kernels.py; Triton on GPUs, XLA's interpreter of the same kernel
-    # elsewhere); 'auto', fused on GPUs and dot elsewhere, decided where the step is built
+    # (t5scale/model/attention_kernels.py, compiled by Triton; Pallas's interpreter of the same
+    # kernels without a mesh on other devices); 'fused_reference', the fused route (segment ids
+    # in place of masks, each device's heads: t5scale/parallel/attention.py) with the kernels'
+    # arithmetic as einsums in their place (t5scale/model/attention_reference.py), which is what
+    # 'fused' becomes where the step is built for devices the kernels do not compile for (CPUs:
+    # `attention_for`); 'auto', fused on GPUs and dot elsewhere, decided there too
     # (docs/attention.md; the fused kernel has not yet run on a GPU, 'dot' is one binding away).
     attention: AttentionKind = "auto"
     # The layers as one loop (True: compile time does not grow with depth) or unrolled (False:
@@ -114,9 +119,10 @@ class ModelConfig:
                 f"ModelConfig.loss_chunk_tokens must be None, 0 or positive, got "
                 f"{self.loss_chunk_tokens}"
             )
-        if self.attention not in ("dot", "fused", "auto"):
+        if self.attention not in ATTENTION_KINDS:
             raise ValueError(
-                f"ModelConfig.attention must be dot, fused or auto, got {self.attention!r}"
+                f"ModelConfig.attention must be dot, fused, fused_reference or auto, got "
+                f"{self.attention!r}"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
@@ -125,6 +131,12 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
         self._check_numerics()
+
+    @property
+    def fused_route(self) -> bool:
+        """Whether attention takes the fused route ('fused' or 'fused_reference'): segment ids
+        in place of a [batch, q, k] mask, and the `attend` hook in place of the einsums."""
+        return self.attention in ("fused", "fused_reference")
 
     def _check_numerics(self) -> None:
         buckets, distance = (
@@ -170,8 +182,11 @@ def parameter_breakdown(params_shapes) -> dict[str, int]:
 
 
 def attention_for(model: ModelConfig, fused_kernels: bool) -> ModelConfig:
-    """`model` with its attention as its compile target runs it: 'auto' is 'fused' where the
-    fused kernels compile (GPUs), 'dot' elsewhere."""
-    if model.attention != "auto":
-        return model
-    return dataclasses.replace(model, attention="fused" if fused_kernels else "dot")
+    """`model` with its attention named as its compile target runs it: 'auto' is 'fused' where
+    the fused kernels compile (GPUs), 'dot' elsewhere; 'fused' where they do not compile is
+    'fused_reference' (the fused route, with the kernels' arithmetic as einsums)."""
+    if model.attention == "auto":
+        return dataclasses.replace(model, attention="fused" if fused_kernels else "dot")
+    if model.attention == "fused" and not fused_kernels:
+        return dataclasses.replace(model, attention="fused_reference")
+    return model

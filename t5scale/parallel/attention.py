@@ -4,12 +4,14 @@ over the axis tensor parallelism splits the heads over (t5scale/parallel/rules.p
 axis XLA still partitions there. The kernels (t5scale/model/attention_kernels.py) are opaque to
 XLA's partitioner, so they must be given whole heads.
 
-On GPUs the kernels run in that shard_map; on other devices the kernels' arithmetic as einsums
-(t5scale/model/attention_reference.py) given exactly what the kernels would be given: the
-arguments padded as the kernels take them, the segments, the bias [heads, q, k], the same
-shard_map and custom_vjp. Pallas's interpreter cannot yet run inside that shard_map (it loses
-the values' manual-axis types in its loops), and the kernels themselves are tested on their
-own (tests/test_attention.py).
+What runs in that shard_map follows the model's resolved attention (ModelConfig.attention,
+t5scale/model/sizes.py): 'fused', the kernels, compiled by Triton; 'fused_reference', the
+kernels' arithmetic as einsums (t5scale/model/attention_reference.py) given exactly what the
+kernels would be given: the arguments padded as the kernels take them, the segments, the bias
+[heads, q, k], the same shard_map and custom_vjp. That is the fused route on devices the
+kernels do not compile for (CPUs): Pallas's interpreter cannot yet run inside that shard_map
+(it loses the values' manual-axis types in its loops), and the kernels themselves are tested
+on their own (tests/test_attention.py).
 """
 
 from __future__ import annotations
@@ -125,12 +127,13 @@ def attend_on_mesh(
     q_segments: jax.Array,
     k_segments: jax.Array,
     causal: bool = False,
+    kernels: bool = True,
 ) -> jax.Array:
     """The model's `attend` on `mesh` (mt5.ShardingHooks): q [batch, q, heads, dim] over k, v
     [batch, k, heads, dim], with the position bias [heads, q, k] or None and the segment ids,
-    on each device's heads; with the kernels on GPUs, their arithmetic as einsums elsewhere."""
+    on each device's heads; with the kernels ('fused') or, `kernels=False`
+    ('fused_reference'), their arithmetic as einsums."""
     inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
-    kernels = mesh.devices.flat[0].platform == "gpu"
     mesh = mesh if inside.empty else inside
     arguments, blocks = kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, Blocks())
     out = _attention_on_heads(*arguments, mesh, causal, blocks, kernels)
