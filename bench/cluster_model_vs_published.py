@@ -29,10 +29,11 @@ from t5scale import xla_cpu  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(512)
 
-from t5scale.cluster_model.gpu_step import predict_program  # noqa: E402
-from t5scale.cluster_model.step_time import predict, predict_from_program  # noqa: E402
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.study.simulate import step_analysis  # noqa: E402
+from t5scale.whatif.compile import cached_analysis, cluster_target  # noqa: E402
+from t5scale.whatif.gpu_step import predict_program  # noqa: E402
+from t5scale.whatif.step_time import predict, predict_from_program  # noqa: E402
+from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
 
 T5X = "NVIDIA/JAX-Toolbox rosetta/rosetta/projects/t5x/README.md @ 12d19d5c"
 NEMO = "NVIDIA/NeMo-Framework-Launcher README.md @ 003d7e63"
@@ -96,8 +97,9 @@ OWN_H100_STEPS = [("mt5_small", "none", 0.114), ("mt5_base", "full", 0.254),
 def analysis_for(run, cluster, stage: int, gpus: int, per_rank: int, tensor: int, path: str):
     """The step compiled by XLA's CPU compiler on emulated devices, or by its GPU compiler for
     the cluster's GPUs (cached by simulate)."""
-    topology = cluster.topology(gpus) if path == "gpu" else None
-    return step_analysis(run, stage, gpus, per_rank, tensor, topology=topology)
+    target = cluster_target(cluster, gpus, path)
+    staged = weak_scale(run, stage, gpus, per_rank, tensor=tensor, hosts=target.hosts)
+    return cached_analysis(staged, target)
 
 
 def predict_on(path: str, analysis, model, cluster, overlap: bool = True):

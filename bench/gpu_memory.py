@@ -6,7 +6,7 @@ for DGX H100 nodes without a GPU, and for as many emulated CPU devices.
     python bench/gpu_memory.py --models mt5_xl --nodes 1 2
 
 Settings as bench/seed_study_predicted.py: mixed precision, full remat, 4 sequences of 1024/229
-per GPU, AdamW, ZeRO over every GPU. Each program is compiled once (t5scale/study/simulate.py's
+per GPU, AdamW, ZeRO over every GPU. Each program is compiled once (t5scale/whatif/simulate.py's
 cache: `simulate` then reuses it); a cached program reports the compile time it took when it
 was made. Prints a markdown table and the wall time of the whole grid.
 """
@@ -14,7 +14,6 @@ was made. Prints a markdown table and the wall time of the whole grid.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import time
 
@@ -28,7 +27,8 @@ jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(64)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.study.simulate import step_analysis  # noqa: E402
+from t5scale.whatif.compile import cached_analysis, cluster_target  # noqa: E402
+from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
 
 MODELS = ("mt5_small", "mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 GB = 1e9
@@ -69,15 +69,13 @@ def main() -> None:
         for nodes in args.nodes:
             gpus = nodes * cluster.gpus_per_node
             for stage in args.stages:
-                shape = dataclasses.replace(run.parallel, zero_stage=stage)
-                staged = dataclasses.replace(run, parallel=shape)
-                gpu = step_analysis(
-                    staged, stage, gpus, 4, memory_budget_bytes=budget,
-                    topology=cluster.topology(gpus),
-                )  # fmt: skip
+                target = cluster_target(cluster, gpus, "gpu")
+                staged = weak_scale(run, stage, gpus, 4, hosts=target.hosts)
+                gpu = cached_analysis(staged, target, budget)
                 cpu_cells = "– | –"
                 if not args.no_cpu:
-                    cpu = step_analysis(staged, stage, gpus, 4, memory_budget_bytes=budget)
+                    cpu_target = cluster_target(cluster, gpus, "cpu")
+                    cpu = cached_analysis(weak_scale(run, stage, gpus, 4), cpu_target, budget)
                     cpu_cells = f"{memory_cells(cpu)} | {cpu.compile_time_s:.0f}"
                 kernels = gpu.kernels
                 lines.append(

@@ -27,8 +27,8 @@ jax.config.update("jax_platforms", "cpu")
 
 from t5scale import xla_gpu  # noqa: E402
 from t5scale.config import build_run_config, parse_gin  # noqa: E402
-from t5scale.study.weak_scaling import WeakScaling  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
+from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
 
 MODELS = ("mt5_small", "mt5_base", "mt5_large")
 BATCH, INPUT, TARGET = 32, 1024, 229
@@ -49,7 +49,7 @@ def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
     )  # fmt: skip
     devices = xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1).devices()
     started = time.process_time()
-    step = build_setup(WeakScaling(0, 1, BATCH, hosts=1).run(build_run_config()), devices).compile()
+    step = build_setup(weak_scale(build_run_config(), 0, 1, BATCH), devices).compile()
     cpu_s = time.process_time() - started
     memory = step.compiled.memory_analysis()
     kernels = step.analysis.kernels

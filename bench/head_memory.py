@@ -23,9 +23,9 @@ from pathlib import Path
 import jax
 
 from t5scale.model.sizes import ModelConfig
-from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import build_setup
+from t5scale.whatif.weak_scaling import weak_scale
 
 GB = 1e9
 
@@ -33,7 +33,7 @@ GB = 1e9
 def compiled_memory(model: str, remat: str, chunk: int | None, batch: int) -> dict:
     run = RunConfig(model=ModelConfig(name=model, dtype="bfloat16", remat=remat,
                                       loss_chunk_tokens=chunk))  # fmt: skip
-    run = WeakScaling(0, 1, batch, run.train.micro_batches).run(run)
+    run = weak_scale(run, 0, 1, batch)
     step = build_setup(run, jax.devices()[:1]).compile()
     memory = step.analysis.memory_per_device
     return {

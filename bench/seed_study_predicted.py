@@ -24,7 +24,7 @@ jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(64)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.study.simulate import (  # noqa: E402
+from t5scale.whatif.simulate import (  # noqa: E402
     Simulation,
     format_simulation,
     simulate,

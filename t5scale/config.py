@@ -12,23 +12,24 @@ import functools
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import gin
-from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.study.config import StudyConfig
-from t5scale.study.plan import PlanConfig
-from t5scale.study.simulate import SimulateConfig
 from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.plan import PlanConfig
+from t5scale.whatif.simulate import SimulateConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Always parsed first: it declares the macros (TRAIN_STEPS, MODEL_DIR, …) that runs override.
@@ -143,9 +144,30 @@ def build_cluster_config() -> ClusterConfig | None:
     return build_study_config("cluster")
 
 
+def study_runs(study: StudyConfig) -> dict[str, RunConfig]:
+    """Each model's run before a grid point is applied to it (study/config.py, Point.run): its
+    gin/models/<name>.gin and the study's extra bindings, over gin/runs/base.gin. The trials
+    get their runs as values; gin is read here, once per model."""
+    runs = {}
+    for model in study.models:
+        parse_gin([f"gin/models/{model}.gin"], study.extra_bindings)
+        runs[model] = build_run_config()
+    return runs
+
+
 def build_run_config() -> RunConfig:
     """The RunConfig the parsed gin files describe; bad values become one-line ConfigErrors."""
     return _build(lambda: RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()}))
+
+
+def run_from_gin_text(text: str) -> RunConfig:
+    """The RunConfig an operative gin config describes: how checkpoints written before the run
+    was kept as JSON in their meta name it (t5scale/train/export.py reads both)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".gin", encoding="utf-8") as written:
+        written.write(text)
+        written.flush()
+        parse_gin([written.name], [])
+    return build_run_config()
 
 
 def _build(make):

@@ -1,4 +1,4 @@
-"""The cluster model (t5scale/cluster_model/): collective times against hand-computed cases, the
+"""The cluster model (t5scale/whatif/): collective times against hand-computed cases, the
 collectives' placement and overlap read from a real compiled step, the compute roofline, and
 bad cluster files."""
 
@@ -13,20 +13,20 @@ from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import first_group
 from t5scale.analysis.peaks import GPU_DATASHEET
-from t5scale.cluster_model.collectives import Placement, collective_seconds, placement
-from t5scale.cluster_model.compute import ComputeTime, step_compute
-from t5scale.cluster_model.hardware import ClusterConfig
-from t5scale.cluster_model.step_time import (
+from t5scale.config import build_study_config, parse_gin
+from t5scale.errors import ConfigError
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.mesh import ParallelConfig
+from t5scale.whatif.collectives import Placement, collective_seconds, placement
+from t5scale.whatif.compute import ComputeTime, step_compute
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.step_time import (
     XLA_COMBINE_THRESHOLD_BYTES,
     combined,
     hidden_seconds,
     overlap_class,
     predict,
 )
-from t5scale.config import build_study_config, parse_gin
-from t5scale.errors import ConfigError
-from t5scale.model.sizes import ModelConfig
-from t5scale.parallel.mesh import ParallelConfig
 
 # Round figures, so that every expected time below can be checked by hand (the peaks too: given,
 # they replace the GPU's datasheet figures).

@@ -1,4 +1,4 @@
-"""Seconds per step from a compiled GPU program (t5scale/cluster_model/gpu_step.py), checked by
+"""Seconds per step from a compiled GPU program (t5scale/whatif/gpu_step.py), checked by
 hand arithmetic on HLO text in the form XLA:GPU prints."""
 
 import dataclasses
@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from t5scale.analysis.kernels import gpu_program
-from t5scale.cluster_model.gpu_step import KERNEL_LAUNCH_S, predict_program
-from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, predict_program
+from t5scale.whatif.hardware import ClusterConfig
 
 # Round figures: GEMMs at 50 TFLOP/s in bf16 and 25 in f32, memory at 0.5 TB/s.
 CLUSTER = ClusterConfig(

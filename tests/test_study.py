@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_inline, fake_slurm_env, read_scalars, run_cli
 
+from t5scale.config import study_runs
 from t5scale.errors import ConfigError
 from t5scale.study import funnel
 from t5scale.study.config import Point, StudyConfig
@@ -84,7 +85,7 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
         assert r["allocator_peak_bytes"] is None  # the CPU reports none: null, not zero
         assert r["analysis"]["model_state_per_device"]["zero_formula_bytes"]["total"] > 0
         assert r["analysis"]["compile_time_s"] > 0
-        assert r["gin_bindings"] and r["machine"]["backend"] == "cpu"
+        assert r["run"] and r["machine"]["backend"] == "cpu"
     # The stages are real: their collectives differ as the table says.
     by_stage = {r["config"]["stage"]: r for r in timed if r["config"]["devices"] == 2}
     assert "all-reduce" in by_stage[0]["analysis"]["collectives"]
@@ -137,8 +138,18 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     assert {r["key"] for r in records(study_dir) if "key" in r} >= {r["key"] for r in found}
 
 
+def _run_json(point: Point) -> dict:
+    """The point's run as the study's parent gives it to the trial (config.study_runs)."""
+    base = study_runs(StudyConfig(models=("mt5_tiny",)))["mt5_tiny"]
+    run = point.run(base).to_json()
+    if point.model == "mt5_tiny":
+        return run
+    return run | {"model": {"name": point.model}}  # a name and no dimensions: no model
+
+
 def _spec(point: Point, kind: str = "compile", budget: int | None = None) -> dict:
-    return {"kind": kind, "point": point.__dict__, "memory_budget_bytes": budget,
+    return {"kind": kind, "point": point.__dict__, "run": _run_json(point),
+            "memory_budget_bytes": budget,
             "devices_per_process": point.devices,
             "timing": {"max_samples": 6}, "token_budget": 0, "peak_flops_per_s": 1e11}  # fmt: skip
 
@@ -155,9 +166,9 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
     )
     error = run_trial(_spec(bad), tmp_path, "bad", timeout_s=180)
     assert error["status"] == "compile error" and "'heads' dimension" in error["error"], error
-    missing = dataclasses.replace(tiny, model="mt5_missing")  # its gin file does not exist
+    missing = dataclasses.replace(tiny, model="mt5_missing")  # a model the trial cannot build
     crash = run_trial(_spec(missing), tmp_path, "crash", timeout_s=180)
-    assert crash["status"] == "crash" and "mt5_missing.gin" in crash["error"]
+    assert crash["status"] == "crash" and "mt5_missing" in crash["error"]
 
 
 def test_a_profile_trial_traces_the_step(tmp_path):
@@ -179,7 +190,8 @@ def test_a_profile_trial_traces_the_step(tmp_path):
 def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, sync="diloco/2", replicas=2,
                   input_length=32, target_length=8)  # fmt: skip
-    assert {"ParallelConfig.replica=2", "ReplicaSyncConfig.every=2"} <= set(point.gin_bindings())
+    run = point.run(study_runs(StudyConfig(models=("mt5_tiny",)))["mt5_tiny"])
+    assert run.parallel.replica == 2 and run.sync.every == 2
     result = run_trial(_spec(point, "timed"), tmp_path, "diloco", 240)
     assert result["status"] == "ok", result
     assert result["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}

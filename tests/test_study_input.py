@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.errors import ConfigError
 from t5scale.study.config import StudyConfig
-from t5scale.study.plan import PlanConfig
 from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
-from t5scale.study.simulate import SimulateConfig, simulate
 from t5scale.study.trial import run_trial
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.plan import PlanConfig
+from t5scale.whatif.simulate import SimulateConfig, simulate
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ import pytest
 from conftest import REPO, cli_inline, run_cli
 
 from t5scale.config import build_cluster_config, build_run_config, parse_gin
-from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.setup import build_setup
+from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_gpu import (
     COMPILER_OPTIONS,
     MACHINE_CODE_UNUSED,
@@ -57,8 +57,8 @@ def without_source_locations(program: str) -> list[str]:
 def compile_for(topology: GpuTopology, stage: int, precision: str):
     """mt5_tiny at `stage` on `topology`'s GPUs, batch 2 per GPU, compiled (not run)."""
     parse_gin(["gin/models/mt5_tiny.gin", f"gin/precision/{precision}.gin"], SHORT, [])
-    scaling = WeakScaling(stage, topology.size, 2, hosts=topology.nodes)
-    return build_setup(scaling.run(build_run_config()), topology.devices()).compile()
+    run = weak_scale(build_run_config(), stage, topology.size, 2, hosts=topology.nodes)
+    return build_setup(run, topology.devices()).compile()
 
 
 @pytest.fixture(scope="module", params=["fp32", "mixed"])
@@ -112,7 +112,7 @@ def test_nothing_is_allocated_or_run_for_compile_only_gpus(two_nodes):
     assert alive_after == alive_before
     devices = steps[0].setup.mesh.devices.flat
     assert is_compile_only_gpu(devices) and jax.default_backend() == "cpu"
-    options = steps[0].setup.compiler_options
+    options = steps[0].setup.target.compiler_options
     assert options.items() >= (COMPILER_OPTIONS | MACHINE_CODE_UNUSED).items()
     assert Path(options["xla_gpu_kernel_cache_file"]).stat().st_size > 0
     # ptxas is t5scale's stand-in, which makes no machine code
@@ -230,8 +230,8 @@ def test_with_the_plugin_and_no_gpu_jax_starts_on_the_cpu_quietly():
 
 
 def test_simulate_times_the_gpu_program_and_says_so():
-    from t5scale.cluster_model.step_time import predict_from_program
-    from t5scale.study.simulate import SimulateConfig, simulate
+    from t5scale.whatif.simulate import SimulateConfig, simulate
+    from t5scale.whatif.step_time import predict_from_program
 
     parse_gin(["gin/models/mt5_tiny.gin", "gin/clusters/h100.gin"], SHORT, [])
     run, cluster = build_run_config(), build_cluster_config()
@@ -312,7 +312,7 @@ def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
             [*SHORT, "ModelConfig.remat='full'", f"ModelConfig.scan_layers={scan}"],
             [],
         )
-        run = WeakScaling(0, 1, 2, hosts=1).run(build_run_config())
+        run = weak_scale(build_run_config(), 0, 1, 2)
         step = build_setup(run, GpuTopology("h100_sxm").devices()).compile()
         assert step.analysis.to_json()["scan_layers"] is scan  # step_analysis.json's
         kernels[scan] = step.analysis.kernels

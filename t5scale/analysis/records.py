@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
-from t5scale.analysis.jsonform import JsonRecord
+from t5scale.jsonform import JsonRecord
 from t5scale.analysis.kernels import GpuProgram, KernelInventory
 
 
@@ -177,7 +177,7 @@ class StepAnalysis(JsonRecord):
     # written before it was said.
     scan_layers: bool | None = None
     # XLA:GPU's program (compile-only GPUs): its kernels and schedule, what the cluster model's
-    # GPU path times (t5scale/cluster_model/gpu_step.py). None from the CPU compiler.
+    # GPU path times (t5scale/whatif/gpu_step.py). None from the CPU compiler.
     gpu_program: GpuProgram | None = None
 
     @property

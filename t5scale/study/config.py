@@ -11,15 +11,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
-from t5scale.analysis.jsonform import fields_from_json
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
+from t5scale.jsonform import fields_from_json
 from t5scale.model.sizes import REMAT_LADDER, SIZES, DType
 from t5scale.parallel.zero import check_stages
-from t5scale.study.weak_scaling import WeakScaling
+from t5scale.train.config import RunConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
+from t5scale.whatif.weak_scaling import weak_scale
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ SEARCHES = ("funnel", "grid")
 class StudyConfig:
     """The grid (every axis a list), how each trial runs, and how the funnel prunes.
 
-    The batch is weak-scaled (t5scale/study/weak_scaling.py): micro_batch_size per data-parallel
+    The batch is weak-scaled (t5scale/whatif/weak_scaling.py): micro_batch_size per data-parallel
     device, micro_batches of them accumulated per step.
     search: 'funnel' (at each device count, smallest first, compile and drop what does not
     fit, then time and drop what is worse than its model's best with the stated confidence:
@@ -298,44 +299,43 @@ class Point:
         return Configuration(*(getattr(self, f.name) for f in dataclasses.fields(Configuration)))
 
     @property
-    def scaling(self) -> WeakScaling:
-        """The stage, mesh and batch: ZeRO over every device synchronised every step, as
-        DeepSpeed, or inside each of `replicas` replicas."""
-        replicas = 1 if self.sync == "every_step" else self.replicas
-        return WeakScaling(self.stage, self.devices, self.micro_batch_size, self.micro_batches,
-                           self.tensor, replicas)  # fmt: skip
+    def replicas_synced_locally(self) -> int:
+        """Replicas of the run: with local SGD or DiLoCo `replicas`, ZeRO inside each; else one,
+        ZeRO over every device (as DeepSpeed)."""
+        return 1 if self.sync == "every_step" else self.replicas
 
     @property
     def batch_size(self) -> int:
-        return self.scaling.batch_size
+        return self.micro_batch_size * (self.devices // self.tensor) * self.micro_batches
 
-    def gin_files(self) -> list[str]:
-        return [f"gin/models/{self.model}.gin"]
-
-    def _replication(self) -> list[str]:
-        if self.sync == "every_step":
-            return ["ParallelConfig.zero_across_hosts=True"]
-        sync = replica_sync(self.sync)
-        return [  # a replica per host where there are several: ZeRO inside each
-            "ParallelConfig.zero_across_hosts=False",
-            f"ReplicaSyncConfig.mode='{sync.mode}'",
-            f"ReplicaSyncConfig.every={sync.every}",
-        ]
-
-    def gin_bindings(self) -> list[str]:
-        """The run this point is, as --gin.NAME=VALUE bindings over its model's gin file."""
-        return [
-            *self.scaling.gin_bindings(),
-            *self._replication(),
-            f"ModelConfig.remat='{self.remat}'",
-            f"ModelConfig.dtype='{self.dtype}'",
-            f"PrecisionConfig.mode='{self.precision}'",
-            f"OptimizerConfig.name='{self.optimizer}'",
-            f"OptimizerConfig.learning_rate={self.learning_rate!r}",
-            f"INPUT_LENGTH={self.input_length}",
-            f"TARGET_LENGTH={self.target_length}",
-            f"DATA_SOURCE='{self.data_source}'",
-        ]
+    def run(self, base: RunConfig, hosts: int = 1) -> RunConfig:
+        """The run this point is: `base` (its model's gin file and the study's extra bindings,
+        read at the edge: t5scale/config.py) at this point's stage, mesh, batch, replica sync,
+        remat, precision, optimizer and data; over `hosts` compile-only GPU nodes, laid out as
+        the planner and the simulator lay it out (t5scale/whatif/weak_scaling.py)."""
+        run = weak_scale(
+            base, self.stage, self.devices, self.micro_batch_size,
+            micro_batches=self.micro_batches, tensor=self.tensor,
+            replicas=self.replicas_synced_locally, hosts=hosts,
+        )  # fmt: skip
+        # ZeRO across hosts as DeepSpeed's stages, or a replica per host with ZeRO inside each
+        parallel = dataclasses.replace(run.parallel, zero_across_hosts=self.sync == "every_step")
+        sync = run.sync
+        if self.sync != "every_step":
+            chosen = replica_sync(self.sync)
+            sync = dataclasses.replace(sync, mode=chosen.mode, every=chosen.every)
+        return dataclasses.replace(
+            run, parallel=parallel, sync=sync,
+            model=dataclasses.replace(run.model, remat=self.remat, dtype=self.dtype),
+            precision=dataclasses.replace(run.precision, mode=self.precision),
+            optimizer=dataclasses.replace(
+                run.optimizer, name=self.optimizer, learning_rate=self.learning_rate
+            ),
+            data=dataclasses.replace(
+                run.data, input_length=self.input_length, target_length=self.target_length,
+                source=self.data_source,
+            ),
+        )  # fmt: skip
 
     def run_name(self) -> str:
         """A path that names the point, e.g. mt5_tiny/stage2_mb1_none_lr0.001/4dev."""

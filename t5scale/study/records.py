@@ -14,10 +14,11 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-from t5scale.analysis.jsonform import JsonRecord, fields_to_json, written_when_none
 from t5scale.analysis.records import StepAnalysis
+from t5scale.jsonform import JsonRecord, fields_to_json, written_when_none
 from t5scale.study.config import RENAMED_POINT_FIELDS, Point
 from t5scale.study.evidence import Interval, Measurement, TimingRule
+from t5scale.train.config import RunConfig
 from t5scale.xla_gpu import GpuTopology
 
 
@@ -155,12 +156,12 @@ class TrialSpec(JsonRecord):
 
     kind: str
     point: Point
+    run: RunConfig  # the point's run (Point.run): what the trial's process compiles
     devices_per_process: int = 1
     memory_budget_bytes: int | None = written_when_none()
     timing: TimingRule = TimingRule()
     token_budget: int = 0  # the loss objective: at least the steps these tokens take
     peak_flops_per_s: float = 0.0  # the machine's, for MFU
-    extra_bindings: tuple[str, ...] = ()
     tensorboard_dir: str | None = None  # timed trials: one TensorBoard run each
     profile_dir: str | None = None
     # A compile trial for a cluster's GPUs (XLA's GPU compiler, t5scale/xla_gpu.py) rather
@@ -178,7 +179,9 @@ class TrialRecord:
     kind: str  # 'compile', 'timed' or 'profile'
     point: Point
     result: TrialResult
-    round: str = ""
+    round_name: str = ""
+    run: RunConfig | None = None  # None: a simulated trial, or a line written before runs
+    # Lines written before the run was kept as a value held the point as gin bindings.
     gin_bindings: tuple[str, ...] = ()
     machine: MachineLabel | None = None  # None: a simulated trial
     peak_flops_per_s: float | None = None
@@ -194,9 +197,9 @@ class TrialRecord:
 
     def to_json(self) -> dict[str, Any]:
         context = {
-            "key": self.key, "kind": self.kind, "round": self.round,
+            "key": self.key, "kind": self.kind, "round": self.round_name,
             "config": self.point.as_dict(), "config_point": dataclasses.asdict(self.point),
-            "gin_bindings": list(self.gin_bindings),
+            "run": self.run and self.run.to_json(),
             "machine": self.machine and self.machine.to_json(),
             "peak_flops_per_s": self.peak_flops_per_s, "finished_at": self.finished_at,
             "tensorboard_dir": self.tensorboard_dir, "repeat": self.repeat,
@@ -216,7 +219,9 @@ class TrialRecord:
         machine = data.get("machine")
         return cls(
             key=key, kind=data["kind"], point=point, result=TrialResult.from_json(data),
-            round=data.get("round", ""), gin_bindings=tuple(data.get("gin_bindings", ())),
+            round_name=data.get("round", ""),
+            run=RunConfig.from_json(data["run"]) if data.get("run") else None,
+            gin_bindings=tuple(data.get("gin_bindings", ())),
             machine=MachineLabel.from_json(machine) if machine else None,
             peak_flops_per_s=data.get("peak_flops_per_s"), finished_at=data.get("finished_at"),
             tensorboard_dir=data.get("tensorboard_dir"), repeat=data.get("repeat", 0),

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from t5scale.errors import ConfigError
+from t5scale.model.sizes import PRESETS
 from t5scale.study.records import TrialRecord, parse_results
 
 GIB = 2**30
@@ -275,9 +276,7 @@ def _preamble(records: Sequence[TrialRecord]) -> list[str]:
     lines = [
         f"Machine: {kind} ({backend}); peak {peak / 1e12:.3g} TFLOP/s per device ({source}).",
     ]
-    extra = ran.gin_bindings if ran else ()
-    shared = [b for b in extra if b.startswith("ModelConfig.") and "remat" not in b
-              and "dtype" not in b]  # fmt: skip
+    shared = _model_settings(ran) if ran else []
     if shared:
         lines.append(f"Every trial's model also had: `{'`, `'.join(shared)}`.")
     precisions = sorted({
@@ -322,3 +321,21 @@ def _timed_row(point: PointKey, record: TrialRecord, compile_time: dict[str, flo
         f"{state.zero_formula_bytes.total / GIB:.2f} ({state.zero_formula}) | "
         f"{compiled_s:.1f} | {analysis.collectives.summary()} |"
     )
+
+
+def _model_settings(record: TrialRecord) -> list[str]:
+    """What the trial's model set beyond its size and the grid (remat, dtype), e.g.
+    `ModelConfig.scan_layers=False`: from its run, or in a line written before runs were kept,
+    from its gin bindings."""
+    if record.run is None:
+        return [b for b in record.gin_bindings if b.startswith("ModelConfig.")
+                and "remat" not in b and "dtype" not in b]  # fmt: skip
+    model, size = record.run.model, PRESETS.get(record.run.model.name)
+    if size is None:  # a custom model's gin file: no size to compare with
+        return []
+    return [
+        f"ModelConfig.{field.name}={getattr(model, field.name)!r}"
+        for field in dataclasses.fields(model)
+        if field.name not in ("remat", "dtype")
+        and getattr(model, field.name) != getattr(size, field.name)
+    ]

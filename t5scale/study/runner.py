@@ -13,19 +13,20 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from t5scale.analysis.memory import cpu_memory_budget
-from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.errors import ConfigError
+from t5scale.model.sizes import ModelConfig
 from t5scale.study import funnel, funnel_report
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.evidence import TimingRule
 from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
 from t5scale.study.trial import run_spec, run_trial
-from t5scale.xla_gpu import require_plugin
+from t5scale.train.config import RunConfig
+from t5scale.whatif.compile import cluster_target
+from t5scale.whatif.hardware import ClusterConfig
 
 
 class Results:
@@ -49,6 +50,22 @@ class Results:
         self.records[record.key] = record
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record.to_json()) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySummary:
+    """What a finished study found, as funnel.md shows it and the CLI prints it."""
+
+    rounds: list[funnel.Round]
+    winners: dict[str, TrialRecord]  # by model
+    tied: dict[str, tuple[TrialRecord, ...]]  # by model: those the winner is not known to beat
+    spent_wall_s: float  # the trials' wall time
+    spent_device_s: float  # the same, times the devices of each trial
+    # funnel_report.full_grid_estimate: (wall s, device s) that timing every point would cost;
+    # None for a grid search, which timed every point
+    full_grid: tuple[float, float] | None
+    trials: int
+    elapsed_s: float
 
 
 class Progress:
@@ -81,18 +98,23 @@ def _print(line: str) -> None:
 
 def run_study(
     config: StudyConfig,
+    runs: Mapping[str, RunConfig] | None = None,
     gin_config: str = "",
     show: Callable[[str], None] = _print,
     cluster: ClusterConfig | None = None,
-) -> dict[str, Any]:
+) -> StudySummary:
     """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows.
-    With a `cluster` that names its GPU's compile target, the compile-only rounds compile for
-    that many of its GPUs (XLA's GPU compiler, its device memory as the budget); the timed
-    rounds run on the devices at hand."""
+    `runs`: each model's run before its grid point is applied (Point.run), as the CLI reads
+    them (t5scale/config.py: its gin file and the study's extra bindings); by default each
+    model's size with every other setting at its default. With a `cluster`
+    that names its GPU's compile target, the compile-only rounds compile for that many of its
+    GPUs (XLA's GPU compiler, its device memory as the budget); the timed rounds run on the
+    devices at hand."""
     if cluster is not None:
-        for devices in config.devices:
-            cluster.topology(devices)  # whole nodes, a known target (ConfigError otherwise)
-        require_plugin()
+        for devices in config.devices:  # whole nodes, a known target, the plugin (ConfigError)
+            cluster_target(cluster, devices, "gpu")
+    if runs is None:
+        runs = {model: RunConfig(model=ModelConfig(name=model)) for model in config.models}
     study_dir = Path(config.study_dir)
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +132,7 @@ def run_study(
     configurations = config.configurations()
     devices = sorted(config.devices)
     progress = Progress(_planned(len(configurations), devices, config), show)
-    runner = _TrialRunner(config, study_dir, results, machine, progress, cluster)
+    runner = _TrialRunner(config, runs, study_dir, results, machine, progress, cluster)
     if cluster is not None:
         show(f"compile-only rounds: XLA's GPU compiler for {cluster.name}'s GPUs "
              f"({cluster.compile_target}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
@@ -142,15 +164,16 @@ def run_study(
         found.rounds, best, config.objective, (spent_wall, spent_device), full
     )
     (study_dir / "funnel.md").write_text(text, encoding="utf-8")
-    return {
-        "rounds": found.rounds,
-        "winners": {model: winner.record for model, winner in best.items()},
-        "tied": {model: [r for r, _ in winner.tied] for model, winner in best.items()},
-        "spent": (spent_wall, spent_device),
-        "full_grid": full,
-        "trials": len(compile_records) + len(timed_records),
-        "elapsed_s": time.perf_counter() - progress.started,
-    }
+    return StudySummary(
+        rounds=found.rounds,
+        winners={model: winner.record for model, winner in best.items()},
+        tied={model: tuple(r for r, _ in winner.tied) for model, winner in best.items()},
+        spent_wall_s=spent_wall,
+        spent_device_s=spent_device,
+        full_grid=full,
+        trials=len(compile_records) + len(timed_records),
+        elapsed_s=time.perf_counter() - progress.started,
+    )
 
 
 def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
@@ -178,10 +201,11 @@ class _TrialRunner:
     """funnel.Trials as isolated processes, recorded in results.jsonl."""
 
     def __init__(
-        self, config: StudyConfig, study_dir: Path, results: Results, machine: Machine,
-        progress: Progress, cluster: ClusterConfig | None = None,
+        self, config: StudyConfig, runs: Mapping[str, RunConfig], study_dir: Path,
+        results: Results, machine: Machine, progress: Progress,
+        cluster: ClusterConfig | None = None,
     ):  # fmt: skip
-        self.config, self.study_dir, self.results = config, study_dir, results
+        self.config, self.runs, self.study_dir, self.results = config, runs, study_dir, results
         self.machine, self.progress, self.cluster = machine, progress, cluster
         self.min_samples = 0
         # numbered after every trial this study dir has seen, so that no log is overwritten
@@ -209,14 +233,16 @@ class _TrialRunner:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
         if kind == "compile" and self.cluster is not None:
+            topology = self.cluster.topology(point.devices)
             return TrialSpec(
-                kind=kind, point=point, extra_bindings=study.extra_bindings,
+                kind=kind, point=point, run=self.run_of(point, topology.nodes),
                 memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
-                compile_for=self.cluster.topology(point.devices),
+                compile_for=topology,
             )  # fmt: skip
         return TrialSpec(
             kind=kind,
             point=point,
+            run=self.run_of(point),
             devices_per_process=point.devices // self.hosts(point.devices),
             memory_budget_bytes=self.budget(point.devices),
             timing=TimingRule(
@@ -225,12 +251,14 @@ class _TrialRunner:
             ),
             token_budget=study.token_budget if study.objective == "loss" else 0,
             peak_flops_per_s=self.machine.peak_flops_per_s,
-            extra_bindings=study.extra_bindings,
             # one TensorBoard run per timed trial, so that trials compare in one TensorBoard
             tensorboard_dir=str(self.study_dir / "tensorboard" / run_name)
             if kind == "timed" else None,
             profile_dir=str(self.study_dir / "profile" / point.run_name()),
         )  # fmt: skip
+
+    def run_of(self, point: Point, hosts: int = 1) -> RunConfig:
+        return point.run(self.runs[point.model], hosts)
 
     def run_one(
         self, point: Point, kind: str, round_name: str, repeat: int = 0
@@ -243,7 +271,8 @@ class _TrialRunner:
             # The same compiled program (e.g. every stage on one device) runs the same steps:
             # its timing is reused rather than measured again, and says so.
             record = dataclasses.replace(
-                twin, key=key, round=round_name, point=point, same_program_as=twin.key,
+                twin, key=key, round_name=round_name, point=point, same_program_as=twin.key,
+                run=self.run_of(point),
                 result=dataclasses.replace(twin.result, wall_s=0.0), measured_wall_s=twin.wall_s,
             )  # fmt: skip
             self.results.add(record)
@@ -255,8 +284,8 @@ class _TrialRunner:
             self.config.trial_timeout_s, self.launcher(point.devices),
         )  # fmt: skip
         record = TrialRecord(
-            key=key, kind=kind, round=round_name, point=point, result=result,
-            gin_bindings=(*point.gin_bindings(), *self.config.extra_bindings),
+            key=key, kind=kind, round_name=round_name, point=point, result=result,
+            run=spec.run,
             machine=self.machine.label(), peak_flops_per_s=self.machine.peak_flops_per_s,
             finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             tensorboard_dir=spec.tensorboard_dir, repeat=repeat,

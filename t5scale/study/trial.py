@@ -28,14 +28,15 @@ import jax
 from t5scale import xla_cpu
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.peaks import device_peak
-from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError, MeshError
 from t5scale.parallel.distributed import DistributedConfig, join_processes
 from t5scale.study.evidence import median_interval
-from t5scale.study.measure import model_state_per_device, profile_steps, time_steps
+from t5scale.study.measure import profile_steps, time_steps
 from t5scale.study.records import Machine, TrialResult, TrialSpec, TrialTiming
-from t5scale.train.setup import build_setup
+from t5scale.target import Target
+from t5scale.train.config import RunConfig
 from t5scale.train.tensorboard import ScalarWriter
+from t5scale.whatif.compile import ModelStateTooLarge, compile_for
 
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
 
@@ -133,22 +134,17 @@ def _machine(dtype: str) -> Machine:
     )
 
 
-def _point_run(spec: TrialSpec):
-    point = spec.point
-    parse_gin(point.gin_files(), point.gin_bindings() + list(spec.extra_bindings))
-    return point, build_run_config()
-
-
 def _trial(spec: TrialSpec) -> TrialResult:
-    """Compile the point; if it fits and the trial is timed, time it."""
-    point, run = _point_run(spec)
-    if spec.compile_for is not None:
-        return _compile_for_gpus(spec, run)
-    if point.devices > jax.device_count():
+    """Compile the point's run; if it fits and the trial is timed, time it."""
+    if spec.compile_for is not None:  # a cluster's GPUs, compile only
+        target = Target.compile_only_gpus(spec.compile_for)
+    elif spec.point.devices > jax.device_count():
         return TrialResult(
-            status="crash", error=f"{point.devices} devices asked, {jax.device_count()} here"
+            status="crash", error=f"{spec.point.devices} devices asked, {jax.device_count()} here"
         )
-    step, result = _compile(run, jax.devices()[: point.devices], spec.memory_budget_bytes)
+    else:
+        target = Target.local(spec.point.devices)
+    step, result = _compile(spec.run, target, spec.memory_budget_bytes)
     if result.status != "ok":
         return result
     if spec.kind == "profile":
@@ -157,39 +153,21 @@ def _trial(spec: TrialSpec) -> TrialResult:
     if spec.kind == "compile":
         # Identical programs (every stage on one device) are timed once: see runner.py.
         fingerprint = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
-        step.setup.compile_state_init()  # cached for the timed trial of this point, if any
+        if target.runs_here:
+            step.setup.compile_state_init()  # cached for the timed trial of this point, if any
         return dataclasses.replace(result, program_fingerprint=fingerprint)
     return _time(spec, step, result)
 
 
-def _compile_for_gpus(spec: TrialSpec, run) -> TrialResult:
-    """A compile trial for the cluster's GPUs: ZeRO across its nodes where one replica spans
-    them, as the planner and the simulator lay it out (t5scale/study/weak_scaling.py)."""
-    topology = spec.compile_for
-    if topology.nodes > 1:
-        across = run.parallel.replica in (None, 1)
-        parallel = dataclasses.replace(run.parallel, zero_across_hosts=across)
-        run = dataclasses.replace(run, parallel=parallel)
-    step, result = _compile(run, topology.devices(), spec.memory_budget_bytes)
-    if result.status != "ok":
-        return result
-    fingerprint = hashlib.sha256(step.compiled.as_text().encode()).hexdigest()
-    return dataclasses.replace(result, program_fingerprint=fingerprint)
-
-
-def _compile(run, devices, budget: int | None) -> tuple[Any, TrialResult]:
+def _compile(run: RunConfig, target: Target, budget: int | None) -> tuple[Any, TrialResult]:
     """(compiled step or None, result): out-of-memory by the ZeRO formula before compiling,
     or by XLA's estimate after."""
     try:
-        setup = build_setup(run, devices)
-        lower_bound = model_state_per_device(setup)
-        if budget is not None and lower_bound > budget:  # no need to compile to know
-            return None, TrialResult(
-                status="out-of-memory", memory_budget_bytes=budget, fits=False,
-                error=f"the ZeRO formula's model state alone, {lower_bound / 2**30:.2f} GiB per "
-                f"device, exceeds the budget {budget / 2**30:.2f} GiB",
-            )  # fmt: skip
-        step = setup.compile(memory_budget_bytes=budget)
+        step = compile_for(run, target, budget, refuse_above_budget=True)
+    except ModelStateTooLarge as error:
+        return None, TrialResult(
+            status="out-of-memory", memory_budget_bytes=budget, fits=False, error=str(error)
+        )
     except (ConfigError, MeshError) as error:
         return None, TrialResult(status="compile error", error=str(error))
     except Exception as error:  # XLA's own compile failures
@@ -230,7 +208,7 @@ def _time(spec: TrialSpec, step, compiled: TrialResult) -> TrialResult:
         )
     steps = measured.step_time_s
     # Emulated CPU devices share one machine, so they share its one measured peak.
-    peak_devices = 1 if jax.default_backend() == "cpu" else spec.point.devices
+    peak_devices = 1 if step.setup.target.platform == "cpu" else spec.point.devices
     losses = measured.losses[: budget_steps or None]
     # The loss's evidence: its median over the last quarter of the steps (at least the samples
     # the round's comparison needs), with that median's interval.

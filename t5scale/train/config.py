@@ -7,6 +7,7 @@ from pathlib import Path
 
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
+from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
@@ -95,7 +96,11 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(JsonRecord):
+    """One run, whole: the value that crosses modules, processes (a trial's spec) and
+    checkpoints (their meta), as JSON at those edges (`to_json`, `from_json`: a field a file
+    lacks takes its default). gin builds it at the command's edge (t5scale/config.py)."""
+
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     optimizer: optim.OptimizerConfig = optim.OptimizerConfig()

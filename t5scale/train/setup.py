@@ -22,14 +22,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from t5scale import xla_gpu
 from t5scale.analysis.memory import compiled_memory, device_memory_budget
 from t5scale.analysis.records import StepAnalysis
 from t5scale.analysis.step import analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.errors import ConfigError
-from t5scale.model.sizes import REMAT_LADDER
+from t5scale.model.sizes import REMAT_LADDER, attention_for
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
+from t5scale.target import Target
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import combine_replica_metrics
@@ -97,12 +97,13 @@ def _of_form(name: str, doc: str) -> property:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """Everything a train step needs, derived from one RunConfig on one set of devices: the
-    mesh, the optimizer and the state's form (t5scale/train/state.py)."""
+    """Everything a train step needs, derived from one RunConfig for one compile target: the
+    mesh over its devices, the optimizer and the state's form (t5scale/train/state.py)."""
 
     run: RunConfig
     mesh: Mesh
     form: StateForm
+    target: Target
 
     # The form's parts a step is built from, as every caller reads them.
     layout = _of_form("layout", "The stage's layout of parameters, gradients, optimizer state.")
@@ -156,14 +157,10 @@ class Setup:
         lowered = self.train_step(steps_per_execution).lower(
             self.state, self.abstract_batch(steps_per_execution)
         )
-        compiled = lowered.compile(compiler_options=self.compiler_options)
+        with self.target.compiling():
+            compiled = lowered.compile(compiler_options=self.target.compiler_options)
         elapsed = time.perf_counter() - started
         return CompiledStep(self, compiled, steps_per_execution, elapsed)
-
-    @property
-    def compiler_options(self) -> dict[str, Any]:
-        """XLA's options for this mesh's devices (compile-only GPUs: t5scale/xla_gpu.py)."""
-        return xla_gpu.compiler_options(self.mesh.devices.flat)
 
     def with_remat(self, policy: str) -> Setup:
         """The same setup with the layers' remat policy replaced (nothing else depends on it)."""
@@ -203,7 +200,8 @@ class Setup:
         """The outer step compiled from abstract shapes (local SGD, DiLoCo)."""
         started = time.perf_counter()
         lowered = self.outer_step.lower(self.state)
-        compiled = lowered.compile(compiler_options=self.compiler_options)
+        with self.target.compiling():
+            compiled = lowered.compile(compiler_options=self.target.compiler_options)
         return CompiledStep(self, compiled, 1, time.perf_counter() - started)
 
     @functools.cached_property
@@ -232,7 +230,10 @@ class Setup:
 
     def compile_state_init(self) -> None:
         """Compile (not run) the state's init, so that a persistent compilation cache holds it."""
-        self.form.compile_create(jax.random.key(self.run.train.seed), self.compiler_options)
+        with self.target.compiling():
+            self.form.compile_create(
+                jax.random.key(self.run.train.seed), self.target.compiler_options
+            )
 
 
 def _most_frugal(index: int) -> int:
@@ -243,15 +244,14 @@ def _most_frugal(index: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int32(index))))
 
 
-def build_setup(run: RunConfig, devices: list | None = None) -> Setup:
-    """The mesh over `devices` (default: all), the optimizer and the state's form (the stage's
-    layout, the precision, the replica sync, the abstract state in its shardings); a
-    ConfigError or MeshError in one line where the run cannot be laid out on them."""
-    mesh = make_mesh(run.parallel, devices)
-    if run.model.attention == "auto":  # the kernels where Triton compiles them: GPUs
-        fused = mesh.devices.flat[0].platform == "gpu"
-        model = dataclasses.replace(run.model, attention="fused" if fused else "dot")
-        run = dataclasses.replace(run, model=model)
+def build_setup(run: RunConfig, target: Target | list | None = None) -> Setup:
+    """The mesh over the `target`'s devices (a Target, a list of devices, or None: all devices
+    at hand), the optimizer and the state's form (the stage's layout, the precision, the
+    replica sync, the abstract state in its shardings); a ConfigError or MeshError in one
+    line where the run cannot be laid out on them."""
+    target = Target.of(target)
+    mesh = make_mesh(run.parallel, list(target.devices))
+    run = dataclasses.replace(run, model=attention_for(run.model, target.fused_kernels))
     check_batch(run, mesh)
     tx = optim.make_optimizer(run.optimizer)
-    return Setup(run, mesh, build_form(run, mesh, tx))
+    return Setup(run, mesh, build_form(run, mesh, tx), target)

@@ -20,17 +20,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.records import StatePrecision, StepAnalysis
-from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.zero import check_stages
-from t5scale.study.weak_scaling import WeakScaling
+from t5scale.target import Target
 from t5scale.train.config import RunConfig
-from t5scale.train.setup import build_setup
-from t5scale.xla_gpu import compiler_name
+from t5scale.whatif.compile import cluster_target, compile_for
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.weak_scaling import weak_scale
 
 GIB = 2**30
 KERNEL_COLUMNS = ("gemm", "fusion", "copy", "attention", "collective")
@@ -39,7 +37,7 @@ KERNEL_COLUMNS = ("gemm", "fusion", "copy", "attention", "collective")
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     """devices: the mesh to plan for (zero = devices / tensor, replica 1); the batch is
-    weak-scaled as in the study (t5scale/study/weak_scaling.py), MICRO_BATCHES accumulated."""
+    weak-scaled as in the study (t5scale/whatif/weak_scaling.py), MICRO_BATCHES accumulated."""
 
     devices: int = 8
     device_memory_gb: float = 80.0
@@ -121,7 +119,7 @@ class Plan:
     run: RunConfig
     plan: PlanConfig
     stages: tuple[StagePlan, ...]
-    compiler: str  # t5scale.xla_gpu.compiler_name: 'xla:cpu' or 'xla:gpu <GPU>, N nodes x G'
+    compiler: str  # Target.compiler_name: 'xla:cpu' or 'xla:gpu <GPU>, N nodes x G'
     device_memory_gb: float
 
     def to_json(self) -> dict[str, Any]:
@@ -143,21 +141,19 @@ class Plan:
 
 
 def plan_stage(
-    run: RunConfig, plan: PlanConfig, stage: int, devices, budget_bytes: float
+    run: RunConfig, plan: PlanConfig, stage: int, target: Target, budget_bytes: float
 ) -> StagePlan:
     """The stage compiled with zero over every data-parallel device (replica 1), across the
-    nodes too where `devices` are several nodes' compile-only GPUs."""
-    hosts = len({device.process_index for device in devices})
-    scaling = WeakScaling(
-        stage, plan.devices, plan.micro_batch_size, run.train.micro_batches, plan.tensor,
-        hosts=hosts,
-    )  # fmt: skip
-    return compile_stage_plan(scaling.run(run), devices, budget_bytes)
+    nodes too where the target is several nodes' compile-only GPUs."""
+    staged = weak_scale(
+        run, stage, plan.devices, plan.micro_batch_size, tensor=plan.tensor, hosts=target.hosts
+    )
+    return compile_stage_plan(staged, target, budget_bytes)
 
 
-def compile_stage_plan(run: RunConfig, devices, budget_bytes: float) -> StagePlan:
-    """`run` compiled for `devices` as it stands (nothing allocated), within `budget_bytes`."""
-    step = build_setup(run, devices).compile(memory_budget_bytes=int(budget_bytes))
+def compile_stage_plan(run: RunConfig, target: Target, budget_bytes: float) -> StagePlan:
+    """`run` compiled for `target` as it stands (nothing allocated), within `budget_bytes`."""
+    step = compile_for(run, target, int(budget_bytes))
     return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
 
 
@@ -168,23 +164,25 @@ def run_plan(
     names its GPU's compile target, for that many of its GPUs by XLA's GPU compiler (device
     memory then the cluster's)."""
     if cluster is not None:
-        devices = cluster.topology(plan.devices).devices()
+        target = cluster_target(cluster, plan.devices, "gpu")
         budget = cluster.device_memory_gb * 1e9
-    elif jax.device_count() < plan.devices:
-        raise ConfigError(f"{plan.devices} devices to plan for, {jax.device_count()} emulated")
     else:
-        devices, budget = jax.devices()[: plan.devices], plan.device_memory_gb * 1e9
-    show(f"compiling for {compiler_name(devices)}")
+        here = Target.local()
+        if here.size < plan.devices:
+            raise ConfigError(f"{plan.devices} devices to plan for, {here.size} emulated")
+        target = Target.local(plan.devices)
+        budget = plan.device_memory_gb * 1e9
+    show(f"compiling for {target.compiler_name}")
     if plan.job:
-        job = compile_stage_plan(run, devices, budget)
+        job = compile_stage_plan(run, target, budget)
         show(f"the job (stage {run.parallel.zero_stage}): compiled in "
              f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
-        return Plan(run, plan, (job,), compiler_name(devices), budget / 1e9)
+        return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
     stages = []
     for stage in plan.stages:
-        stages.append(plan_stage(run, plan, stage, devices, budget))
+        stages.append(plan_stage(run, plan, stage, target, budget))
         show(f"stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
-    return Plan(run, plan, tuple(stages), compiler_name(devices), budget / 1e9)
+    return Plan(run, plan, tuple(stages), target.compiler_name, budget / 1e9)
 
 
 def _precision_words(precision: StatePrecision) -> str:

@@ -44,13 +44,13 @@ import jax.numpy as jnp
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.hlo import mesh_axes
-from t5scale.analysis.jsonform import JsonRecord
 from t5scale.analysis.records import StepAnalysis
-from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
-from t5scale.cluster_model.compute import ComputeTime, step_compute
-from t5scale.cluster_model.gpu_step import predict_program
-from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import ModelConfig
+from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
+from t5scale.whatif.compute import ComputeTime, step_compute
+from t5scale.whatif.gpu_step import predict_program
+from t5scale.whatif.hardware import ClusterConfig
 
 DATA_AXES = {"replica", "zero"}
 # launch/xla_gpu_flags.sh: --xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes

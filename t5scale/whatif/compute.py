@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from t5scale.cluster_model.hardware import ClusterConfig
 from t5scale.model.sizes import ModelConfig
+from t5scale.whatif.hardware import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)

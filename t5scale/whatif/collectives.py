@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.whatif.hardware import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.analysis.jsonform import JsonRecord
 from t5scale.analysis.kernels import KERNEL_CLASSES, GpuProgram, Kernel
-from t5scale.cluster_model.collectives import collective_seconds, full_bytes, placement
-from t5scale.cluster_model.hardware import ClusterConfig
+from t5scale.jsonform import JsonRecord
+from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
+from t5scale.whatif.hardware import ClusterConfig
 
 # What one kernel costs beyond its own work. NVIDIA's "Getting Started with CUDA Graphs"
 # (developer.nvidia.com/blog/cuda-graphs/) times a 2.9 µs kernel at 3.8 µs per kernel when

@@ -6,7 +6,7 @@ For each ZeRO stage and node count the train step is compiled on as many emulate
 as the cluster has GPUs (zero over all of them, or over all but `tensor`) — and, for each H in
 `diloco_every`, DiLoCo's inner and outer steps with a replica per node and zero inside it
 (t5scale/train/replicas.py) — and the cluster model
-(t5scale/cluster_model/) times what the compiled step does: its collectives, each placed on the
+(t5scale/whatif/) times what the compiled step does: its collectives, each placed on the
 nodes by its replica group, its compute, its update, and what hides behind what. Compiled
 analyses are cached on disk, so a second run over the same grid compiles nothing.
 """
@@ -14,32 +14,22 @@ analyses are cached on disk, so a second run over the same grid compiles nothing
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import threading
-from pathlib import Path
-from typing import Any, Literal
-
-import jax
+from typing import Any
 
 from t5scale.analysis.records import StepAnalysis
-from t5scale.analysis.step import with_every
-from t5scale.cluster_model.hardware import ClusterConfig
-from t5scale.cluster_model.step_time import (
+from t5scale.errors import ConfigError, check_field_types
+from t5scale.parallel.zero import check_stages
+from t5scale.train.config import RunConfig
+from t5scale.train.replicas import ReplicaSyncConfig
+from t5scale.whatif.compile import Compiler, cached_analysis, cluster_target
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.step_time import (
     XLA_COMBINE_THRESHOLD_BYTES,
     StepTimePrediction,
     predict,
     predict_from_program,
 )
-from t5scale.errors import ConfigError, check_field_types
-from t5scale.parallel.zero import check_stages
-from t5scale.startup import cuda_plugin_installed
-from t5scale.study.weak_scaling import WeakScaling
-from t5scale.train.config import RunConfig
-from t5scale.train.replicas import ReplicaSyncConfig
-from t5scale.train.setup import build_setup
-from t5scale.xla_gpu import INSTALL_HINT, GpuTopology
+from t5scale.whatif.weak_scaling import weak_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +47,7 @@ class SimulateConfig:
     # Which compiler makes the programs the model times: 'gpu', XLA's GPU compiler for the
     # cluster's own GPUs (its compile_target; needs jax's CUDA plugin, t5scale/xla_gpu.py);
     # 'cpu', emulated CPU devices; 'auto', the GPU compiler where the plugin is installed.
-    compiler: Literal["auto", "gpu", "cpu"] = "auto"
+    compiler: Compiler = "auto"
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -73,67 +63,6 @@ class SimulateConfig:
         check_stages(self.stages, "SimulateConfig.stages")
         if not self.stages:
             raise ConfigError("SimulateConfig.stages is empty")
-
-
-# Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 8
-
-
-_CACHE_WRITE = threading.Lock()
-
-
-def _cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root, "t5scale", "step_analyses.json")
-
-
-def step_analysis(
-    run: RunConfig,
-    stage: int,
-    devices: int,
-    micro_batch_size: int,
-    tensor: int = 1,
-    replicas: int = 1,
-    memory_budget_bytes: int | None = None,
-    topology: GpuTopology | None = None,
-) -> StepAnalysis:
-    """The compiled step's analysis on `devices` emulated devices (with `replicas` > 1 and a
-    local run.sync, its outer step's too; remat 'auto' chosen within `memory_budget_bytes`,
-    the cluster's device memory); with a `topology`, compiled for its compile-only GPUs by
-    XLA's GPU compiler. Cached across calls on disk (keyed by the whole run, stage, devices,
-    compiler and the JAX version), since compiling a large model on 64 devices takes tens of
-    seconds."""
-    hosts = topology.nodes if topology else 1
-    scaling = WeakScaling(
-        stage, devices, micro_batch_size, run.train.micro_batches, tensor, replicas, hosts
-    )
-    staged = scaling.run(run)
-    key_text = json.dumps(
-        [dataclasses.asdict(staged.model), dataclasses.asdict(staged.parallel),
-         dataclasses.asdict(staged.precision),
-         # H only divides the outer step's cost: one compile serves every H
-         dataclasses.asdict(dataclasses.replace(staged.sync, every=1)),
-         dataclasses.asdict(staged.optimizer), staged.train.batch_size, staged.train.micro_batches,
-         staged.data.input_length, staged.data.target_length, devices, jax.__version__,
-         ANALYSIS_VERSION, memory_budget_bytes, topology and dataclasses.astuple(topology)],
-        sort_keys=True, default=str,
-    )  # fmt: skip
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
-    path = _cache_path()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if key in cache:
-        return with_every(StepAnalysis.from_json(cache[key]), staged.sync.every)
-    targets = topology.devices() if topology else jax.devices()[:devices]
-    step = build_setup(staged, targets).compile(memory_budget_bytes=memory_budget_bytes)
-    analysis = step.analysis
-    with _CACHE_WRITE:  # threads of one process (bench/seed_study_predicted.py) add in turn
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        cache[key] = analysis.to_json()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)
-    return analysis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +99,7 @@ class Simulation:
     config: SimulateConfig
     rows: tuple[SimulatedRow, ...]
     # 'gpu': the programs XLA:GPU compiled for the cluster, timed kernel by kernel; 'cpu': the
-    # CPU compiler's, with XLA:GPU's combining and overlap assumed (cluster_model/step_time.py)
+    # CPU compiler's, with XLA:GPU's combining and overlap assumed (whatif/step_time.py)
     path: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
@@ -192,41 +121,30 @@ class Simulation:
         }
 
 
-def uses_gpu_compiler(config: SimulateConfig, cluster: ClusterConfig) -> bool:
-    """Whether the programs come from XLA's GPU compiler (SimulateConfig.compiler says when)."""
-    if config.compiler == "cpu":
-        return False
-    if config.compiler == "gpu" and cluster.compile_target is None:
-        cluster.topology(1)  # the ConfigError that says what is missing
-    if config.compiler == "gpu" and not cuda_plugin_installed():
-        raise ConfigError(f"SimulateConfig.compiler='gpu' needs jax's CUDA plugin: {INSTALL_HINT}")
-    return cluster.compile_target is not None and cuda_plugin_installed()
-
-
 def simulate(
     run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print
 ) -> Simulation:
-    rows = []
-    gpu = uses_gpu_compiler(config, cluster)
     if cluster.gpus_per_node % config.tensor:  # tensor groups live inside a node
         raise ConfigError(f"SimulateConfig.tensor={config.tensor} must divide "
                           f"ClusterConfig.gpus_per_node={cluster.gpus_per_node}")  # fmt: skip
-    needed = max(config.nodes) * cluster.gpus_per_node
-    if not gpu and jax.device_count() < needed:
-        raise ConfigError(f"{needed} devices to emulate, {jax.device_count()} here")
+    # the largest first: a ConfigError before any compile where it cannot be had
+    largest = cluster_target(cluster, max(config.nodes) * cluster.gpus_per_node, config.compiler)
+    gpu = largest.is_gpu
     syncs = [(ReplicaSyncConfig(), "every step")] + [
         (dataclasses.replace(run.sync, mode="diloco", every=every), f"DiLoCo H={every}")
         for every in config.diloco_every
     ]
     grid = [(s, n, sync) for s in config.stages for sync in syncs for n in config.nodes]
+    rows = []
     for done, (stage, nodes, (sync, sync_name)) in enumerate(grid, 1):
         devices = nodes * cluster.gpus_per_node
-        analysis = step_analysis(
+        target = cluster_target(cluster, devices, "gpu" if gpu else "cpu")
+        staged = weak_scale(
             dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
-            config.tensor, replicas=nodes if sync.local else 1,
-            memory_budget_bytes=int(cluster.device_memory_gb * 1e9),
-            topology=cluster.topology(devices) if gpu else None,
+            tensor=config.tensor, replicas=nodes if sync.local else 1, hosts=target.hosts,
         )  # fmt: skip
+        budget = int(cluster.device_memory_gb * 1e9)
+        analysis = cached_analysis(staged, target, budget)
         prediction = _predict(analysis, run, cluster, config, gpu)
         rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
         show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "

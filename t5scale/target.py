@@ -1,0 +1,123 @@
+"""What a program is compiled for: the one place that answers "which compiler, is this a GPU".
+
+    Target.local(8)                       the devices at hand (emulated CPU devices, or this
+                                          host's GPUs): programs compile and run
+    Target.compile_only(GpuTopology(...)) GPUs that are not here (t5scale/xla_gpu.py): XLA's
+                                          GPU compiler makes the program; nothing runs
+
+A target owns the devices a mesh is laid over, the compiler's options, whether the persistent
+compilation cache may hold its programs, the compiler's name as reports give it, and whether
+t5scale's fused attention kernels compile for it. A plan, a simulation, a trial and a training
+run each ask their target; nothing else asks a device for its platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+from t5scale import xla_gpu
+from t5scale.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices a program is compiled for, and whether it can run here."""
+
+    devices: tuple[Any, ...]
+    compile_only: bool = False
+    topology: xla_gpu.GpuTopology | None = None  # compile-only GPUs: what they are
+
+    @classmethod
+    def local(cls, count: int | None = None) -> Target:
+        """The first `count` devices at hand (default: all of them), across processes."""
+        devices = jax.devices()
+        if count is not None and count > len(devices):
+            raise ConfigError(f"{count} devices asked, {len(devices)} here")
+        return cls(tuple(devices[:count]))
+
+    @classmethod
+    def compile_only_gpus(cls, topology: xla_gpu.GpuTopology) -> Target:
+        """`topology`'s GPUs, compiled for by XLA's GPU compiler without them."""
+        return cls(tuple(topology.devices()), compile_only=True, topology=topology)
+
+    @classmethod
+    def of(cls, devices: Sequence[Any] | Target | None) -> Target:
+        """A target from what a caller holds: a target, a list of devices, or None (all
+        devices at hand)."""
+        if isinstance(devices, Target):
+            return devices
+        if devices is None:
+            return cls.local()
+        devices = tuple(devices)
+        return cls(devices, compile_only=xla_gpu.is_compile_only_gpu(devices))
+
+    @property
+    def platform(self) -> str:
+        """'cpu' or 'gpu' (XLA's name, which says 'gpu' for CUDA devices)."""
+        return self.devices[0].platform
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform == "gpu"
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def hosts(self) -> int:
+        """Processes the devices belong to (nodes, for compile-only GPUs)."""
+        return len({device.process_index for device in self.devices})
+
+    @property
+    def runs_here(self) -> bool:
+        return not self.compile_only
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether t5scale's Pallas attention kernels compile for it (Triton: GPUs only)."""
+        return self.is_gpu
+
+    @property
+    def compiler_name(self) -> str:
+        """As plan and simulate report it: 'xla:cpu', or 'xla:gpu <GPU>, N nodes x G'."""
+        return xla_gpu.compiler_name(self.devices)
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """XLA's options for a compile (compile-only GPUs: xla_gpu.compiler_options)."""
+        return xla_gpu.compiler_options(self.devices) if self.compile_only else {}
+
+    @property
+    def persistent_cache(self) -> bool:
+        """Whether JAX's persistent compilation cache may hold its programs: a compile-only
+        program is written there but cannot be read back without the device's client."""
+        return self.runs_here
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Around a compile for this target: its cache policy."""
+        if self.persistent_cache:
+            yield
+            return
+        with _no_persistent_cache():
+            yield
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    # jax.config's `enable_compilation_cache` has a context form only in jax's private config
+    # module; where this release lacks it, the cache stays on and JAX recompiles on a miss.
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "enable_compilation_cache", None)
+    if state is None or not callable(state):
+        yield
+        return
+    with state(False):
+        yield

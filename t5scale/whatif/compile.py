@@ -1,0 +1,118 @@
+"""The one place a run is compiled for a plan, a simulation or a study's trial.
+
+    target = cluster_target(cluster, 16, "gpu")      # or Target.local(8): emulated devices
+    step = compile_for(weak_scale(run, 3, 16, 4, hosts=target.hosts), target, budget)
+    analysis = cached_analysis(run, target, budget)  # the same, kept on disk
+
+`compile_for` lays the run over the target's devices and compiles its step with nothing
+allocated; `cached_analysis` keeps each compiled step's analysis on disk, keyed by the whole
+run and the target, since compiling a large model for 64 devices takes tens of seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Literal
+
+import jax
+
+from t5scale.analysis.records import StepAnalysis
+from t5scale.analysis.step import with_every
+from t5scale.errors import ConfigError
+from t5scale.startup import cuda_plugin_installed
+from t5scale.target import Target
+from t5scale.train.config import RunConfig
+from t5scale.train.setup import CompiledStep, build_setup
+from t5scale.whatif.hardware import ClusterConfig
+from t5scale.xla_gpu import require_plugin
+
+Compiler = Literal["auto", "gpu", "cpu"]
+
+
+class ModelStateTooLarge(ValueError):
+    """The ZeRO formula's model state alone exceeds the memory budget: no need to compile."""
+
+    def __init__(self, state_bytes: float, budget_bytes: int):
+        self.state_bytes, self.budget_bytes = state_bytes, budget_bytes
+        super().__init__(
+            f"the ZeRO formula's model state alone, {state_bytes / 2**30:.2f} GiB per device, "
+            f"exceeds the budget {budget_bytes / 2**30:.2f} GiB"
+        )
+
+
+def compile_for(
+    run: RunConfig,
+    target: Target,
+    memory_budget_bytes: int | None = None,
+    refuse_above_budget: bool = False,
+) -> CompiledStep:
+    """`run`'s one-step program compiled for `target` (nothing allocated); remat 'auto' chosen
+    within `memory_budget_bytes`. With `refuse_above_budget`, a ModelStateTooLarge before any
+    compile where the ZeRO formula alone exceeds the budget (a lower bound of the step's
+    memory, known from the shapes)."""
+    setup = build_setup(run, target)
+    if refuse_above_budget and memory_budget_bytes is not None:
+        form = setup.form
+        state = form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)
+        if state["total"] > memory_budget_bytes:
+            raise ModelStateTooLarge(state["total"], memory_budget_bytes)
+    return setup.compile(memory_budget_bytes=memory_budget_bytes)
+
+
+def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu") -> Target:
+    """What to compile for when asking about `gpus` of `cluster`'s GPUs: compiler 'gpu', XLA's
+    GPU compiler for the cluster's own GPUs (its compile_target; a ConfigError naming the
+    install where jax's CUDA plugin is missing); 'cpu', that many emulated CPU devices; 'auto',
+    the GPU compiler where the cluster names a target and the plugin is installed."""
+    if compiler == "auto":
+        usable = cluster.compile_target is not None and cuda_plugin_installed()
+        compiler = "gpu" if usable else "cpu"
+    if compiler == "cpu":
+        if jax.device_count() < gpus:
+            raise ConfigError(f"{gpus} devices to emulate, {jax.device_count()} here")
+        return Target.local(gpus)
+    topology = cluster.topology(gpus)  # a ConfigError where the cluster names no target
+    require_plugin()
+    return Target.compile_only_gpus(topology)
+
+
+# Part of the cache key: a newer step_analysis.json layout never reads an older entry.
+ANALYSIS_VERSION = 9
+_CACHE_WRITE = threading.Lock()
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root, "t5scale", "step_analyses.json")
+
+
+def cached_analysis(
+    run: RunConfig, target: Target, memory_budget_bytes: int | None = None
+) -> StepAnalysis:
+    """`compile_for(run, target, memory_budget_bytes).analysis`, kept on disk: keyed by the
+    whole run (local SGD's or DiLoCo's H aside: it only divides the outer step's cost, so one
+    compile serves every H), the target, the budget and the JAX version."""
+    keyed = run.to_json()
+    keyed["sync"]["every"] = 1
+    key_text = json.dumps(
+        [keyed, target.compiler_name, target.size, jax.__version__, ANALYSIS_VERSION,
+         memory_budget_bytes], sort_keys=True, default=str,
+    )  # fmt: skip
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    path = _cache_path()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if key in cache:
+        return with_every(StepAnalysis.from_json(cache[key]), run.sync.every)
+    analysis = compile_for(run, target, memory_budget_bytes).analysis
+    with _CACHE_WRITE:  # threads of one process (bench/seed_study_predicted.py) add in turn
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        cache[key] = analysis.to_json()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
+    return analysis
