@@ -1,14 +1,13 @@
 """Collectives of a compiled program, counted and sized from its HLO text, per executed step.
 
 `collective_stats(compiled.as_text())` parses the module into computations, walks the call graph
-from the ENTRY computation and multiplies what it finds by how often each computation runs: a
-collective inside a `while` loop (the layer scan, the micro-batch loop) appears once in the text
-but runs trip-count times. Two things are left out on purpose:
+from the ENTRY computation (t5scale/analysis/hlo_walk.py, which says how often each computation
+runs) and counts each collective as often as its computation runs: a collective inside a `while`
+loop (the layer scan, the micro-batch loop) appears once in the text but runs trip-count times.
+Two things are left out on purpose:
 
 - collectives whose groups hold one device each (size-1 mesh axes) move nothing;
 - the `-done` half of an async pair, which is the same collective as its `-start`.
-
-Branches of a `conditional` are all counted, as if each ran: an upper bound.
 
 XLA:CPU has no 16-bit collectives: it widens a bf16 all-reduce, reduce-scatter or all-gather to
 f32 between two converts. Such a collective — every operand made by a convert from bf16 or f16
@@ -22,12 +21,14 @@ import dataclasses
 import functools
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from t5scale.analysis.collectives import KINDS, CollectiveOp, Collectives
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body
 
 _NARROW_FLOATS = ("bf16", "f16")
 
@@ -46,11 +47,6 @@ ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?" + NAME_PATTERN + r"\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?" + NAME_PATTERN + r"\s*=\s*(.*)$")
 _OPCODE = re.compile(r"([\w\-]+)\(")
-_CALLEE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + NAME_PATTERN
-)
-_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
 # Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} — the devices (in order) as
@@ -60,7 +56,6 @@ _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\]"
     r"(?:,\s*device_ids=\(\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\))?\s*\{([^}]*)\}"
 )
-OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 
@@ -164,27 +159,6 @@ def parse_module(hlo_text: str) -> Module:
     return module
 
 
-def called_names(instruction: Instruction) -> list[str]:
-    """Computations this instruction runs, other than reducers (`to_apply` of a collective)."""
-    if instruction.opcode.endswith(("-done", "-update")):
-        return []  # async halves repeat the `calls=` of their start
-    callees = [
-        name
-        for role, name in _CALLEE.findall(instruction.attributes)
-        # to_apply names the called body only for `call`; elsewhere it is a reducer (add).
-        if role != "to_apply" or instruction.opcode == "call"
-    ]
-    for listed in _CALLEE_LIST.findall(instruction.attributes):
-        callees += re.findall(NAME_PATTERN, listed)
-    return callees
-
-
-def trip_count(instruction: Instruction) -> int | None:
-    """Iterations of a `while`, from XLA's `known_trip_count` backend config, if it knows."""
-    found = _TRIP_COUNT.search(instruction.attributes)
-    return int(found.group(1)) if found else None
-
-
 def _groups(listed: str) -> list[list[int]]:
     return [[int(d) for d in g.split(",") if d.strip()] for g in re.findall(r"\{([^}]*)\}", listed)]
 
@@ -231,14 +205,16 @@ def collective_kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def _operand_bytes(operands: tuple[str, ...], types: Mapping[str, str]) -> int:
-    total = 0
-    for operand in operands:
-        operand = _COMMENT.sub("", operand)  # `/*index=5*/%x` in long operand lists
-        name_at = operand.rfind("%") if "%" in operand else operand.rfind(" ") + 1
-        inline_type, name = operand[:name_at].strip(), operand[name_at:].lstrip("%")
-        total += shape_bytes(inline_type) if inline_type else shape_bytes(types.get(name, ""))
-    return total
+def operand_type(operand: str, types: Mapping[str, str]) -> str:
+    """An operand's type: printed before its name, else its instruction's result type."""
+    operand = _COMMENT.sub("", operand)  # `/*index=5*/%x` in long operand lists
+    name_at = operand.rfind("%") if "%" in operand else operand.rfind(" ") + 1
+    inline_type, name = operand[:name_at].strip(), operand[name_at:].lstrip("%")
+    return inline_type or types.get(name, "")
+
+
+def operand_bytes(operands: Sequence[str], types: Mapping[str, str]) -> int:
+    return sum(shape_bytes(operand_type(operand, types)) for operand in operands)
 
 
 def result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int:
@@ -257,17 +233,16 @@ def dtype_of(type_text: str) -> str | None:
     return found.group(1) if found else None
 
 
-_DATA_MOVES = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
+# Instructions whose result holds their first operand's elements as they were (in another
+# layout, shape or tuple): a 16-bit value widened to f32 is still recognised after them. Not
+# kernels.py's _MOVES_ONLY (what a copy kernel is made of): a slice or a pad moves data too, but
+# its result holds other elements than its operand.
+_SAME_ELEMENTS = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
 
 
 def operand_name(operand: str) -> str:
     """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
     return _COMMENT.sub("", operand).split()[-1].lstrip("%")
-
-
-def _called(instruction: Instruction, module: Module) -> list[Instruction]:
-    found = re.search(r"\bcalls=" + NAME_PATTERN, instruction.attributes)
-    return module.computations.get(found.group(1), []) if found else []
 
 
 class _Widening:
@@ -294,12 +269,12 @@ class _Widening:
         """Whether `value` is a 16-bit value converted to f32 (moved at most, maybe inside a
         fusion, whose root is printed last)."""
         if value is not None and value.opcode == "fusion":
-            body = _called(value, self.module)
+            body = fused_body(value, self.module.computations)
             value = body[-1] if body else None
             local = {inner.name: inner for inner in body}
         else:
             local = self.by_name
-        while value is not None and value.opcode in _DATA_MOVES and value.operands:
+        while value is not None and value.opcode in _SAME_ELEMENTS and value.operands:
             value = local.get(operand_name(value.operands[0]))
         if value is None or value.opcode != "convert" or not value.operands:
             return False
@@ -317,12 +292,12 @@ class _Widening:
             if user.opcode == "convert":
                 if dtype_of(user.result_type) not in _NARROW_FLOATS:
                     return False
-            elif user.opcode in _DATA_MOVES or user.opcode.endswith("-done"):
+            elif user.opcode in _SAME_ELEMENTS or user.opcode.endswith("-done"):
                 if not self._narrowed(user.name, depth + 1):
                     return False
             elif user.opcode == "fusion":
                 parameter = next(
-                    (inner for inner in _called(user, self.module)
+                    (inner for inner in fused_body(user, self.module.computations)
                      if inner.opcode == "parameter" and inner.operands == (str(position),)),
                     None,
                 )  # fmt: skip
@@ -339,8 +314,7 @@ def async_done_types(module: Module) -> dict[str, str]:
     for instructions in module.computations.values():
         for instruction in instructions:
             if instruction.opcode.endswith("-done") and instruction.operands:
-                start = instruction.operands[0].split()[-1].lstrip("%")
-                done[start] = instruction.result_type
+                done[operand_name(instruction.operands[0])] = instruction.result_type
     return done
 
 
@@ -373,6 +347,26 @@ def mesh_axes(group: Sequence[int] | None, mesh: Mapping[str, int]) -> set[str]:
     return {axis for axis, row in zip(mesh, coordinates, strict=True) if len(set(row)) > 1}
 
 
+def collective_op(
+    instruction: Instruction, computation: str, module: Module, done_types: Mapping[str, str]
+) -> CollectiveOp | None:
+    """The collective an instruction of `computation` starts, as it runs once (count 1), at
+    the bytes it is printed with; None if it is none or moves no data."""
+    kind = collective_kind(instruction.opcode)
+    if kind is None or not moves_data(instruction):
+        return None
+    size = result_bytes(instruction, done_types)
+    operand = operand_bytes(instruction.operands, module.types)
+    return CollectiveOp(kind, 1, size, operand, first_group(instruction.attributes), computation)
+
+
+def inside_loop(op: CollectiveOp, loop: Loop) -> CollectiveOp:
+    """A collective found in the body of `loop`, which is inside the loops it records."""
+    return dataclasses.replace(
+        op, loops=(loop.trips, *op.loops), loop_names=(loop.name, *op.loop_names)
+    )
+
+
 def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     """Every collective that moves data, with how often it runs per executed step, and their
     totals per kind with notes: loops of unknown trip count (their bodies counted once) and
@@ -380,42 +374,23 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     module = parse_module(hlo_text)
     done_types = async_done_types(module)
     widening = _Widening(module)
-    # Keyed by the op as it runs once (count 1); the values count its runs per step.
-    found: dict[str, dict[CollectiveOp, int]] = {}
-    unknown_loops: set[str] = set()
     widened: set[str] = set()
 
-    def walk(computation: str) -> dict[CollectiveOp, int]:
-        """The collectives one run of `computation` runs, with counts; loops relative to it."""
-        if computation in found:
-            return found[computation]
-        found[computation] = {}  # HLO has no recursion; this only guards against bad input
-        ops: dict[CollectiveOp, int] = {}
-        for instruction in module.computations.get(computation, []):
-            kind = collective_kind(instruction.opcode)
-            if kind and moves_data(instruction):
-                size = result_bytes(instruction, done_types)
-                operand = _operand_bytes(instruction.operands, module.types)
-                if widening.widened(instruction):
-                    widened.add(instruction.name)
-                    size, operand = size // 2, operand // 2
-                group = first_group(instruction.attributes)
-                op = CollectiveOp(kind, 1, size, operand, group, computation)
-                ops[op] = ops.get(op, 0) + 1
-            for callee, times, loop in _calls_with_repeats(instruction, unknown_loops):
-                for op, count in walk(callee).items():
-                    if loop is not None:
-                        trips, name = loop
-                        op = dataclasses.replace(
-                            op, loops=(trips, *op.loops), loop_names=(name, *op.loop_names)
-                        )
-                    ops[op] = ops.get(op, 0) + times * count
-        found[computation] = ops
-        return ops
+    def collective(instruction: Instruction, computation: str) -> Counter[CollectiveOp] | None:
+        """The collective an instruction is, at its 16-bit size if XLA:CPU widened it; None
+        (walk what it runs) if it is none."""
+        if (op := collective_op(instruction, computation, module, done_types)) is None:
+            return None
+        if widening.widened(instruction):
+            widened.add(instruction.name)
+            op = dataclasses.replace(op, bytes=op.bytes // 2, operand_bytes=op.operand_bytes // 2)
+        return Counter({op: 1})
 
-    runs = walk(module.entry) if module.entry is not None else {}
+    # Keyed by the op as it runs once (count 1); the values count its runs per step.
+    walk = Walk(module.computations, collective, inside_loop)
+    runs = walk.per_run(module.entry) if module.entry is not None else Counter()
     ops = [dataclasses.replace(op, count=count) for op, count in runs.items() if count]
-    return ops, Collectives.of(ops, len(unknown_loops), len(widened))
+    return ops, Collectives.of(ops, len(walk.unknown_loops), len(widened))
 
 
 def collective_stats(hlo_text: str) -> dict[str, Any]:
@@ -426,24 +401,3 @@ def collective_stats(hlo_text: str) -> dict[str, Any]:
     counted once and the number of such loops is given under "unknown_trip_count_loops".
     """
     return collective_ops(hlo_text)[1].to_json()
-
-
-def _calls_with_repeats(
-    instruction: Instruction, unknown_loops: set[str]
-) -> list[tuple[str, int, tuple[int, str] | None]]:
-    """(callee, runs per run of the caller, (trip count, op_name) if the callee is the body of
-    a `while` with a known trip count) for each computation the instruction calls."""
-    callees = called_names(instruction)
-    if instruction.opcode != "while":
-        return [(callee, 1, None) for callee in callees]
-    trips = trip_count(instruction)
-    if trips is None:
-        unknown_loops.add(instruction.name)
-        return [(callee, 1, None) for callee in callees]
-    body = re.search(r"\bbody=" + NAME_PATTERN, instruction.attributes)
-    # The condition is evaluated once more than the body runs (the final, failing test).
-    found = OP_NAME.search(instruction.attributes)
-    loop = (trips, found.group(1) if found else "")
-    return [
-        (c, trips, loop) if body and c == body.group(1) else (c, trips + 1, None) for c in callees
-    ]

@@ -6,9 +6,9 @@
   bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
   a fusion is one kernel. Parameters, tuples, get-tuple-element, bitcasts and constants launch
   nothing, nor do the control instructions themselves;
-- loops multiply: a `while` body runs its known trip count per run of its caller. With a known
-  trip count XLA:GPU's WhileThunk never runs the condition, so its kernels are not counted; a
-  loop of unknown trip count has its body and condition counted once, and is noted;
+- loops multiply, as t5scale/analysis/hlo_walk.py walks them: a `while` body runs its known trip
+  count per run of its caller and its condition never (XLA's WhileThunk does not evaluate it);
+  a loop of unknown trip count has its body and condition counted once, and is noted;
 - classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention`
   (cuDNN's fused attention, `__cudnn$fmha…`, and t5scale's own kernels, Triton custom calls
   named `t5_attention_…`: t5scale/model/flash_attention.py), `copy` (kernels that move data and compute
@@ -47,24 +47,21 @@ from collections import Counter
 from t5scale.analysis.collectives import CollectiveOp, format_bytes
 from t5scale.analysis.hlo import (
     ARRAY_TYPE,
-    NAME_PATTERN,
-    OP_NAME,
     Instruction,
     Module,
     async_done_types,
-    called_names,
     collective_kind,
+    collective_op,
     dtype_of,
-    first_group,
-    moves_data,
+    inside_loop,
     operand_name,
+    operand_type,
     parse_module,
-    result_bytes,
     shape_bytes,
-    trip_count,
     tuple_elements,
 )
-from t5scale.analysis.jsonform import JsonRecord
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body
+from t5scale.jsonform import JsonRecord
 
 KERNEL_CLASSES = ("gemm", "attention", "fusion", "copy", "other")
 CLASSES = (*KERNEL_CLASSES, "collective")
@@ -74,8 +71,10 @@ _LAUNCH_NOTHING = frozenset(
     "parameter get-tuple-element tuple bitcast constant after-all add-dependency opt-barrier "
     "domain while call conditional async-start async-update async-done".split()
 )
-# Instructions that only move data (a fusion of only these, scalars aside, is a copy).
-_DATA_MOVES = frozenset(
+# Instructions that compute nothing, only move data: a fusion of only these, scalars aside, is a
+# copy kernel. Not hlo.py's _SAME_ELEMENTS (through which a value stays the same value): these
+# include slices, pads and concatenations, which move data but change the elements.
+_MOVES_ONLY = frozenset(
     "parameter constant bitcast reshape copy transpose slice dynamic-slice dynamic-update-slice "
     "pad concatenate tuple copy-start".split()
 )
@@ -197,7 +196,7 @@ def gpu_program(hlo_text: str) -> GpuProgram:
     if module.entry is None:
         return GpuProgram(devices, (), ())
     reader = _Reader(module)
-    runs = reader.contents(module.entry)
+    runs = reader.kernels.per_run(module.entry)  # first: it numbers the kernels
     kept = [index for index, _ in enumerate(reader.signatures) if runs[index]]
     renumber = {old: new for new, old in enumerate(kept)}
     kernels = tuple(
@@ -209,10 +208,11 @@ def gpu_program(hlo_text: str) -> GpuProgram:
             collective.synchronous,
             tuple((renumber[index], n) for index, n in collective.overlapped),
         )
-        for collective, count in reader.collectives(module.entry).items()
+        for collective, count in reader.schedule.per_run(module.entry).items()
         if count
     )
-    return GpuProgram(devices, kernels, collectives, len(reader.unknown_loops))
+    unknown_loops = reader.kernels.unknown_loops | reader.schedule.unknown_loops
+    return GpuProgram(devices, kernels, collectives, len(unknown_loops))
 
 
 def _elements(type_text: str) -> tuple[str, tuple[int, ...]] | None:
@@ -234,34 +234,75 @@ def _numbers(listed: str) -> list[int]:
 
 
 class _Reader:
-    """Reads kernels and collectives computation by computation, each run once (memoised)."""
+    """Reads kernels and collectives instruction by instruction; two walks of the call graph
+    count them per step: `kernels` (kernel indices) and `schedule` (collectives)."""
 
     def __init__(self, module: Module):
         self.module = module
         self.done_types = async_done_types(module)
         self.signatures: list[Kernel] = []  # runs=0; the index is the kernel's identity
         self.index: dict[Kernel, int] = {}
-        self.unknown_loops: set[str] = set()
-        self._contents: dict[str, Counter[int]] = {}
-        self._collectives: dict[str, Counter[ScheduledCollective]] = {}
+        self._kernel_of: dict[str, int | None] = {}  # by instruction name (unique in a module)
+        self.kernels = Walk(module.computations, self.launched)
+        self.schedule = Walk(module.computations, self.scheduled, _inside_loop)
+        self._position = {
+            instruction.name: position
+            for body in module.computations.values()
+            for position, instruction in enumerate(body)
+        }
+        self._done_at = {
+            operand_name(instruction.operands[0]): self._position[instruction.name]
+            for body in module.computations.values()
+            for instruction in body
+            if instruction.opcode.endswith("-done") and instruction.operands
+        }
 
     # -- one instruction ------------------------------------------------------------------
 
     def type_of(self, operand: str) -> str:
-        """An operand's type: printed before its name, else its instruction's result type."""
-        operand = re.sub(r"/\*.*?\*/", "", operand).strip()
-        inline, _, _ = operand.rpartition(" ")
-        return inline if inline else self.module.types.get(operand_name(operand), "")
+        return operand_type(operand, self.module.types)
 
     def operand_bytes(self, instruction: Instruction) -> int:
         return sum(shape_bytes(self.type_of(operand)) for operand in instruction.operands)
 
-    def called(self, instruction: Instruction) -> list[Instruction]:
-        found = re.search(r"\bcalls=" + NAME_PATTERN, instruction.attributes)
-        return self.module.computations.get(found.group(1), []) if found else []
+    def launched(self, instruction: Instruction, computation: str) -> Counter[int] | None:
+        """The kernel an instruction launches; None if it launches none (the walk then counts
+        the kernels of the computations it runs)."""
+        index = self.kernel(instruction)
+        return None if index is None else Counter({index: 1})
+
+    def scheduled(
+        self, instruction: Instruction, computation: str
+    ) -> Counter[ScheduledCollective] | None:
+        """The collective an instruction is, with the kernels scheduled between its start and
+        done; nothing for a kernel (the walk does not look inside one); None for the rest (the
+        walk then counts the collectives of the computations it runs)."""
+        op = collective_op(instruction, computation, self.module, self.done_types)
+        if op is None:
+            return None if self.kernel(instruction) is None else Counter()
+        synchronous = not instruction.opcode.endswith("-start") or bool(
+            _IS_SYNC.search(instruction.attributes)
+        )
+        between = self.between(instruction, computation)
+        return Counter({ScheduledCollective(op, synchronous, between): 1})
+
+    def between(self, start: Instruction, computation: str) -> tuple[tuple[int, int], ...]:
+        """(kernel index, runs) of the kernels scheduled between an async collective's start
+        and its done, which XLA keeps in one computation."""
+        first = self._position[start.name] + 1
+        done = self._done_at.get(start.name, first)
+        launched: Counter[int] = Counter()
+        for instruction in self.module.computations[computation][first:done]:
+            launched.update(self.kernels.of_instruction(instruction, computation))
+        return tuple(sorted(launched.items()))
 
     def kernel(self, instruction: Instruction) -> int | None:
         """The index of the kernel this instruction launches, None if it launches none."""
+        if instruction.name not in self._kernel_of:
+            self._kernel_of[instruction.name] = self._new_kernel(instruction)
+        return self._kernel_of[instruction.name]
+
+    def _new_kernel(self, instruction: Instruction) -> int | None:
         opcode = instruction.opcode
         if opcode in _LAUNCH_NOTHING or opcode.endswith("-done") or collective_kind(opcode):
             return None
@@ -296,7 +337,7 @@ class _Reader:
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
             return Kernel("gemm", 0, flops, read, written, dtype_of(first))
         if opcode == "fusion":
-            body = self.called(instruction)
+            body = fused_body(instruction, self.module.computations)
             read, written = self.fusion_bytes(instruction, body)
             if dots := [inner for inner in body if inner.opcode == "dot"]:
                 flops = sum(self.signature(dot).flops for dot in dots)
@@ -305,7 +346,7 @@ class _Reader:
             moves_only = (
                 bool(body)
                 and not _scalar(result)
-                and all(inner.opcode in _DATA_MOVES or _scalar(inner.result_type) for inner in body)
+                and all(inner.opcode in _MOVES_ONLY or _scalar(inner.result_type) for inner in body)
             )
             return Kernel("copy" if moves_only else "fusion", 0, 0.0, read, written)
         if opcode == "dynamic-update-slice":  # in place: the update is read and written
@@ -315,7 +356,7 @@ class _Reader:
             return Kernel("copy", 0, 0.0, written, written)
         if opcode == "copy-start":  # (destination, source, context): the source is copied
             return Kernel("copy", 0, 0.0, read, read)
-        if opcode in _DATA_MOVES:
+        if opcode in _MOVES_ONLY:
             return Kernel("copy", 0, 0.0, read, written)
         return Kernel("other", 0, 0.0, read, written)
 
@@ -366,88 +407,9 @@ class _Reader:
                 written += shape_bytes(output.result_type)
         return read, written
 
-    def collective(self, instruction: Instruction, computation: str) -> CollectiveOp | None:
-        kind = collective_kind(instruction.opcode)
-        if kind is None or not moves_data(instruction):
-            return None
-        size = result_bytes(instruction, self.done_types)
-        group = first_group(instruction.attributes)
-        return CollectiveOp(kind, 1, size, self.operand_bytes(instruction), group, computation)
 
-    def runs(self, instruction: Instruction) -> list[tuple[str, int, tuple[int, str] | None]]:
-        """(callee, runs per run of the caller, (trips, op_name) of a loop body) of the
-        computations whose kernels this instruction launches."""
-        if instruction.opcode == "while":
-            body = re.search(r"\bbody=" + NAME_PATTERN, instruction.attributes)
-            condition = re.search(r"\bcondition=" + NAME_PATTERN, instruction.attributes)
-            trips = trip_count(instruction)
-            if trips is None:
-                self.unknown_loops.add(instruction.name)
-                return [(found.group(1), 1, None) for found in (body, condition) if found]
-            op_name = OP_NAME.search(instruction.attributes)
-            loop = (trips, op_name.group(1) if op_name else "")
-            return [(body.group(1), trips, loop)] if body else []
-        if instruction.opcode in ("call", "conditional", "async-start"):
-            return [(callee, 1, None) for callee in called_names(instruction)]
-        return []
-
-    # -- one computation --------------------------------------------------------------------
-
-    def launched(self, instruction: Instruction) -> Counter[int]:
-        """Kernels one run of this instruction launches, those of the loops it runs included."""
-        if (index := self.kernel(instruction)) is not None:
-            return Counter({index: 1})
-        total: Counter[int] = Counter()
-        for callee, runs, _ in self.runs(instruction):
-            for index, count in self.contents(callee).items():
-                total[index] += runs * count
-        return total
-
-    def contents(self, computation: str) -> Counter[int]:
-        """Kernels one run of `computation` launches."""
-        if computation not in self._contents:
-            self._contents[computation] = Counter()  # guards against bad input only
-            total: Counter[int] = Counter()
-            for instruction in self.module.computations.get(computation, []):
-                total.update(self.launched(instruction))
-            self._contents[computation] = total
-        return self._contents[computation]
-
-    def collectives(self, computation: str) -> Counter[ScheduledCollective]:
-        """Collectives one run of `computation` runs, loops relative to it."""
-        if computation in self._collectives:
-            return self._collectives[computation]
-        self._collectives[computation] = Counter()
-        body = self.module.computations.get(computation, [])
-        launched = [self.launched(instruction) for instruction in body]
-        done_at = {
-            operand_name(instruction.operands[0]): position
-            for position, instruction in enumerate(body)
-            if instruction.opcode.endswith("-done") and instruction.operands
-        }
-        found: Counter[ScheduledCollective] = Counter()
-        for position, instruction in enumerate(body):
-            if (op := self.collective(instruction, computation)) is not None:
-                between: Counter[int] = Counter()
-                for launches in launched[position + 1 : done_at.get(instruction.name, position)]:
-                    between.update(launches)
-                synchronous = not instruction.opcode.endswith("-start") or bool(
-                    _IS_SYNC.search(instruction.attributes)
-                )
-                found[ScheduledCollective(op, synchronous, tuple(sorted(between.items())))] += 1
-            for callee, runs, loop in self.runs(instruction):
-                for collective, count in self.collectives(callee).items():
-                    if loop is not None:
-                        collective = _inside_loop(collective, *loop)
-                    found[collective] += runs * count
-        self._collectives[computation] = found
-        return found
-
-
-def _inside_loop(collective: ScheduledCollective, trips: int, name: str) -> ScheduledCollective:
-    op = collective.op
-    inside = dataclasses.replace(op, loops=(trips, *op.loops), loop_names=(name, *op.loop_names))
-    return dataclasses.replace(collective, op=inside)
+def _inside_loop(collective: ScheduledCollective, loop: Loop) -> ScheduledCollective:
+    return dataclasses.replace(collective, op=inside_loop(collective.op, loop))
 
 
 def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:

@@ -1,0 +1,152 @@
+"""The call graph of a compiled program: which computations each instruction runs, how often per
+run of it, and inside which `while` loops: what counting anything per executed step needs.
+
+t5scale/analysis/hlo.py counts collectives and t5scale/analysis/kernels.py kernels through the
+same `Walk`. Each says what one instruction is (a collective, a kernel: its `find`); the walk adds
+up, per run of a computation, what its instructions are and, for an instruction that is nothing
+of the kind, what the computations it runs hold, times how often it runs them:
+
+- a `call`, an `async-start`, a fusion: its computation once;
+- a `conditional`: every branch once, as if each ran (an upper bound);
+- a `while` of known trip count n (XLA's `known_trip_count`): its body n times, each item found
+  there marked as inside the loop (`Loop`: n and the loop's op_name), and its condition never:
+  XLA's runtimes, on GPUs and on CPUs, run such a loop as n runs of the body and do not evaluate
+  the condition at all (their WhileThunk; tests/test_hlo_walk.py sees it on the CPU);
+- a `while` of unknown trip count: its body and its condition once each, and the loop is noted.
+
+Reducers (the `to_apply` of a reduce, a sort or a collective) and the `-done` and `-update`
+halves of async pairs (which name their start's computation again) are not walked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:  # hlo.py imports this module, so this one needs nothing of it at run time
+    from t5scale.analysis.hlo import Instruction
+
+Item = TypeVar("Item")  # what a walk counts: collectives, kernels
+
+_NAME = r"%?([\w.\-]+)"  # a computation's name, as hlo.NAME_PATTERN (not imported: see above)
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + _NAME
+)
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_BODY = re.compile(r"\bbody=" + _NAME)
+_FUSED = re.compile(r"\bcalls=" + _NAME)
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A `while` loop of known trip count, as what runs in its body records it."""
+
+    trips: int
+    name: str  # its op_name (JAX's trace path, `…/encoder/while`); "" if it has none
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A computation an instruction runs and how often per run of the instruction; `loop` is
+    set when it is the body of a `while` of known trip count."""
+
+    computation: str
+    runs: int
+    loop: Loop | None = None
+
+
+def called_names(instruction: Instruction) -> list[str]:
+    """Computations this instruction runs, other than reducers (`to_apply` of a collective)."""
+    if instruction.opcode.endswith(("-done", "-update")):
+        return []  # async halves repeat the `calls=` of their start
+    callees = [
+        name
+        for role, name in _CALLEE.findall(instruction.attributes)
+        # to_apply names the called body only for `call`; elsewhere it is a reducer (add).
+        if role != "to_apply" or instruction.opcode == "call"
+    ]
+    for listed in _CALLEE_LIST.findall(instruction.attributes):
+        callees += re.findall(_NAME, listed)
+    return callees
+
+
+def trip_count(instruction: Instruction) -> int | None:
+    """Iterations of a `while`, from XLA's `known_trip_count` backend config, if it knows."""
+    found = _TRIP_COUNT.search(instruction.attributes)
+    return int(found.group(1)) if found else None
+
+
+def calls(instruction: Instruction) -> list[Call]:
+    """The computations an instruction runs, per run of it (module docstring)."""
+    trips = trip_count(instruction) if instruction.opcode == "while" else None
+    if trips is None:
+        return [Call(callee, 1) for callee in called_names(instruction)]
+    # Only the body: a loop of known trip count never evaluates its condition (module docstring).
+    body = _BODY.search(instruction.attributes)
+    name = found.group(1) if (found := _OP_NAME.search(instruction.attributes)) else ""
+    return [Call(body.group(1), trips, Loop(trips, name))] if body else []
+
+
+def fused_body(
+    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]]
+) -> Sequence[Instruction]:
+    """The instructions of the computation a fusion runs (`calls=`); none if it names none."""
+    found = _FUSED.search(instruction.attributes)
+    return computations.get(found.group(1), []) if found else []
+
+
+def _unmarked(item: Item, loop: Loop) -> Item:
+    return item
+
+
+class Walk(Generic[Item]):
+    """What one run of each computation holds, counted through the call graph (module
+    docstring), each computation walked once.
+
+    `find(instruction, computation)` is the user's own logic: what one run of the instruction
+    is (a Counter, empty for nothing, and then its callees are not walked), or None to count
+    what the computations it runs hold instead. `in_loop(item, loop)` marks an item found in a
+    loop's body (by default it stays as it is)."""
+
+    def __init__(
+        self,
+        computations: Mapping[str, Sequence[Instruction]],
+        find: Callable[[Instruction, str], Counter[Item] | None],
+        in_loop: Callable[[Item, Loop], Item] = _unmarked,
+    ):
+        self.computations = computations
+        self.find, self.in_loop = find, in_loop
+        self.unknown_loops: set[str] = set()  # names of the `while`s of unknown trip count met
+        self._per_run: dict[str, Counter[Item]] = {}
+
+    def per_run(self, computation: str) -> Counter[Item]:
+        """What one run of `computation` holds, loops counted relative to it."""
+        if computation not in self._per_run:
+            self._per_run[computation] = Counter()  # HLO has no recursion: guards bad input only
+            total: Counter[Item] = Counter()
+            for instruction in self.computations.get(computation, []):
+                total.update(self.of_instruction(instruction, computation))
+            self._per_run[computation] = total
+        return self._per_run[computation]
+
+    def of_instruction(self, instruction: Instruction, computation: str) -> Counter[Item]:
+        """What one run of an instruction of `computation` is, or runs."""
+        found = self.find(instruction, computation)
+        return found if found is not None else self.called(instruction)
+
+    def called(self, instruction: Instruction) -> Counter[Item]:
+        """What the computations an instruction runs hold, per run of the instruction."""
+        if instruction.opcode == "while" and trip_count(instruction) is None:
+            self.unknown_loops.add(instruction.name)
+        total: Counter[Item] = Counter()
+        for call in calls(instruction):
+            for item, count in self.per_run(call.computation).items():
+                if call.loop is not None:
+                    item = self.in_loop(item, call.loop)
+                total[item] += call.runs * count
+        return total
