@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
-from t5scale.analysis.jsonform import JsonRecord
+from t5scale.jsonform import JsonRecord
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 UNKNOWN_LOOPS = "unknown_trip_count_loops"
