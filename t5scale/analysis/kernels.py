@@ -11,12 +11,12 @@
   a loop of unknown trip count has its body and condition counted once, and is noted;
 - classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention`
   (cuDNN's fused attention, `__cudnn$fmha…`, and t5scale's own kernels, Triton custom calls
-  named `t5_attention_…`: t5scale/model/flash_attention.py), `copy` (kernels that move data and compute
-  nothing: copy, transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made
-  only of those, index arithmetic on scalars aside; so layout changes, cuBLAS's operand padding
-  and the layer scans' stacking and unstacking, which XLA runs as dynamic-slice fusions, are
-  copies, while a fusion that also converts or adds is a `fusion`), `fusion` (every other
-  fusion, XLA's own or Triton's), `collective` and `other`;
+  named `t5_attention_…`: t5scale/model/attention_kernels.py), `copy` (kernels that move data
+  and compute nothing: copy, transpose, slices, dynamic-update-slice, pad, concatenate, and
+  fusions made only of those, index arithmetic on scalars aside; so layout changes, cuBLAS's
+  operand padding and the layer scans' stacking and unstacking, which XLA runs as dynamic-slice
+  fusions, are copies, while a fusion that also converts or adds is a `fusion`), `fusion`
+  (every other fusion, XLA's own or Triton's), `collective` and `other`;
 - bytes: what a kernel reads (its operands) and writes (its result), partial accesses at what
   they touch: an operand that a fusion only slices reads the slices, the buffer that a
   dynamic-update-slice updates in place reads nothing and writes the update (the layer scans
@@ -84,7 +84,7 @@ _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
-# t5scale's attention kernels (t5scale/model/flash_attention.py) by the name in their metadata,
+# t5scale's attention kernels (t5scale/model/attention_kernels.py) by the name in their metadata,
 # and the products each makes per block pair of scores.
 _T5_ATTENTION = re.compile(r"t5_attention_(forward|backward_dkv|backward_dq)(_causal)?")
 _T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3}
