@@ -7,6 +7,7 @@ arguments, so the Python API needs no gin at all.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import functools
 import logging
@@ -135,13 +136,28 @@ def build_study_config(name: str = "study"):
     return _build(_STUDY_CONFIGURABLES[name])
 
 
-def build_cluster_config() -> ClusterConfig | None:
-    """The ClusterConfig a cluster file (gin/clusters/) binds, or None where none is given."""
-    try:
-        gin.query_parameter("ClusterConfig.name")
-    except ValueError:
+def build_cluster_config(required: bool = False) -> ClusterConfig | None:
+    """The ClusterConfig a cluster file (gin/clusters/) binds, or None where none is given;
+    a ConfigError naming the figures not given where one is `required` or partly given."""
+    needed = [f.name for f in dataclasses.fields(ClusterConfig)
+              if f.default is dataclasses.MISSING]  # fmt: skip
+    missing = [name for name in needed if not _bound(f"ClusterConfig.{name}")]
+    if missing == needed and not required:
         return None
+    if missing:
+        raise ConfigError(
+            f"ClusterConfig: not given: {', '.join(missing)}; a cluster file names every "
+            "figure, e.g. --gin_file=gin/clusters/a100.gin"
+        )
     return build_study_config("cluster")
+
+
+def _bound(parameter: str) -> bool:
+    try:
+        gin.query_parameter(parameter)
+    except ValueError:
+        return False
+    return True
 
 
 def study_runs(study: StudyConfig) -> dict[str, RunConfig]:

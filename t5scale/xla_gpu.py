@@ -38,15 +38,18 @@ TARGETS_DIR = Path(__file__).parent / "gpu_targets"
 INSTALL_HINT = "pip install 't5scale[gpu-compile]' (jax's CUDA 12 plugin, Linux only)"
 # What a t5scale job on GPUs compiles with: launch/xla_gpu_flags.sh sets these as XLA_FLAGS
 # (tests/test_launch.py checks that the two agree), so the compile-only program is the job's.
+# XLA:GPU combines collectives of one kind up to this size (the cluster model assumes the same
+# on its CPU path: t5scale/whatif/step_time.py).
+COMBINE_THRESHOLD_BYTES = 134_217_728
 LAUNCH_FLAGS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     "xla_gpu_enable_while_loop_double_buffering": True,
-    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 134217728,
-    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+    "xla_gpu_all_gather_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
+    "xla_gpu_all_reduce_combine_threshold_bytes": COMBINE_THRESHOLD_BYTES,
 }
 # Each compile for compile-only GPU devices: the job's flags, and cuBLAS for every GEMM (the
 # module docstring says why).

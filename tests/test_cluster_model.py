@@ -21,12 +21,12 @@ from t5scale.whatif.collectives import Placement, collective_seconds, placement
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.step_time import (
-    XLA_COMBINE_THRESHOLD_BYTES,
     combined,
     hidden_seconds,
     overlap_class,
     predict,
 )
+from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
 
 # Round figures, so that every expected time below can be checked by hand (the peaks too: given,
 # they replace the GPU's datasheet figures).
@@ -76,7 +76,7 @@ def test_large_all_reduce_runs_as_a_ring_small_as_a_tree():
 
 def test_xla_combines_zero_collectives_up_to_the_threshold_of_the_launch_flags():
     flags = (REPO / "launch" / "xla_gpu_flags.sh").read_text()
-    assert f"all_gather_combine_threshold_bytes={XLA_COMBINE_THRESHOLD_BYTES}" in flags
+    assert f"all_gather_combine_threshold_bytes={COMBINE_THRESHOLD_BYTES}" in flags
     mesh = {"replica": 1, "zero": 4, "tensor": 2}
     # 10 gathers of 1 MB over `zero` per layer, 24 layers; 2 all-reduces over `tensor`
     gather = CollectiveOp(kind="all-gather", count=240, bytes=2**20, operand_bytes=2**18,

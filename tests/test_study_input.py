@@ -50,6 +50,9 @@ from t5scale.whatif.simulate import SimulateConfig, simulate
         ({"compile_workers": -1}, "StudyConfig.compile_workers must be >= 0"),
         ({"extra_bindings": ["nothing"]}, r"extra_bindings \['nothing'\]: each must be NAME=VALUE"),
         ({"extra_bindings": ["A.b="]}, r"extra_bindings \['A.b='\]: each must be NAME=VALUE"),
+        # the grid's own settings: each trial's point would replace it without a word
+        ({"extra_bindings": ["ModelConfig.remat='full'"]}, "ModelConfig.remat is set by the grid"),
+        ({"extra_bindings": ["BATCH_SIZE=64"]}, "BATCH_SIZE is set by the grid: give it as "),
         (
             {"trial_launcher": "no-such-launcher --nodes={hosts}"},
             "StudyConfig.trial_launcher .*'no-such-launcher' is not on PATH",

@@ -152,17 +152,17 @@ def test_stage3_gathers_parameters_before_each_use_and_reduce_scatters_gradients
 
 
 def test_memory_per_device_falls_from_stage_0_to_stage_3(stages):
-    peaks = [stages[s]["memory"]["peak_estimate_bytes"] for s in range(4)]
+    peaks = [stages[s]["memory"].peak_estimate_bytes for s in range(4)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
 
 
 @pytest.mark.parametrize("stage", range(4))
 def test_model_state_memory_agrees_with_the_zero_formula(stages, stage):
     got = stages[stage]
-    params_and_optimizer = got["memory"]["argument_bytes"] - got["batch_bytes"]
-    gradients = compiled_memory(got["grads_compiled"])["output_bytes"]
+    params_and_optimizer = got["memory"].argument_bytes - got["batch_bytes"]
+    gradients = compiled_memory(got["grads_compiled"]).output_bytes
     formula = model_state_bytes(got["state"].params, got["state"].opt_state).per_device(
         get_stage(stage), 8
     )
     measured = params_and_optimizer + gradients
-    assert abs(measured - formula["total"]) <= 0.10 * formula["total"], (measured, formula)
+    assert abs(measured - formula.total) <= 0.10 * formula.total, (measured, formula)

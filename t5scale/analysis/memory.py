@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from t5scale.analysis.records import MemoryPerDevice, ZeroFormulaBytes
 from t5scale.parallel.zero import ZeroStage
 
 CPU_MEMORY_SHARE = 0.8  # of the host's memory, for all emulated devices together
@@ -87,15 +88,13 @@ class ModelStateBytes:
         parts = [f"{whole:.3g}Ψ" if whole else "", f"{split:.3g}Ψ/N" if split else ""]
         return " + ".join(part for part in parts if part)
 
-    def per_device(self, stage: ZeroStage, shards: int) -> dict[str, float]:
+    def per_device(self, stage: ZeroStage, shards: int) -> ZeroFormulaBytes:
         """The ZeRO formula: each tree divided by N_d where the stage shards it."""
-        parts = {
-            "parameters": self.parameters / (shards if stage.shard_parameters else 1),
-            "gradients": self.gradients / (shards if stage.shard_gradients else 1),
-            "optimizer_state": self.optimizer_state
-            / (shards if stage.shard_optimizer_state else 1),
-        }
-        return parts | {"total": sum(parts.values())}
+        parameters = self.parameters / (shards if stage.shard_parameters else 1)
+        gradients = self.gradients / (shards if stage.shard_gradients else 1)
+        optimizer_state = self.optimizer_state / (shards if stage.shard_optimizer_state else 1)
+        total = parameters + gradients + optimizer_state
+        return ZeroFormulaBytes(parameters, gradients, optimizer_state, total)
 
 
 def model_state_bytes(
@@ -113,13 +112,14 @@ def model_state_bytes(
     return ModelStateBytes(params, grads, optimizer, count)
 
 
-def compiled_memory(compiled) -> dict[str, int]:
-    """XLA's per-device memory analysis of a compiled program, as plain integers."""
+def compiled_memory(compiled) -> MemoryPerDevice:
+    """XLA's per-device memory analysis of a compiled program."""
     analysis = compiled.memory_analysis()
-    fields = ("argument", "output", "temp", "alias", "generated_code")
-    stats = {f"{name}_bytes": int(getattr(analysis, f"{name}_size_in_bytes")) for name in fields}
-    # Donated arguments alias outputs, so the live peak is arguments + outputs - aliased + temps.
-    stats["peak_estimate_bytes"] = (
-        stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"] + stats["temp_bytes"]
-    )
-    return stats
+    argument, output = analysis.argument_size_in_bytes, analysis.output_size_in_bytes
+    temp, alias = analysis.temp_size_in_bytes, analysis.alias_size_in_bytes
+    return MemoryPerDevice(
+        argument_bytes=int(argument), output_bytes=int(output), temp_bytes=int(temp),
+        alias_bytes=int(alias), generated_code_bytes=int(analysis.generated_code_size_in_bytes),
+        # Donated arguments alias outputs: the live peak is arguments + outputs - aliased + temps.
+        peak_estimate_bytes=int(argument + output - alias + temp),
+    )  # fmt: skip

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
-from t5scale.jsonform import JsonRecord
 from t5scale.analysis.kernels import GpuProgram, KernelInventory
+from t5scale.jsonform import JsonRecord
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-import jax
+from collections.abc import Sequence
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_ops, mesh_axes
 from t5scale.analysis.kernels import gpu_program
-from t5scale.analysis.memory import compiled_memory, per_device_bytes
+from t5scale.analysis.memory import ModelStateBytes, compiled_memory
 from t5scale.analysis.records import (
     FlopsPerStep,
     Layers,
@@ -24,97 +21,112 @@ from t5scale.analysis.records import (
     StatePrecision,
     StepAnalysis,
     SyncBytes,
-    ZeroFormulaBytes,
 )
-from t5scale.xla_gpu import compiler_name
+from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.layout import StateLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSettings:
+    """How replicas synchronise, as the analysis records it (ReplicaSyncConfig's settings:
+    t5scale/train/replicas.py)."""
+
+    mode: str
+    every: int | None = None  # local SGD, DiLoCo: the outer step's settings
+    outer_learning_rate: float | None = None
+    outer_momentum: float | None = None
+    outer_dtype: str | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.every is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What `analyze_step` reads besides the compiled programs: the run's shape and what its
+    state holds per device under its shardings, known before compiling (t5scale/train/setup.py,
+    Setup.step_shape, makes it)."""
+
+    model: ModelConfig  # as compiled: attention and scan as the target runs them
+    layout: StateLayout
+    batch_size: int
+    micro_batches: int
+    lengths: tuple[int, int]  # input, target
+    precision: StatePrecision
+    state_bytes: ModelStateBytes  # global, in the model's shapes: what the ZeRO formula divides
+    batch_bytes_per_device: int
+    parameters_and_optimizer_bytes_per_device: int  # under the state's at-rest shardings
+    gradient_bytes_per_device: int
+    outer_state_bytes_per_device: int | None  # local SGD, DiLoCo: the anchor and its momentum
+    sync: SyncSettings
+    compiler: str  # Target.compiler_name
+    gpu: bool  # a GPU program: its kernels and schedule are read too
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * sum(self.lengths)
 
 
 def analyze_step(
     compiled,
-    setup,
+    shape: StepShape,
     compile_time_s: float | None = None,
     outer_step=None,
-    remat: Mapping[str, Any] | None = None,
+    remat: RematChoice | None = None,
 ) -> StepAnalysis:
     """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of `compiled`, the
-    train step of `setup` (a t5scale.train.setup.Setup), and with local SGD or DiLoCo of its
-    compiled `outer_step`. `remat`: Setup.choose_remat's record of an 'auto' choice; without
-    one, the run's own policy."""
-    run, layout, precision = setup.run, setup.layout, setup.precision
-    memory = MemoryPerDevice(**compiled_memory(compiled))
-    flops = training_flops_per_step(
-        run.model, run.train.batch_size, run.data.input_length, run.data.target_length
-    )
+    train step of a run of `shape`, and with local SGD or DiLoCo of its compiled `outer_step`.
+    `remat`: an 'auto' choice (Setup.choose_remat); without one, the model's own policy."""
+    model, layout = shape.model, shape.layout
+    memory = compiled_memory(compiled)
+    flops = training_flops_per_step(model, shape.batch_size, *shape.lengths)
     cost = compiled.cost_analysis() or {}  # None from XLA:GPU's deviceless compiles
     text = compiled.as_text()
     ops, collectives = collective_ops(text)
-    gpu = layout.mesh.devices.flat[0].platform == "gpu"
-    policy = run.model.remat
     return StepAnalysis(
-        model=run.model.name,
+        model=model.name,
         zero_stage=layout.stage.number,
         mesh=dict(layout.mesh.shape),
         devices=layout.mesh.size,
-        batch_size=run.train.batch_size,
-        micro_batches=run.train.micro_batches,
-        tokens_per_step=run.tokens_per_step,
-        lengths=(run.data.input_length, run.data.target_length),
+        batch_size=shape.batch_size,
+        micro_batches=shape.micro_batches,
+        tokens_per_step=shape.tokens_per_step,
+        lengths=shape.lengths,
         backend=layout.mesh.devices.flat[0].platform,
         compile_time_s=compile_time_s,
-        parameters=setup.form.model_state_bytes().count,
-        precision=StatePrecision(
-            precision.name, precision.param_dtype.name, precision.grad_dtype.name, precision.mixed
-        ),
+        parameters=shape.state_bytes.count,
+        precision=shape.precision,
         padded=layout.padded,
         memory_per_device=memory,
-        model_state_per_device=model_state_per_device(setup, memory),
+        model_state_per_device=model_state_per_device(shape, memory),
         flops_per_step=FlopsPerStep(flops, flops / layout.mesh.size, float(cost.get("flops", 0.0))),
         collectives=collectives,
         collective_ops=tuple(ops),
-        layers=Layers(run.model.num_encoder_layers, run.model.num_decoder_layers),
+        layers=Layers(model.num_encoder_layers, model.num_decoder_layers),
         replica_sync=dataclasses.replace(
-            replica_sync(run.sync, dict(layout.mesh.shape), ops, outer_step),
-            outer_state_bytes_per_device=outer_state_bytes(setup.state, setup.form.shardings),
+            replica_sync(shape.sync, dict(layout.mesh.shape), ops, outer_step),
+            outer_state_bytes_per_device=shape.outer_state_bytes_per_device,
         ),
-        remat=RematChoice.from_json(remat or {"requested": policy, "policy": policy}),
-        compiler=compiler_name(layout.mesh.devices.flat),
-        attention=run.model.attention,
-        scan_layers=run.model.scan_layers,
-        gpu_program=gpu_program(text) if gpu else None,
+        remat=remat or RematChoice(requested=model.remat, policy=model.remat),
+        compiler=shape.compiler,
+        attention=model.attention,
+        scan_layers=model.scan_layers,
+        gpu_program=gpu_program(text) if shape.gpu else None,
     )
 
 
-def model_state_per_device(setup, memory: MemoryPerDevice) -> ModelStatePerDevice:
+def model_state_per_device(shape: StepShape, memory: MemoryPerDevice) -> ModelStatePerDevice:
     """Parameters, gradients and optimizer state per device: from XLA's memory analysis of the
     step, under the state's shardings, and by the ZeRO formula."""
-    layout, state, shardings = setup.layout, setup.state, setup.form.shardings
-    batch = setup.abstract_batch()
-    batch_per_device = per_device_bytes(batch, {name: x.sharding for name, x in batch.items()})
-    params_opt = per_device_bytes(
-        (state.params, state.opt_state), (shardings.params, shardings.opt_state)
-    )
-    scattered = layout.stage.shard_gradients
-    grads = layout.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.at_rest(scattered), setup.precision.grad_dtype)
-    )
-    state_bytes = setup.form.model_state_bytes()
+    layout = shape.layout
     return ModelStatePerDevice(
-        xla_parameters_and_optimizer_bytes=memory.argument_bytes - batch_per_device,
-        sharded_parameters_and_optimizer_bytes=params_opt,
-        gradient_bytes=per_device_bytes(grads, layout.grad_shardings),
-        zero_formula_bytes=ZeroFormulaBytes(
-            **state_bytes.per_device(layout.stage, layout.zero_size)
-        ),
-        zero_formula=state_bytes.formula(layout.stage),
+        xla_parameters_and_optimizer_bytes=memory.argument_bytes - shape.batch_bytes_per_device,
+        sharded_parameters_and_optimizer_bytes=shape.parameters_and_optimizer_bytes_per_device,
+        gradient_bytes=shape.gradient_bytes_per_device,
+        zero_formula_bytes=shape.state_bytes.per_device(layout.stage, layout.zero_size),
+        zero_formula=shape.state_bytes.formula(layout.stage),
     )
-
-
-def outer_state_bytes(state, shardings) -> int | None:
-    """Per device: the anchor and outer momentum of local SGD or DiLoCo (sharded over `zero` as
-    the optimizer state is), beside the model state above; None when replicas step together."""
-    if state.outer is None:
-        return None
-    return per_device_bytes(state.outer, shardings.outer)
 
 
 def with_every(analysis: StepAnalysis, every: int) -> StepAnalysis:
@@ -130,7 +142,7 @@ def with_every(analysis: StepAnalysis, every: int) -> StepAnalysis:
 
 
 def replica_sync(
-    sync, mesh: dict[str, int], inner_ops: Sequence[CollectiveOp], outer_step
+    sync: SyncSettings, mesh: dict[str, int], inner_ops: Sequence[CollectiveOp], outer_step
 ) -> ReplicaSync:
     """How replicas synchronise and what it moves, per device: the step's collective bytes and
     those over `replica`, the outer step's (local SGD, DiLoCo), and both per step (the outer
@@ -143,15 +155,18 @@ def replica_sync(
             sum(op.count * op.bytes for op in over_replica),
         )
 
-    inner, described = totals(inner_ops), sync.describe()
+    inner = totals(inner_ops)
+    synchronous = ReplicaSync(
+        mode=sync.mode, every=sync.every, outer_learning_rate=sync.outer_learning_rate,
+        outer_momentum=sync.outer_momentum, inner_step=inner,
+        per_step=inner.plus(SyncBytes(0, 0), 1),  # float bytes, as where an outer step adds
+    )  # fmt: skip
     if outer_step is None:
-        # float bytes per step, as where an outer step adds its share
-        return ReplicaSync(**described, inner_step=inner, per_step=inner.plus(SyncBytes(0, 0), 1))
+        return synchronous
     outer_ops, _ = collective_ops(outer_step.as_text())
     outer = totals(outer_ops)
-    return ReplicaSync(
-        **described,
-        inner_step=inner,
+    return dataclasses.replace(
+        synchronous,
         outer_dtype=sync.outer_dtype,
         # the outer step's totals per kind, without the notes the step's own carry
         outer_step=OuterStep(outer.bytes, outer.bytes_over_replica, Collectives.of(outer_ops)),

@@ -14,7 +14,7 @@ from typing import Any, get_args
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.jsonform import fields_from_json
-from t5scale.model.sizes import REMAT_LADDER, SIZES, DType
+from t5scale.model.sizes import REMAT_LADDER, SIZES, DType, ModelConfig
 from t5scale.parallel.zero import check_stages
 from t5scale.train.config import RunConfig
 from t5scale.train.optim import OptimizerConfig
@@ -130,7 +130,9 @@ class StudyConfig:
             )
         if bad := [m for m in self.micro_batch_sizes if m < 1]:
             raise ConfigError(f"StudyConfig.micro_batch_sizes {bad}: each must be >= 1")
-        if bad := [r for r in self.remats if r not in (*REMAT_LADDER, "auto")]:
+        if bad := [
+            r for r in self.remats if _refused(lambda r=r: ModelConfig("mt5_tiny", remat=r))
+        ]:
             raise ConfigError(
                 f"StudyConfig.remats {bad}: each must be one of {', '.join(REMAT_LADDER)} or auto"
             )
@@ -149,7 +151,7 @@ class StudyConfig:
                 "StudyConfig.input_length and target_length must be >= 2, got "
                 f"{self.input_length} and {self.target_length}"
             )
-        if self.dtype not in get_args(DType):
+        if _refused(lambda: ModelConfig("mt5_tiny", dtype=self.dtype)):
             raise ConfigError(
                 f"StudyConfig.dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}"
             )
@@ -167,6 +169,13 @@ class StudyConfig:
             )
         if bad := [b for b in self.extra_bindings if not _BINDING.fullmatch(b)]:
             raise ConfigError(f"StudyConfig.extra_bindings {bad}: each must be NAME=VALUE")
+        for binding in self.extra_bindings:
+            name = binding.partition("=")[0].strip()
+            if name in GRID_SETTINGS:  # the point's own value would silently replace it
+                raise ConfigError(
+                    f"StudyConfig.extra_bindings: {name} is set by the grid: give it as "
+                    f"StudyConfig.{GRID_SETTINGS[name]}"
+                )
         if Path(self.study_dir).exists() and not Path(self.study_dir).is_dir():
             raise ConfigError(f"StudyConfig.study_dir {self.study_dir!r} is not a directory")
 
@@ -226,11 +235,35 @@ class StudyConfig:
 
 
 _BINDING = re.compile(r"[A-Za-z_][\w.]*\s*=\s*\S.*")  # a gin NAME=VALUE
+# What each trial's point sets in its run (Point.run), by the gin name an extra binding would
+# use, and the StudyConfig field that sets it.
+GRID_SETTINGS = {
+    "ParallelConfig.zero_stage": "stages", "ParallelConfig.zero": "devices",
+    "ParallelConfig.replica": "replica_syncs", "ParallelConfig.tensor": "tensor",
+    "ParallelConfig.zero_across_hosts": "replica_syncs", "ReplicaSyncConfig.mode": "replica_syncs",
+    "ReplicaSyncConfig.every": "replica_syncs", "TrainConfig.batch_size": "micro_batch_sizes",
+    "BATCH_SIZE": "micro_batch_sizes", "TrainConfig.micro_batches": "micro_batches",
+    "MICRO_BATCHES": "micro_batches", "ModelConfig.remat": "remats", "ModelConfig.dtype": "dtype",
+    "PrecisionConfig.mode": "precision", "OptimizerConfig.name": "optimizer",
+    "OptimizerConfig.learning_rate": "learning_rates", "DataConfig.input_length": "input_length",
+    "INPUT_LENGTH": "input_length", "DataConfig.target_length": "target_length",
+    "TARGET_LENGTH": "target_length", "DataConfig.source": "data_source",
+    "DATA_SOURCE": "data_source",
+}  # fmt: skip
 
 
 def _is_model(name: str) -> bool:
     """A size t5scale knows, or a custom model's gin file where Point.gin_files looks."""
     return name in SIZES or Path(REPO_ROOT, "gin", "models", f"{name}.gin").is_file()
+
+
+def _refused(check: Callable[[], Any]) -> bool:
+    """Whether a validator of the run's configs refuses what `check` builds."""
+    try:
+        check()
+    except ValueError:
+        return True
+    return False
 
 
 def _reraise(where: str, check: Callable[[], Any]) -> None:

@@ -22,9 +22,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from t5scale.analysis.memory import compiled_memory, device_memory_budget
-from t5scale.analysis.records import StepAnalysis
-from t5scale.analysis.step import analyze_step
+from t5scale.analysis.memory import compiled_memory, device_memory_budget, per_device_bytes
+from t5scale.analysis.records import RematChoice, RematTry, StatePrecision, StepAnalysis
+from t5scale.analysis.step import StepShape, SyncSettings, analyze_step
 from t5scale.data.synthetic import batch_shapes
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER, attention_for
@@ -65,13 +65,16 @@ class CompiledStep:
     compiled: Any  # jax.stages.Compiled: (state, batch) → (state, metrics)
     steps_per_execution: int
     compile_time_s: float
-    remat: dict[str, Any] | None = None
+    remat: RematChoice | None = None  # how remat 'auto' chose; None: the run's own policy
 
     @functools.cached_property
     def analysis(self) -> StepAnalysis:
         """step_analysis.json: memory per device, FLOPs, collectives (t5scale/analysis/step.py)."""
-        outer = self.setup.compiled_outer.compiled if self.setup.run.sync.local else None
-        return analyze_step(self.compiled, self.setup, self.compile_time_s, outer, self.remat)
+        setup = self.setup
+        outer = setup.compiled_outer.compiled if setup.run.sync.local else None
+        return analyze_step(
+            self.compiled, setup.step_shape(), self.compile_time_s, outer, self.remat
+        )
 
     def execute(self, state: TrainState, batch: Any, done: int) -> tuple[TrainState, Any]:
         """(state, metrics) after one execution: the steps after `done` (`batch`: their batches,
@@ -175,17 +178,53 @@ class Setup:
         tried = []
         for index, policy in enumerate(REMAT_LADDER):
             step = self.with_remat(policy).compile()
-            peak = compiled_memory(step.compiled)["peak_estimate_bytes"]
-            tried.append({"policy": policy, "peak_estimate_bytes": peak})
+            peak = compiled_memory(step.compiled).peak_estimate_bytes
+            tried.append(RematTry(policy, peak))
             if peak <= budget or index == len(REMAT_LADDER) - 1:
                 break
         agreed = _most_frugal(index)
         if agreed != index:
             step = self.with_remat(REMAT_LADDER[agreed]).compile()
-            peak = compiled_memory(step.compiled)["peak_estimate_bytes"]
-        choice = {"requested": "auto", "policy": REMAT_LADDER[agreed], "budget_bytes": budget,
-                  "fits": peak <= budget, "tried": tried}  # fmt: skip
+            peak = compiled_memory(step.compiled).peak_estimate_bytes
+        choice = RematChoice(requested="auto", policy=REMAT_LADDER[agreed], budget_bytes=budget,
+                             fits=peak <= budget, tried=tuple(tried))  # fmt: skip
         return dataclasses.replace(step, remat=choice)
+
+    def step_shape(self) -> StepShape:
+        """What the analysis of this setup's compiled step reads besides the program: the run's
+        shape and what its state holds per device (t5scale/analysis/step.py)."""
+        run, form, layout, precision = self.run, self.form, self.layout, self.precision
+        batch = self.abstract_batch()
+        scattered = layout.stage.shard_gradients
+        grads = layout.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.at_rest(scattered), precision.grad_dtype)
+        )
+        state, shardings = self.state, form.shardings
+        sync = run.sync
+        return StepShape(
+            model=run.model, layout=layout, batch_size=run.train.batch_size,
+            micro_batches=run.train.micro_batches,
+            lengths=(run.data.input_length, run.data.target_length),
+            precision=StatePrecision(precision.name, precision.param_dtype.name,
+                                     precision.grad_dtype.name, precision.mixed),
+            state_bytes=form.model_state_bytes(),
+            batch_bytes_per_device=per_device_bytes(
+                batch, {name: x.sharding for name, x in batch.items()}
+            ),
+            parameters_and_optimizer_bytes_per_device=per_device_bytes(
+                (state.params, state.opt_state), (shardings.params, shardings.opt_state)
+            ),
+            gradient_bytes_per_device=per_device_bytes(grads, layout.grad_shardings),
+            outer_state_bytes_per_device=(
+                None if state.outer is None else per_device_bytes(state.outer, shardings.outer)
+            ),
+            sync=SyncSettings(
+                mode=sync.mode, every=sync.every, outer_dtype=sync.outer_dtype,
+                **sync.outer_settings(),
+            ) if sync.local else SyncSettings(mode=sync.mode),
+            compiler=self.target.compiler_name,
+            gpu=self.target.is_gpu,
+        )  # fmt: skip
 
     @functools.cached_property
     def outer_step(self):

@@ -58,8 +58,8 @@ def compile_for(
     if refuse_above_budget and memory_budget_bytes is not None:
         form = setup.form
         state = form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)
-        if state["total"] > memory_budget_bytes:
-            raise ModelStateTooLarge(state["total"], memory_budget_bytes)
+        if state.total > memory_budget_bytes:
+            raise ModelStateTooLarge(state.total, memory_budget_bytes)
     return setup.compile(memory_budget_bytes=memory_budget_bytes)
 
 

@@ -24,12 +24,12 @@ from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.whatif.compile import Compiler, cached_analysis, cluster_target
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.step_time import (
-    XLA_COMBINE_THRESHOLD_BYTES,
     StepTimePrediction,
     predict,
     predict_from_program,
 )
 from t5scale.whatif.weak_scaling import weak_scale
+from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class SimulateConfig:
     tensor: int = 1  # tensor parallelism inside each node
     overlap: bool = True  # communication hides behind compute where the structure allows
     # XLA's GPU combine thresholds, as launch/xla_gpu_flags.sh sets them
-    combine_threshold_bytes: int = XLA_COMBINE_THRESHOLD_BYTES
+    combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES
     # DiLoCo beside the synchronous stages: a replica per node, an outer step every H steps for
     # each H here (ReplicaSyncConfig's other settings, e.g. outer_dtype, as gin binds them)
     diloco_every: tuple[int, ...] = ()

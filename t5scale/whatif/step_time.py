@@ -51,10 +51,9 @@ from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.gpu_step import predict_program
 from t5scale.whatif.hardware import ClusterConfig
+from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
 
 DATA_AXES = {"replica", "zero"}
-# launch/xla_gpu_flags.sh: --xla_gpu_{all_gather,reduce_scatter,all_reduce}_combine_threshold_bytes
-XLA_COMBINE_THRESHOLD_BYTES = 134_217_728
 
 
 def over_data_axes(op: CollectiveOp, mesh: dict[str, int]) -> bool:
@@ -167,7 +166,7 @@ def communication_seconds(
 
 
 def outer_step_seconds(
-    analysis: StepAnalysis, cluster: ClusterConfig, threshold: int = XLA_COMBINE_THRESHOLD_BYTES
+    analysis: StepAnalysis, cluster: ClusterConfig, threshold: int = COMBINE_THRESHOLD_BYTES
 ) -> tuple[float, int]:
     """(seconds of one outer step of local SGD or DiLoCo, H); (0, 1) for synchronous steps.
 
@@ -212,7 +211,7 @@ def predict(
     model: ModelConfig,
     cluster: ClusterConfig,
     overlap: bool = True,
-    combine_threshold_bytes: int = XLA_COMBINE_THRESHOLD_BYTES,
+    combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES,
 ) -> StepTimePrediction:
     """Seconds per step and its parts on `cluster`, for the step `analysis` describes (its mesh
     laid over nodes of `cluster.gpus_per_node` GPUs, processes slowest)."""
