@@ -93,7 +93,7 @@ def train_command(call: Invocation) -> None:
     if jax.process_index() != 0:
         return
     if history:
-        print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}")
+        print(f"done: {len(history)} steps, final loss {history[-1].loss:.4f}")
     if history and run.train.model_dir:
         print(
             f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json, "

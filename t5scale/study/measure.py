@@ -6,13 +6,13 @@ import dataclasses
 import time
 
 import jax
-import numpy as np
 
 from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
 from t5scale.study.records import StepTimes
+from t5scale.train.metrics import StepMetrics
 from t5scale.train.profiling import StepTrace, step_annotation
 from t5scale.train.setup import CompiledStep, Setup
 
@@ -21,7 +21,7 @@ def model_state_per_device(setup: Setup) -> float:
     """Bytes of parameters, gradients and optimizer state per device by the ZeRO formula: a
     lower bound of the step's memory, known without compiling."""
     form = setup.form
-    return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size)["total"]
+    return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size).total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +79,11 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> Time
         for _ in range(executions_per_sample):
             batch = next_batch()
             started = time.perf_counter()
-            state, metrics = step.execute(state, batch, len(losses))
-            jax.block_until_ready((state, metrics))
+            state, outputs = step.execute(state, batch, len(losses))
+            jax.block_until_ready((state, outputs))
             elapsed += time.perf_counter() - started
-            losses.extend(float(x) for x in np.atleast_1d(jax.device_get(metrics["loss"])))
+            metrics = StepMetrics(**jax.device_get(outputs))
+            losses.extend(of_step.loss for of_step in metrics.per_step())
         return elapsed / steps_per_sample
 
     found = measure(sample, rule)

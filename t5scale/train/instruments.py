@@ -9,7 +9,6 @@ of TrainConfig.profile_steps, for TensorBoard's profile plugin or ui.perfetto.de
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import jax
 
@@ -18,19 +17,9 @@ from t5scale.analysis.memory import allocator_peak
 from t5scale.analysis.peaks import datasheet_peak
 from t5scale.analysis.records import StepAnalysis
 from t5scale.train.config import RunConfig
+from t5scale.train.metrics import StepMeasures, StepRecord
 from t5scale.train.profiling import StepTrace
 from t5scale.train.tensorboard import ScalarWriter
-
-# metrics.jsonl's names → TensorBoard's tags (the loop's other metrics keep their names)
-TENSORBOARD_TAGS = {
-    "loss": "loss",
-    "learning_rate": "learning_rate",
-    "grad_norm": "grad_norm",
-    "tokens_per_s": "tokens_per_s",
-    "mfu": "mfu",
-    "memory_peak_bytes": "memory/peak_bytes",
-    "memory_xla_estimate_bytes": "memory/xla_estimate_bytes",
-}
 
 
 class Instruments:
@@ -49,14 +38,16 @@ class Instruments:
         self.profile_dir = Path(cfg.model_dir, "profile") if self.profile else None
         self.trace = StepTrace(self.profile_dir, *self.profile) if self.profile else None
 
-    def measures(self, step_time_s: float) -> dict[str, Any]:
+    def measures(self, step_time_s: float) -> StepMeasures:
         """The step's MFU and memory: each None (null in metrics.jsonl) where not known."""
-        return {
-            "mfu": mfu(self.model_flops, step_time_s, self.peak, self.mesh.size)
-            if self.peak else None,
-            "memory_peak_bytes": allocator_peak(self.mesh),
-            "memory_xla_estimate_bytes": self.xla_estimate,
-        }  # fmt: skip
+        utilisation = None
+        if self.peak:
+            utilisation = mfu(self.model_flops, step_time_s, self.peak, self.mesh.size)
+        return StepMeasures(
+            mfu=utilisation,
+            memory_peak_bytes=allocator_peak(self.mesh),
+            memory_xla_estimate_bytes=self.xla_estimate,
+        )
 
     def before(self, first: int, last: int) -> None:
         """Before the execution of steps first..last: start the trace if it holds the first
@@ -71,13 +62,21 @@ class Instruments:
                   f"{self.profile_dir} (tensorboard --logdir, or ui.perfetto.dev)",
                   flush=True)  # fmt: skip
 
-    def write(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        self.train_board.write(
-            step, {tag: record.get(name) for name, tag in TENSORBOARD_TAGS.items()}
-        )
-        if "validation_loss" in record:
-            self.validation_board.write(step, {"loss": record["validation_loss"]})
+    def write(self, record: StepRecord) -> None:
+        """The step's scalars under TensorBoard's tags (metrics.jsonl's names, memory's under
+        memory/); one not known (None) is left out."""
+        self.train_board.write(record.step, {
+            "loss": record.loss,
+            "learning_rate": record.learning_rate,
+            "grad_norm": record.grad_norm,
+            "tokens_per_s": record.tokens_per_s,
+            "mfu": record.mfu,
+            "memory/peak_bytes": record.memory_peak_bytes,
+            "memory/xla_estimate_bytes": record.memory_xla_estimate_bytes,
+        })  # fmt: skip
+        if record.validation_loss is not None:
+            # the same tag in its own run, so that the two curves share a chart
+            self.validation_board.write(record.step, {"loss": record.validation_loss})
             self.validation_board.flush()
         # on disk at every step, as metrics.jsonl: a process that dies loses none of them
         self.train_board.flush()

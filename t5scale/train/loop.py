@@ -9,14 +9,15 @@ and ends the run normally.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 from t5scale.analysis.records import StepAnalysis
@@ -26,7 +27,7 @@ from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
 from t5scale.train.instruments import Instruments
-from t5scale.train.metrics import MetricsLog
+from t5scale.train.metrics import MetricsLog, StepMeasures, StepMetrics, StepRecord
 from t5scale.train.profiling import step_annotation
 from t5scale.train.setup import CompiledStep, Setup, build_setup
 
@@ -35,8 +36,8 @@ class NonFiniteError(FloatingPointError):
     """A NaN or Inf loss or gradient with CheckpointConfig.on_nonfinite = 'stop'."""
 
 
-def train(run: RunConfig, operative_config: str | None = None, devices=None) -> list[dict]:
-    """Train up to run.train.steps steps; return this call's per-step metrics."""
+def train(run: RunConfig, operative_config: str | None = None, devices=None) -> list[StepRecord]:
+    """Train up to run.train.steps steps; return this call's records (metrics.jsonl's)."""
     cfg = run.train
     setup = build_setup(run, devices)
     if run.sync.local and setup.mesh.shape["replica"] < 2:  # else it trains synchronously
@@ -134,12 +135,14 @@ class StepPrograms:
         )
         return 1 if any(stops) else steps
 
-    def execute(self, state, batches: list, done: int) -> tuple:
+    def execute(self, state, batches: list, done: int) -> tuple[Any, StepMetrics]:
         """(state, metrics) after len(batches) steps after `done`, by the program of that many
         steps (CompiledStep.execute); with several, a value per step each."""
         if len(batches) == 1:
-            return self.single_step.execute(state, batches[0], done)
-        return self.multi_step.execute(state, self.setup.stack(batches), done)
+            state, outputs = self.single_step.execute(state, batches[0], done)
+        else:
+            state, outputs = self.multi_step.execute(state, self.setup.stack(batches), done)
+        return state, StepMetrics(**outputs)
 
 
 def _checkpoint_due(run: RunConfig, step: int) -> bool:
@@ -179,8 +182,8 @@ def validation_loss(setup: Setup, held_out: Batches):
         sums = [
             jax.device_get(jax.block_until_ready(eval_step(params, batch))) for batch in batches
         ]
-        total = sum(float(s["cross_entropy_sum"] + s["z_loss_sum"]) for s in sums)
-        return total / max(sum(float(s["target_tokens"]) for s in sums), 1.0)
+        total = sum(float(s.cross_entropy + s.z_loss) for s in sums)
+        return total / max(sum(float(s.target_tokens) for s in sums), 1.0)
 
     return evaluate
 
@@ -251,7 +254,7 @@ class _Preemption:
 
 def _run_steps(
     run, state, start, programs, evaluate, batches, saver, preemption, instruments
-) -> list[dict]:
+) -> list[StepRecord]:
     cfg = run.train
     primary = jax.process_index() == 0
     log = MetricsLog(
@@ -272,20 +275,20 @@ def _run_steps(
             instruments.after(done + executed)
             measures = instruments.measures(elapsed)
             preempted = False
-            for record in _step_records(run, done, metrics, elapsed):
-                record |= measures
-                if record["nonfinite"] and run.checkpoint.on_nonfinite == "stop":
+            for record in _step_records(run, done, metrics, elapsed, measures):
+                if record.nonfinite and run.checkpoint.on_nonfinite == "stop":
                     log.write(record)
                     raise _nonfinite_error(record, saver.last_saved)
-                skipped += record["nonfinite"] > 0  # the step already left the state as it was
-                record["skipped_steps"] = skipped
-                if evaluate and _validation_due(run, record["step"]):
+                skipped += record.nonfinite > 0  # the step already left the state as it was
+                record = dataclasses.replace(record, skipped_steps=skipped)
+                if evaluate and _validation_due(run, record.step):
                     # a chunk's last step (local SGD, DiLoCo: the last synchronised parameters)
-                    record["validation_loss"] = evaluate(programs.setup.model_params(state))
+                    loss = evaluate(programs.setup.model_params(state))
+                    record = dataclasses.replace(record, validation_loss=loss)
                 log.write(record)
                 instruments.write(record)
                 history.append(record)
-                preempted = preemption.reached(record["step"]) or preempted  # asked every step
+                preempted = preemption.reached(record.step) or preempted  # asked every step
             done += executed
             if saver.due(done) or preempted:
                 saver.save(done, state, batches.position)
@@ -302,27 +305,29 @@ def _run_steps(
     return history
 
 
-def _step_records(run: RunConfig, done: int, metrics: dict, step_time_s: float) -> list[dict]:
-    """metrics.jsonl's records of the steps after `done` that one execution took."""
+def _step_records(
+    run: RunConfig, done: int, metrics: StepMetrics, step_time_s: float, measures: StepMeasures
+) -> list[StepRecord]:
+    """metrics.jsonl's records of the steps after `done` that one execution took (on the host);
+    they share its time and measures."""
     schedule = optim.inverse_sqrt_schedule(run.optimizer)
-    per_step = {name: np.atleast_1d(values) for name, values in metrics.items()}
-    records = []
-    for index in range(len(per_step["loss"])):
-        step = done + index + 1
-        record = {"step": step, **{name: float(v[index]) for name, v in per_step.items()}}
-        record |= {
-            "learning_rate": float(schedule(step - 1)),
-            "step_time_s": step_time_s,
-            "tokens_per_s": run.tokens_per_step / step_time_s,
-        }
-        records.append(record)
-    return records
+    return [
+        StepRecord.of(
+            step,
+            of_step,
+            learning_rate=float(schedule(step - 1)),
+            step_time_s=step_time_s,
+            tokens_per_s=run.tokens_per_step / step_time_s,
+            measures=measures,
+        )
+        for step, of_step in enumerate(metrics.per_step(), start=done + 1)
+    ]
 
 
-def _nonfinite_error(record: dict, last_saved: int | None) -> NonFiniteError:
+def _nonfinite_error(record: StepRecord, last_saved: int | None) -> NonFiniteError:
     kept = f"step {last_saved}" if last_saved else "none this run"
     return NonFiniteError(
-        f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {record['step']}: "
+        f"loss {record.loss}, gradient norm {record.grad_norm} at step {record.step}: "
         f"stopped without saving (last checkpoint: {kept}); "
         "CheckpointConfig.on_nonfinite='skip' skips such steps"
     )

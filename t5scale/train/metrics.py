@@ -1,13 +1,114 @@
-"""Step metrics: a JSON line per step in MODEL_DIR/metrics.jsonl, and progress on the terminal."""
+"""Step metrics: what one train step measures (`StepMetrics`, a pytree the compiled step
+returns), one JSON line per step in MODEL_DIR/metrics.jsonl (`StepRecord`), and progress on the
+terminal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+import flax.struct
+import jax
+import numpy as np
+
+from t5scale.jsonform import JsonRecord
+
+
+# A pytree (flax.struct), not a plain dataclass: it crosses jit's output, lax.scan stacks it
+# (a value per step) and vmap maps it (a value per replica), and device_get keeps its type.
+@flax.struct.dataclass
+class StepMetrics:
+    """The losses a train step measured (means over its target tokens), its target tokens, the
+    gradient norm, and `nonfinite`: 1.0 where the loss or the gradient norm is NaN or Inf. Each
+    field is an array, or on the host a float once split by `per_step`."""
+
+    loss: Any
+    cross_entropy: Any
+    z_loss: Any
+    target_tokens: Any
+    grad_norm: Any
+    nonfinite: Any
+
+    def per_step(self) -> list[StepMetrics]:
+        """One record of floats per step an execution took (each field a value, or one per step
+        with several steps per execution), on the host."""
+        values = jax.tree.map(lambda x: np.atleast_1d(np.asarray(x)), self)
+        return [jax.tree.map(lambda x, i=i: float(x[i]), values) for i in range(len(values.loss))]
+
+
+@flax.struct.dataclass
+class LossSums:
+    """The eval step's losses summed over a batch's target tokens, and those tokens."""
+
+    cross_entropy: Any
+    z_loss: Any
+    target_tokens: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeasures:
+    """What the run measures of a step beside the step itself (t5scale/train/instruments.py):
+    MFU and memory, each None (null in metrics.jsonl) where not known."""
+
+    mfu: float | None
+    memory_peak_bytes: int | None
+    memory_xla_estimate_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord(JsonRecord):
+    """One line of metrics.jsonl. The fields are in the file's order: the step, its metrics by
+    name (as jax returned them from a dict, sorted), then what the loop adds. `skipped_steps` is
+    left out of the record of a non-finite step that stops the run, `validation_loss` where no
+    validation was due."""
+
+    step: int
+    cross_entropy: float
+    grad_norm: float
+    loss: float
+    nonfinite: float
+    target_tokens: float
+    z_loss: float
+    learning_rate: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    memory_peak_bytes: int | None
+    memory_xla_estimate_bytes: int | None
+    skipped_steps: int | None = None
+    validation_loss: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        metrics: StepMetrics,
+        learning_rate: float,
+        step_time_s: float,
+        tokens_per_s: float,
+        measures: StepMeasures,
+    ) -> StepRecord:
+        """The record of `step` from its metrics (floats: StepMetrics.per_step) and measures."""
+        return cls(
+            step=step,
+            cross_entropy=metrics.cross_entropy,
+            grad_norm=metrics.grad_norm,
+            loss=metrics.loss,
+            nonfinite=metrics.nonfinite,
+            target_tokens=metrics.target_tokens,
+            z_loss=metrics.z_loss,
+            learning_rate=learning_rate,
+            step_time_s=step_time_s,
+            tokens_per_s=tokens_per_s,
+            mfu=measures.mfu,
+            memory_peak_bytes=measures.memory_peak_bytes,
+            memory_xla_estimate_bytes=measures.memory_xla_estimate_bytes,
+        )
 
 
 def _duration(seconds: float) -> str:
@@ -60,20 +161,20 @@ class MetricsLog:
             _keep_records_up_to(path, resume_at)
             self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
-    def write(self, record: dict[str, Any]) -> None:
-        self.step_times.append(record["step_time_s"])
+    def write(self, record: StepRecord) -> None:
+        self.step_times.append(record.step_time_s)
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(record.to_json()) + "\n")
             self.file.flush()
-        step = record["step"]
+        step = record.step
         if self.show and (step % self.print_every == 0 or step == self.total_steps):
             # The median of recent steps is robust to a slow first step or a hiccup.
             recent = statistics.median(self.step_times[-20:])
             eta = _duration(recent * (self.total_steps - step))
             print(
                 f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
-                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tokens/s  "
-                f"{record['step_time_s']:.3f} s/step  ETA {eta}",
+                f"loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tokens/s  "
+                f"{record.step_time_s:.3f} s/step  ETA {eta}",
                 file=self.stream,
                 flush=True,
             )

@@ -9,6 +9,7 @@ bf16 copy, when mixed).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -27,6 +28,7 @@ from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import replicas as replicas_module
 from t5scale.train.config import TrainConfig
 from t5scale.train.gradients import Batch, gradient_fn, model_inputs
+from t5scale.train.metrics import LossSums, StepMetrics
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.state import TrainState
@@ -77,9 +79,10 @@ def make_train_step(
     skip_nonfinite: bool = False,
     steps_per_execution: int = 1,
 ):
-    """The jitted step(state, batch) → (state, metrics); the state is donated.
+    """The jitted step(state, batch) → (state, metrics); the state is donated. The metrics are
+    a StepMetrics, given by name (`program_outputs`).
 
-    metrics["nonfinite"] is 1 where the step's loss or gradient norm is NaN or Inf; with
+    Their `nonfinite` is 1 where the step's loss or gradient norm is NaN or Inf; with
     skip_nonfinite such a step leaves parameters and optimizer state as they were (a select
     over the state).
 
@@ -110,8 +113,13 @@ def make_train_step(
     stacked = steps_per_execution > 1
     per_replica_metrics = () if layout.sync_replicas else ("replica",)
     metrics_spec = P(*((None,) if stacked else ()), *per_replica_metrics)
+
+    def program(state: TrainState, batch: Batch):
+        state, metrics = (steps if stacked else step)(state, batch)
+        return state, program_outputs(metrics)
+
     return jax.jit(
-        steps if stacked else step,
+        program,
         in_shardings=(state_shardings, batch_sharding(layout, stacked)),
         out_shardings=(state_shardings, NamedSharding(layout.mesh, metrics_spec)),
         donate_argnums=0,
@@ -126,9 +134,8 @@ def _update_fn(
 
     def update(state: TrainState, grads, sums):
         params, opt_state = apply_update(tx, layout, precision, state, grads)
-        metrics = _mean_losses(sums) | {"grad_norm": optax.tree.norm(cast(grads, jnp.float32))}
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        metrics = _step_metrics(sums, optax.tree.norm(cast(grads, jnp.float32)))
+        finite = metrics.nonfinite == 0
         if skip:  # a non-finite step leaves the state as it was
 
             def keep(new_tree, old_tree):
@@ -225,14 +232,23 @@ def make_outer_step(
     )  # fmt: skip
 
 
-def _mean_losses(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _step_metrics(sums: dict[str, jax.Array], grad_norm: jax.Array) -> StepMetrics:
+    """The step's metrics from the gradient's loss sums (t5scale/train/gradients.py)."""
     tokens = sums["target_tokens"]
-    return {
-        "loss": (sums["cross_entropy_sum"] + sums["z_loss_sum"]) / tokens,
-        "cross_entropy": sums["cross_entropy_sum"] / tokens,
-        "z_loss": sums["z_loss_sum"] / tokens,
-        "target_tokens": tokens,
-    }
+    loss = (sums["cross_entropy_sum"] + sums["z_loss_sum"]) / tokens
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return StepMetrics(
+        loss=loss, cross_entropy=sums["cross_entropy_sum"] / tokens,
+        z_loss=sums["z_loss_sum"] / tokens, target_tokens=tokens, grad_norm=grad_norm,
+        nonfinite=1.0 - finite.astype(jnp.float32),
+    )  # fmt: skip
+
+
+def program_outputs(metrics: StepMetrics) -> dict[str, jax.Array]:
+    """The metrics as the compiled step gives them: by name, for the callers that still read
+    them so (t5scale/train/setup.py's replica combination, tests/conftest.py); the loop and
+    the study take them back as StepMetrics(**outputs)."""
+    return {field.name: getattr(metrics, field.name) for field in dataclasses.fields(metrics)}
 
 
 def batch_sharding(layout: StateLayout, stacked: bool = False) -> NamedSharding:
@@ -264,22 +280,21 @@ def gradient_fn_jitted(
 
 
 def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
-    """The jitted eval(params, batch) → summed losses and target tokens (no update).
+    """The jitted eval(params, batch) → LossSums: summed losses and target tokens (no update).
 
     A forward pass only, so it is left to XLA's automatic partitioning: the parameters keep
     their at-rest shardings and XLA gathers what stage 3 shards (and cuts off its padding).
     """
     module = MT5(model)
 
-    def evaluate(params, batch: Batch):
+    def evaluate(params, batch: Batch) -> LossSums:
         params = layout.unpad(params)
         decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
         weights = batch["decoder_loss_weights"].astype(jnp.float32)
         _, cross_entropy, z_term = model_loss_sums(
             model, decoded, params["lm_head"], batch["decoder_target_tokens"], weights, z_loss
         )
-        return {"cross_entropy_sum": cross_entropy, "z_loss_sum": z_term,
-                "target_tokens": jnp.sum(weights)}  # fmt: skip
+        return LossSums(cross_entropy=cross_entropy, z_loss=z_term, target_tokens=jnp.sum(weights))
 
     return jax.jit(
         evaluate,
