@@ -4,7 +4,7 @@ how often it wins, and the device time saved against timing every grid point.
     python bench/funnel_noise.py [--runs 500] [--out docs/funnel_noise.json]
 
 Not a test (tests/test_study.py runs fewer seeds): the figures of docs/funnel.md. The grid, its
-true speeds and the noise model are t5scale/study/known_truth.py's; the timing rule and the
+true speeds and the noise model are t5scale/study/known_speeds.py's; the timing rule and the
 pruning are the study's own (t5scale/study/evidence.py, funnel.py), at their defaults.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from t5scale.study import known_truth  # noqa: E402
+from t5scale.study import known_speeds  # noqa: E402
 
 STEP_NOISES = (0.05, 0.1, 0.2, 0.3, 0.5)
-TRIAL_NOISES = (0.0, known_truth.TRIAL_NOISE)
+TRIAL_NOISES = (0.0, known_speeds.TRIAL_NOISE)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -63,7 +63,7 @@ def main() -> None:
     for trial in TRIAL_NOISES:
         for step in STEP_NOISES:
             started = time.perf_counter()
-            row = known_truth.survival_and_saving(known_truth.Noise(step, trial), args.runs, 20)
+            row = known_speeds.survival_and_saving(known_speeds.Noise(step, trial), args.runs, 20)
             rows.append(row)
             print(f"noise {step:.0%} per step, {trial:.0%} per trial: best survived "
                   f"{row['best_survived']:.1%}, won "

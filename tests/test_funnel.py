@@ -1,15 +1,15 @@
 """The funnel's decisions on evidence, without JAX: pruning on one or repeated trials, the
 winner and what is tied with it, and the simulated funnel's survival and saving
-(t5scale/study/funnel.py, known_truth.py). The real study runs are in test_study.py."""
+(t5scale/study/funnel.py, known_speeds.py). The real study runs are in test_study.py."""
 
 import dataclasses
 
 import numpy as np
 
-from t5scale.study import funnel, known_truth
+from t5scale.study import funnel, known_speeds
 from t5scale.study.config import Point
 from t5scale.study.evidence import median_interval
-from t5scale.study.known_truth import Noise
+from t5scale.study.known_speeds import Noise
 from t5scale.study.records import StepTimes, TrialRecord, TrialResult, TrialTiming
 
 OBJ = "tokens_per_s_per_device"
@@ -76,7 +76,7 @@ def test_the_simulated_funnel_keeps_the_best_and_saves_device_time():
     per noise level, no JAX: the truly best survives, and most of the grid's time is saved."""
     for noise, runs in ((Noise(0.05, 0), 100), (Noise(0.2, 0), 200), (Noise(0.5, 0), 100),
                         (Noise(0.2, 0.09), 100)):  # fmt: skip
-        found = known_truth.survival_and_saving(noise, runs)
+        found = known_speeds.survival_and_saving(noise, runs)
         assert found["best_survived"] >= 0.99, found
         assert found["saving_mean"] > 0.3, found
         if noise == Noise(0.2, 0):

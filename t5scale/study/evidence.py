@@ -2,7 +2,7 @@
 and a rule that times until the interval is narrow enough or the budget is spent.
 
 Pure Python (no JAX): the study's trials time real steps with it, and tests drive it with
-simulated step times of known truth.
+step times of known speed, drawn (known_speeds.py).
 
 The interval is distribution-free: step times are skewed (a hiccup is slow, never fast), so
 no normal approximation is assumed. For n samples sorted x(1) ≤ … ≤ x(n), [x(l), x(n+1-l)]

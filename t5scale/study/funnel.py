@@ -15,7 +15,7 @@ from t5scale.study.evidence import Interval, median_interval, samples_needed
 from t5scale.study.records import TrialRecord
 
 # The study's default: the truly best configuration survives the funnel with this probability
-# (simulated: docs/funnel.md). Each trial's own timing interval is at 95% (evidence.py).
+# (on drawn trials of known speed: docs/funnel.md). Each trial's own timing interval is at 95% (evidence.py).
 CONFIDENCE = 0.99
 
 
@@ -281,7 +281,7 @@ class Round:
 
 
 class Trials(Protocol):
-    """What runs the funnel's trials: real processes (runner.py) or a simulation."""
+    """What runs the funnel's trials: real processes (runner.py) or drawn trials of known speed (known_speeds.py)."""
 
     def compile(
         self, configurations: list[Configuration], devices: int, name: str

@@ -51,7 +51,7 @@ class MachineLabel(JsonRecord):
 class StepTimes(JsonRecord):
     """A trial's step time: the median and its interval (evidence.Interval's fields), how the
     measurement stopped (evidence.Measurement.summary) and how the samples were taken
-    (t5scale/study/measure.py). A simulated trial has only the first two."""
+    (t5scale/study/measure.py). A drawn trial of known speed (known_speeds.py) has only the first two."""
 
     low: float
     median: float
@@ -95,7 +95,7 @@ class StepTimes(JsonRecord):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrialTiming(JsonRecord):
     """What a timed trial measured: its step times and what follows from them, and the loss.
-    A simulated trial (t5scale/study/known_truth.py) has no loss, MFU or memory."""
+    A drawn trial of known speed (t5scale/study/known_speeds.py) has no loss, MFU or memory."""
 
     step_time_s: StepTimes
     step_times_s: tuple[float, ...]  # per sample, the warm-up included
@@ -180,10 +180,10 @@ class TrialRecord:
     point: Point
     result: TrialResult
     round_name: str = ""
-    run: RunConfig | None = None  # None: a simulated trial, or a line written before runs
+    run: RunConfig | None = None  # None: a drawn trial, or a line written before runs
     # Lines written before the run was kept as a value held the point as gin bindings.
     gin_bindings: tuple[str, ...] = ()
-    machine: MachineLabel | None = None  # None: a simulated trial
+    machine: MachineLabel | None = None  # None: a drawn trial (known_speeds.py)
     peak_flops_per_s: float | None = None
     finished_at: str | None = None
     tensorboard_dir: str | None = None

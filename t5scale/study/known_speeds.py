@@ -1,10 +1,10 @@
-"""The funnel driven by simulated trials: known true step times, injected noise, no JAX.
+"""The funnel driven by trials of known speed: true step times drawn with injected noise, no JAX.
 
 How often does the funnel keep the truly best configuration, and how much device time does it
 save against timing every grid point, as the timing noise grows? The same `funnel.search` and
 `evidence.measure` as a real study, with trials that draw step times instead of running them.
 
-The simulated grid (`true_step_time`) is a weak-scaled study of one model: ZeRO stages 0-3,
+The grid of known speeds (`true_step_time`) is a weak-scaled study of one model: ZeRO stages 0-3,
 micro-batches 1-8, remat none or full, 1-8 devices. Its speeds are made up but shaped like
 measured ones: small micro-batches waste the device (0.45 of the best at 1 sequence), full
 remat costs a quarter, and each stage's communication grows with log2(devices), stage 3 the
@@ -65,7 +65,7 @@ def true_step_time(c: Configuration, devices: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TrialCosts:
-    """Seconds a simulated trial costs besides its steps."""
+    """Seconds a drawn trial costs besides its steps."""
 
     start_s: float = 5.0  # a process starts, loads the program from the compilation cache
     compile_s: float = 15.0  # compiling the step (a grid trial compiles; a funnel trial did)
@@ -113,7 +113,7 @@ class SimulatedTrials:
                 drawn: list[float] = []
                 truth = true_step_time(c, devices) * self.rng.lognormvariate(0.0, self.noise.trial)
                 sample = functools.partial(self._draw, truth, drawn)
-                # the simulated clock: the steps drawn so far
+                # the drawn clock: the steps drawn so far
                 found = measure(sample, rule, clock=functools.partial(sum, drawn))
                 wall = self.costs.start_s + sum(drawn)
                 if compile_first and repeat == 0:
@@ -168,7 +168,7 @@ def run_funnel(
     costs: TrialCosts = COSTS,
     confidence: float = funnel.CONFIDENCE,
 ) -> Outcome:
-    """One simulated funnel at `noise`."""
+    """One funnel of drawn trials at `noise`."""
     grid = configurations()
     last = max(DEVICES)
     truly_best = max(grid, key=lambda c: true_tokens_per_s_per_device(c, last))
@@ -200,7 +200,7 @@ def survival_and_saving(
     confidence: float = funnel.CONFIDENCE,
 ) -> dict[str, float]:
     """Over `runs` seeded funnels: how often the truly best survived and won, and the device
-    time saved against the mean of `grid_runs` simulated grids."""
+    time saved against the mean of `grid_runs` drawn grids."""
     outcomes = [run_funnel(noise, seed, rule, confidence=confidence) for seed in range(runs)]
     grid = sum(grid_device_seconds(noise, 10**6 + seed, rule) for seed in range(grid_runs))
     grid /= grid_runs
