@@ -164,7 +164,7 @@ def convert_command(call: Invocation) -> None:
 
     from t5scale.model.hf_import import params_from_hf
     from t5scale.train.checkpoint import write_converted
-    from t5scale.train.config import make_model_dir
+    from t5scale.train.config import RunConfig, make_model_dir
 
     run = call.run_config()
     call.join_processes(run)
@@ -182,8 +182,10 @@ def convert_command(call: Invocation) -> None:
         f"PrecisionConfig.{name} = {value!r}\n"
         for name, value in dataclasses.asdict(run.precision).items()
     )
-    path = write_converted(model_dir, model, run.optimizer, params, model_gin)
-    Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")
+    # What the checkpoint fixes, kept in its meta: the model, its precision and optimizer state.
+    converted = RunConfig(model=model, optimizer=run.optimizer, precision=run.precision)
+    path = write_converted(model_dir, converted, params)
+    Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")  # for people
     count = sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(params))
     print(f"{count:,} parameters from {call.args.hf_dir} → {path}")
     print(
@@ -193,6 +195,7 @@ def convert_command(call: Invocation) -> None:
 
 def export_command(call: Invocation) -> None:
     from t5scale import xla_cpu
+    from t5scale.config import run_from_gin_text
     from t5scale.model.hf_export import parse_size
     from t5scale.train.export import export_checkpoint
 
@@ -205,8 +208,9 @@ def export_command(call: Invocation) -> None:
         raise ConfigError(str(error)) from None
     xla_cpu.emulate_cpu_devices(call.args.cpu_devices)
     done = export_checkpoint(
-        model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes
-    )
+        model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes,
+        run_of_gin=run_from_gin_text,  # checkpoints whose meta holds gin text, not the run
+    )  # fmt: skip
     model = done.run.model
     print(f"{model.name} step {done.step}: {done.parameters:,} parameters → {call.args.out_dir}")
     print("  " + ", ".join(path.name for path in done.files))

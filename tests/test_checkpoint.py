@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import Checkpoints, model_signature
+from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, model_signature
 from t5scale.train.config import CheckpointConfig
 
 
@@ -137,12 +137,15 @@ LAYOUTS = {  # every stage, three mesh shapes, two device counts
 def test_a_checkpoint_restores_onto_other_stages_and_meshes(tmp_path, names):
     setups = {name: tiny_setup(*LAYOUTS[name]) for name in names}
     continued = {}
-    meta = {"step": 3, "data_position": 3, "optimizer": "adamw",
-            "model": model_signature(TINY_MODEL)}  # fmt: skip
+    # A meta as written before it held the run (and the sync): it restores as it did then.
+    old_meta = {"step": 3, "data_position": 3, "optimizer": "adamw",
+                "model": model_signature(TINY_MODEL)}  # fmt: skip
     for name, setup in setups.items():
         state, _ = run_steps(setup, setup.create_state(seed=0), 1, 3)
         checkpoints = Checkpoints(str(tmp_path / name), CheckpointConfig())
-        checkpoints.save(3, state, meta)
+        checkpoints.manager.save(3, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(old_meta)
+        ))  # fmt: skip
         checkpoints.close()
         _, continued[name] = run_steps(setup, state, 4, 5)
     for source in setups:
@@ -152,7 +155,7 @@ def test_a_checkpoint_restores_onto_other_stages_and_meshes(tmp_path, names):
             checkpoints = Checkpoints(str(tmp_path / source), CheckpointConfig())
             restored = checkpoints.restore_latest(setup.state, TINY_MODEL, "adamw")
             checkpoints.close()
-            assert restored.meta["step"] == 3
+            assert restored.meta.step == 3
             _, losses = run_steps(setup, restored.state, 4, 5)
             np.testing.assert_allclose(
                 losses, continued[source], rtol=1e-5, err_msg=f"{source} → {name}"
@@ -208,7 +211,7 @@ def test_a_save_on_the_cpu_copies_whole_shards_and_compiles_nothing(tmp_path):
     checkpoints = Checkpoints(str(tmp_path), CheckpointConfig())
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
-        checkpoints.save(1, state, {"step": 1})
+        checkpoints.save(1, state, CheckpointMeta(step=1, model={}, optimizer="adamw"))
         checkpoints.manager.wait_until_finished()
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)

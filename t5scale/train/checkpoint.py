@@ -3,8 +3,8 @@
 - `state`: the TrainState (parameters, optimizer state, step), written by every process for its
   own shards and restored straight into the shardings of whatever stage and mesh the restoring
   run uses (orbax reshards), so a checkpoint moves between ZeRO stages and device counts.
-- `meta`: JSON — the step, the data stream's position, the seed, the model's dimensions, the
-  optimizer and the operative gin config.
+- `meta`: JSON, a `CheckpointMeta` — the step, the data stream's position, the model's
+  dimensions, the optimizer, how replicas synchronised, and the run itself (its RunConfig).
 
 Saves are asynchronous (the arrays are copied to host memory before `save` returns, the files
 are written in the background) into a temporary directory that orbax renames when complete, so
@@ -28,49 +28,114 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from t5scale.errors import ConfigError
-from t5scale.model.sizes import ModelConfig
+from t5scale.jsonform import JsonRecord
+from t5scale.model.sizes import DIMENSIONS, ModelConfig
 from t5scale.startup import absl_quiet
-from t5scale.train.config import CheckpointConfig
+from t5scale.train.config import CheckpointConfig, RunConfig
 from t5scale.train.optim import make_optimizer
-from t5scale.train.state import TrainState
+from t5scale.train.replicas import ReplicaSyncConfig
+from t5scale.train.state import StateForm, TrainState
 
-# The fields that decide parameter shapes: dtype and remat may change between runs.
-SHAPE_FIELDS = (
-    "vocab_size",
-    "d_model",
-    "d_ff",
-    "num_heads",
-    "d_kv",
-    "num_encoder_layers",
-    "num_decoder_layers",
-    "relative_attention_num_buckets",
-    "relative_attention_max_distance",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    state: Any
-    meta: dict
+# The fields that decide parameter shapes, or what the parameters mean: a size's dimensions and
+# the relative attention's buckets (the bias table) and reach. dtype and remat may change.
+SHAPE_FIELDS = (*DIMENSIONS, "relative_attention_num_buckets", "relative_attention_max_distance")
 
 
 def model_signature(model: ModelConfig) -> dict[str, int]:
     return {name: getattr(model, name) for name in SHAPE_FIELDS}
 
 
-def check_compatible(meta: dict, model: ModelConfig, optimizer: str, where: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class SavedSync(JsonRecord):
+    """How the replicas of the run that saved synchronised: what a run of another mode or
+    replica count needs to restore the checkpoint (StateForm.restore_target). `every` and the
+    outer settings are those of local SGD and DiLoCo (as ReplicaSyncConfig.describe gives them),
+    None where replicas step together; `replicas`: the mesh's replica count."""
+
+    mode: str = "every_step"
+    every: int | None = None
+    outer_learning_rate: float | None = None
+    outer_momentum: float | None = None
+    replicas: int | None = None
+
+    @classmethod
+    def of(cls, sync: ReplicaSyncConfig, replicas: int) -> SavedSync:
+        return cls(**sync.describe(), replicas=replicas)
+
+    @property
+    def replicas_apart(self) -> int | None:
+        """How many replicas held a state of their own (local SGD, DiLoCo); None: one state."""
+        return None if self.mode == "every_step" else self.replicas
+
+    @property
+    def period(self) -> int:
+        """H: steps between synchronisations (1: every step)."""
+        return self.every or 1
+
+    def config(self) -> ReplicaSyncConfig:
+        """The synchronisation as saved, for its outer optimizer (local SGD, DiLoCo)."""
+        return ReplicaSyncConfig(
+            mode=self.mode, every=self.period, outer_learning_rate=self.outer_learning_rate,
+            outer_momentum=self.outer_momentum,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointMeta(JsonRecord):
+    """A checkpoint's meta. `run` is the run that wrote it, as a value (None in checkpoints
+    written before it was kept: theirs held the operative gin config as text, `gin`, which
+    export reads through the CLI). The other fields say what a restore checks and needs
+    without the run: every checkpoint has them, so old and new ones are read alike."""
+
+    step: int
+    data_position: int = 0  # batches the data stream has given
+    seed: int | None = None
+    model: dict[str, int]  # model_signature: checked against the restoring run's model
+    optimizer: str  # OptimizerConfig.name: the optimizer state's structure
+    precision: str | None = None  # of the run that saved (the state is fp32 either way)
+    sync: SavedSync = SavedSync()
+    run: RunConfig | None = None
+    gin: str | None = None  # old checkpoints only
+
+    @classmethod
+    def saved(
+        cls, run: RunConfig, form: StateForm, step: int, data_position: int
+    ) -> CheckpointMeta:
+        """The meta of `run`'s checkpoint at `step`, its state kept in `form`."""
+        return cls(
+            step=step, data_position=data_position, seed=run.train.seed,
+            model=model_signature(run.model), optimizer=run.optimizer.name,
+            precision=form.precision.name,
+            sync=SavedSync.of(form.sync, form.layout.mesh.shape["replica"]), run=run,
+        )  # fmt: skip
+
+    @classmethod
+    def read(cls, data: Any, where: str) -> CheckpointMeta:
+        """The meta from its JSON; a ConfigError naming `where` if that is no checkpoint's
+        meta (a run's configuration this version of t5scale refuses, a field missing)."""
+        try:
+            return cls.from_json(data)
+        except (TypeError, ValueError, AttributeError) as error:
+            raise ConfigError(f"{where} has a meta this t5scale cannot read: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    state: Any
+    meta: CheckpointMeta
+
+
+def check_compatible(meta: CheckpointMeta, model: ModelConfig, optimizer: str, where: str) -> None:
     """One ConfigError naming the first field where the checkpoint and this run differ."""
-    saved = meta.get("model", {})
     for name, value in model_signature(model).items():
-        if saved.get(name) != value:
+        if meta.model.get(name) != value:
             raise ConfigError(
-                f"{where} was written for a different model: {name} is {saved.get(name)} "
+                f"{where} was written for a different model: {name} is {meta.model.get(name)} "
                 f"there and {value} in this run"
             )
-    if meta.get("optimizer") != optimizer:
+    if meta.optimizer != optimizer:
         raise ConfigError(
-            f"{where} was written with optimizer {meta.get('optimizer')!r}, this run uses "
-            f"{optimizer!r}"
+            f"{where} was written with optimizer {meta.optimizer!r}, this run uses {optimizer!r}"
         )
 
 
@@ -115,11 +180,11 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: CheckpointMeta) -> None:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta.to_json())
             ),
             force=True,
         )
@@ -136,19 +201,26 @@ class Checkpoints:
         for step in reversed(self.steps()):
             where = f"checkpoint {self.directory}/{step}"
             try:
-                meta = self.restore(step, meta=ocp.args.JsonRestore())["meta"]
+                data = self.restore(step, meta=ocp.args.JsonRestore()).meta
             except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: fall back)
                 self._set_aside(step, error)
                 continue
+            # A meta that reads as JSON is the checkpoint's, whole: what it says is the user's.
+            meta = CheckpointMeta.read(data, where)
             check_compatible(meta, model, optimizer, where)  # a mismatch is the user's: stop
             target = abstract_state(meta) if callable(abstract_state) else abstract_state
             try:
-                state = self.restore(step, state=ocp.args.StandardRestore(target))
+                state = self.restore(step, state=ocp.args.StandardRestore(target)).state
             except Exception as error:  # noqa: BLE001
                 self._set_aside(step, error)
                 continue
-            return Restored(state["state"], meta)
+            return Restored(state, meta)
         return None
+
+    def meta(self, step: int) -> CheckpointMeta:
+        """The meta of the checkpoint at `step`."""
+        data = self.restore(step, meta=ocp.args.JsonRestore()).meta
+        return CheckpointMeta.read(data, f"checkpoint {self.directory}/{step}")
 
     def restore(self, step: int, **items) -> Any:
         """The items (orbax restore args by name: state, meta) of the checkpoint at `step`."""
@@ -183,15 +255,14 @@ class Checkpoints:
         self.manager.close()
 
 
-def write_converted(
-    model_dir: str, model: ModelConfig, optimizer, params: Any, gin_text: str = ""
-) -> Path:
-    """Step 0 of a run from imported parameters (numpy): fresh optimizer state, no data read.
+def write_converted(model_dir: str, run: RunConfig, params: Any) -> Path:
+    """Step 0 of `run` from imported parameters (numpy): fresh optimizer state, no data read.
 
-    `optimizer` is an OptimizerConfig. The arrays are written from host memory as they are;
+    `run` holds what the checkpoint fixes (the imported model, the precision and optimizer it
+    is converted for; its meta keeps it). The arrays are written from host memory as they are;
     the run that resumes from this checkpoint lays them out for its own stage and mesh.
     """
-    tx = make_optimizer(optimizer)
+    tx = make_optimizer(run.optimizer)
     # Every optax state the optimizers here use starts at zero (moments, factored moments,
     # counts); the abstract state gives its shapes without allocating on a device.
     opt_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(tx.init, params))
@@ -202,14 +273,10 @@ def write_converted(
         raise ConfigError(
             f"{checkpoints.directory} already holds checkpoints: convert into a new MODEL_DIR"
         )
-    meta = {
-        "step": 0,
-        "data_position": 0,
-        "seed": 0,
-        "model": model_signature(model),
-        "optimizer": optimizer.name,
-        "gin": gin_text,
-    }
+    meta = CheckpointMeta(
+        step=0, data_position=0, seed=0, model=model_signature(run.model),
+        optimizer=run.optimizer.name, run=run,
+    )  # fmt: skip
     checkpoints.save(0, state, meta)
     checkpoints.close()
     return checkpoints.directory / "0"

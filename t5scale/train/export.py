@@ -2,26 +2,26 @@
 
 The checkpoint holds the canonical form (fp32 parameters, the master in mixed precision, in
 the model's shapes), whatever stage, mesh and precision the run trained with; its meta holds
-the run's operative gin config, which gives the model and the vocabulary. It is restored on
-this process's devices as a plain fp32 ZeRO-0 run would resume it (orbax reshards), and only
-the parameters are written.
+the run (a RunConfig), which gives the model and the vocabulary. A checkpoint written before
+metas kept the run holds its operative gin config as text instead: the caller that can read gin
+(the CLI, t5scale/config.py) passes `run_of_gin`. It is restored on this process's devices as a
+plain fp32 ZeRO-0 run would resume it (orbax reshards), and only the parameters are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError
 from t5scale.model import hf_export
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import Checkpoints, check_compatible
+from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, check_compatible
 from t5scale.train.config import CheckpointConfig, RunConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
@@ -59,13 +59,21 @@ def _as_exported(run: RunConfig) -> RunConfig:
     )  # fmt: skip
 
 
-def _run_of(meta: dict) -> RunConfig:
-    """The run's configuration, from the operative gin config its checkpoint's meta holds."""
-    with tempfile.NamedTemporaryFile("w", suffix=".gin", encoding="utf-8") as written:
-        written.write(meta.get("gin", ""))
-        written.flush()
-        parse_gin([written.name], [])
-    return build_run_config()
+def _run_of(
+    meta: CheckpointMeta, run_of_gin: Callable[[str], RunConfig] | None, where: str
+) -> RunConfig:
+    """The run that wrote a checkpoint: its meta's, or from the operative gin config that an
+    old checkpoint's meta holds instead."""
+    if meta.run is not None:
+        return meta.run
+    if meta.gin is None:
+        raise ConfigError(f"{where} has neither the run nor its gin config in its meta")
+    if run_of_gin is None:
+        raise ConfigError(
+            f"{where} was written before checkpoints kept their run, its meta holds gin text: "
+            "`t5scale export` reads it (export_checkpoint needs run_of_gin)"
+        )
+    return run_of_gin(meta.gin)
 
 
 def export_checkpoint(
@@ -74,10 +82,14 @@ def export_checkpoint(
     step: int | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES,
+    run_of_gin: Callable[[str], RunConfig] | None = None,
 ) -> Exported:
     """Write MODEL_DIR's checkpoint at `step` (default: the newest) to `out_dir` as transformers
     loads it; a ConfigError in one line for a run without checkpoints, a step it does not
-    have, or an out_dir that is a file or already holds a model (unless `overwrite`)."""
+    have, or an out_dir that is a file or already holds a model (unless `overwrite`).
+
+    `run_of_gin` reads the run from the gin config of a checkpoint written before metas kept
+    the run (t5scale.config.run_from_gin_text); without it such a checkpoint is a ConfigError."""
     directory = (Path(model_dir) / "checkpoints").resolve()
     if not directory.is_dir():
         raise ConfigError(f"no checkpoint in {directory}: export reads a run's MODEL_DIR")
@@ -95,12 +107,13 @@ def export_checkpoint(
             )
         out = Path(out_dir)
         _check_out_dir(out, overwrite)
-        meta = checkpoints.restore(step, meta=ocp.args.JsonRestore())["meta"]
-        run = _run_of(meta)
-        check_compatible(meta, run.model, run.optimizer.name, f"checkpoint {directory}/{step}")
+        where = f"checkpoint {directory}/{step}"
+        meta = checkpoints.meta(step)
+        run = _run_of(meta, run_of_gin, where)
+        check_compatible(meta, run.model, run.optimizer.name, where)
         setup = build_setup(_as_exported(run))
         target = setup.form.restore_target(meta)
-        state = checkpoints.restore(step, state=ocp.args.StandardRestore(target))["state"]
+        state = checkpoints.restore(step, state=ocp.args.StandardRestore(target)).state
     finally:
         checkpoints.close()
     state = setup.form.from_canonical(state, meta)

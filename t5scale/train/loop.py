@@ -60,7 +60,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         restored = checkpoints.restore_latest(
             setup.form.restore_target, run.model, run.optimizer.name
         )
-    start = restored.meta["step"] if restored else 0
+    start = restored.meta.step if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
         if primary and restored:
@@ -78,7 +78,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     # created and the step compiles.
     batches = Batches(
         run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, setup.batch_sharding(),
-        start=restored.meta["data_position"] if restored else 0,
+        start=restored.meta.data_position if restored else 0,
     )  # fmt: skip
     held_out = None
     if run.data.validation_every:
@@ -99,7 +99,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         evaluate = validation_loss(setup, held_out) if held_out else None
         if primary:
             _write_run_files(cfg.model_dir, operative_config, single_step.analysis)
-        saver = _Saver(checkpoints, setup, operative_config)
+        saver = _Saver(checkpoints, setup, run)
         instruments = Instruments(run, setup.mesh, single_step.analysis)
         with _Preemption() as preemption:
             return _run_steps(
@@ -189,11 +189,12 @@ def validation_loss(setup: Setup, held_out: Batches):
 
 
 class _Saver:
-    """Saves checkpoints (the state's canonical form) on the schedule; remembers the last step
-    saved."""
+    """Saves checkpoints (the state's canonical form) on the schedule, each with `run` in its
+    meta (as configured: the setup's may have chosen a remat policy or an attention kernel for
+    these devices); remembers the last step saved."""
 
-    def __init__(self, checkpoints, setup: Setup, operative_config: str | None):
-        self.checkpoints, self.setup, self.gin = checkpoints, setup, operative_config or ""
+    def __init__(self, checkpoints, setup: Setup, run: RunConfig):
+        self.checkpoints, self.setup, self.run = checkpoints, setup, run
         self.last_saved: int | None = None
 
     def due(self, step: int) -> bool:
@@ -202,18 +203,9 @@ class _Saver:
     def save(self, step: int, state, data_position: int) -> None:
         if self.checkpoints is None:
             return
-        from t5scale.train.checkpoint import model_signature  # orbax: only runs that save
+        from t5scale.train.checkpoint import CheckpointMeta  # orbax: only runs that save
 
-        run = self.setup.run
-        meta = {
-            "step": step,
-            "data_position": data_position,
-            "seed": run.train.seed,
-            "model": model_signature(run.model),
-            "optimizer": run.optimizer.name,
-            **self.setup.form.describe(),  # the precision and the replica sync
-            "gin": self.gin,
-        }
+        meta = CheckpointMeta.saved(self.run, self.setup.form, step, data_position)
         self.checkpoints.save(step, self.setup.form.to_canonical(state), meta)
         self.last_saved = step
 

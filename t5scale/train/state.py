@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import flax.struct
@@ -51,6 +51,9 @@ from t5scale.train.replicas import (
     replica_mean,
     split_over_replicas,
 )
+
+if TYPE_CHECKING:  # checkpoint.py imports this module (and orbax)
+    from t5scale.train.checkpoint import CheckpointMeta
 
 # The largest canonical state (fp32 parameters and optimizer state) made whole on one device
 # before it is laid out; mt5_tiny's is 12 MiB, mt5_small's 3.6 GB.
@@ -186,7 +189,9 @@ class StateForm:
             return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
         return self._to_canonical_jitted(state)
 
-    def from_canonical(self, canonical: TrainState, meta: dict | None = None) -> TrainState:
+    def from_canonical(
+        self, canonical: TrainState, meta: CheckpointMeta | None = None
+    ) -> TrainState:
         """The state from a restored `restore_target(meta)`; `meta`: the checkpoint's, whose
         synchronisation mode may be another."""
         if meta is not None and not self._same_sync(meta):
@@ -197,14 +202,7 @@ class StateForm:
             return canonical
         return self._from_canonical_jitted(canonical)
 
-    def describe(self) -> dict[str, Any]:
-        """What a checkpoint's meta records of the form: the precision (of the run that saved;
-        not needed to restore) and the synchronisation, which `restore_target` reads back."""
-        replicas = self.layout.mesh.shape["replica"]
-        return {"precision": self.precision.name,
-                "sync": self.sync.describe() | {"replicas": replicas}}  # fmt: skip
-
-    def restore_target(self, meta: dict | None = None) -> TrainState:
+    def restore_target(self, meta: CheckpointMeta | None = None) -> TrainState:
         """What a checkpoint restores into (shapes, dtypes, shardings): the state where it is its
         own canonical form, else the canonical form; with the checkpoint's `meta`, the canonical
         form its own synchronisation mode wrote. A ConfigError where it cannot become this
@@ -212,20 +210,18 @@ class StateForm:
         into a synchronous run or another replica count."""
         if meta is None or self._same_sync(meta):
             return self.state if self.is_canonical else self.canonical
-        _, replicas, every = _saved_sync(meta)
+        replicas = meta.sync.replicas_apart
         if replicas is None:
             return _abstract_canonical(self.model, self.tx, self.layout, None, None)
-        if meta["step"] % every and replicas != self.replicas:
+        if meta.step % meta.sync.period and replicas != self.replicas:
             raise _mid_period_error(meta, self.replicas)
-        names = ("mode", "every", "outer_learning_rate", "outer_momentum")
-        outer_tx = outer_optimizer(ReplicaSyncConfig(**{n: meta["sync"][n] for n in names}))
+        outer_tx = outer_optimizer(meta.sync.config())
         return _abstract_canonical(self.model, self.tx, self.layout, replicas, outer_tx)
 
-    def _same_sync(self, meta: dict) -> bool:
+    def _same_sync(self, meta: CheckpointMeta) -> bool:
         """Whether a checkpoint is laid out as this run's: the same mode (the outer momentum)
         and the same replicas."""
-        mode, replicas, _ = _saved_sync(meta)
-        return (mode, replicas) == (self.sync.mode, self.replicas)
+        return (meta.sync.mode, meta.sync.replicas_apart) == (self.sync.mode, self.replicas)
 
     def _laid_out(self, canonical: TrainState) -> TrainState:
         """The state as the stage, precision and replica sync keep it, from its canonical form
@@ -395,16 +391,9 @@ def _with_shardings(shapes: Any, shardings: Any) -> Any:
 # ---- checkpoints of another synchronisation mode ---------------------------------------------
 
 
-def _saved_sync(meta: dict) -> tuple[str, int | None, int]:
-    """A checkpoint's synchronisation mode, replica count (None: every step) and H."""
-    sync = meta.get("sync", {"mode": "every_step"})
-    replicas = sync.get("replicas") if sync["mode"] != "every_step" else None
-    return sync["mode"], replicas, sync.get("every", 1)
-
-
-def _mid_period_error(meta: dict, replicas: int | None) -> ConfigError:
-    mode, saved_replicas, every = _saved_sync(meta)
-    step = meta["step"]
+def _mid_period_error(meta: CheckpointMeta, replicas: int | None) -> ConfigError:
+    mode, saved_replicas, every = meta.sync.mode, meta.sync.replicas_apart, meta.sync.period
+    step = meta.step
     into = "a synchronous run" if replicas is None else f"{replicas} replicas"
     return ConfigError(
         f"the checkpoint at step {step} is {step % every} steps into a {mode} period (H={every}) "
