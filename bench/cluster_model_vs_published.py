@@ -10,7 +10,7 @@ architecture, GPU count, tensor parallelism, per-rank batch, gradient accumulati
 figure, `ClusterConfig.roofline_fraction`, comes from t5scale's own one-H100 steps
 (`--calibrate`, docs/benchmarks.md of 2026-11-23). Each row is predicted
 with overlap from the step's structure (the model) and with nothing hidden (the bound).
-Compiles on up to 512 emulated devices; analyses are cached (t5scale/study/simulate.py).
+Compiles on up to 512 emulated devices; analyses are cached (t5scale/whatif/compile.py).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""The scaling study: grid, isolated trials, funneled search, planner, cluster model, report."""
+"""The scaling study: the grid, isolated trials, the funneled search on evidence, the report."""
