@@ -113,9 +113,11 @@ def make_train_step(
     stacked = steps_per_execution > 1
     per_replica_metrics = () if layout.sync_replicas else ("replica",)
     metrics_spec = P(*((None,) if stacked else ()), *per_replica_metrics)
+    inner = steps if stacked else step
 
+    @functools.wraps(inner)  # named as the step: jit_step in profiles and HLO
     def program(state: TrainState, batch: Batch):
-        state, metrics = (steps if stacked else step)(state, batch)
+        state, metrics = inner(state, batch)
         return state, program_outputs(metrics)
 
     return jax.jit(
