@@ -28,9 +28,9 @@ from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.startup import cuda_plugin_installed
-from t5scale.study.weak_scaling import WeakScaling
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.setup import build_setup
+from t5scale.whatif.weak_scaling import weak_scale
 
 
 def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
@@ -211,8 +211,9 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
             ["INPUT_LENGTH=64", "TARGET_LENGTH=15", f"ModelConfig.attention='{attention}'"],
             [],
         )
-        scaling = WeakScaling(3, topology.size, 3, tensor=tensor, hosts=topology.nodes)
-        setup = build_setup(scaling.run(build_run_config()), topology.devices())
+        run = weak_scale(build_run_config(), 3, topology.size, 3, tensor=tensor,
+                         hosts=topology.nodes)  # fmt: skip
+        setup = build_setup(run, topology.devices())
         step = setup.compile()
         assert step.analysis.attention == setup.run.model.attention  # step_analysis.json's
         programs[setup.run.model.attention] = step.compiled
