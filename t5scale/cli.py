@@ -123,71 +123,30 @@ def params_command(call: Invocation) -> None:
 
 
 def data_bench_command(call: Invocation) -> None:
-    import itertools
-
-    import numpy as np
-
-    from t5scale.data.loader import host_batches
+    from t5scale.data.throughput import measure_throughput
 
     run = call.run_config()
     call.join_processes(run)
-    data = run.data
-    started = time.perf_counter()
-    stream = host_batches(data, run.train.batch_size, run.train.seed, run.model.vocab_size)
-    first = next(stream)
-    print(f"pipeline ready in {time.perf_counter() - started:.1f} s (first batch included)")
-    examples = tokens = done = 0
-    started = time.perf_counter()
-    for batch in itertools.islice(stream, call.args.batches):
-        # packed examples: one per segment id per row; tokens: non-padding, both sides
-        examples += sum(len(np.unique(row[row > 0])) for row in batch["encoder_segment_ids"])
-        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]))
-        tokens += int(np.count_nonzero(batch["decoder_target_tokens"]))
-        done += 1
-    elapsed = time.perf_counter() - started
-    rows = len(first["encoder_input_tokens"])
-    slots = done * rows * (data.input_length + data.target_length)
-    print(
-        f"{data.source}: {done} batches of {rows} in {elapsed:.2f} s: "
-        f"{examples / elapsed:,.0f} examples/s, {tokens / elapsed:,.0f} tokens/s "
-        f"({slots / elapsed:,.0f} token slots/s incl. padding; lengths "
-        f"{data.input_length}/{data.target_length})"
+    found = measure_throughput(
+        run.data, run.train.batch_size, run.train.seed, run.model.vocab_size, call.args.batches
     )
+    print(f"pipeline ready in {found.ready_s:.1f} s (first batch included)")
+    print(found.line())
 
 
 def convert_command(call: Invocation) -> None:
-    import math
     from pathlib import Path
 
-    import jax
-    import numpy as np
-
-    from t5scale.model.hf_import import params_from_hf
-    from t5scale.train.checkpoint import write_converted
-    from t5scale.train.config import RunConfig, make_model_dir
+    from t5scale.config import gin_text_of
+    from t5scale.train.convert import convert_checkpoint
 
     run = call.run_config()
     call.join_processes(run)
+    done = convert_checkpoint(call.args.hf_dir, run)
     model_dir = run.train.model_dir
-    if not model_dir:
-        raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
-    make_model_dir(model_dir)  # before the (long) read of the checkpoint
-    try:  # the compute dtype and the precision are this command's (gin), the rest the HF config's
-        model, params = params_from_hf(call.args.hf_dir, run.model.dtype)
-    except (ValueError, OSError) as error:
-        raise ConfigError(str(error)) from None
-    model_gin = "".join(
-        f"ModelConfig.{name} = {value!r}\n" for name, value in dataclasses.asdict(model).items()
-    ) + "".join(
-        f"PrecisionConfig.{name} = {value!r}\n"
-        for name, value in dataclasses.asdict(run.precision).items()
-    )
-    # What the checkpoint fixes, kept in its meta: the model, its precision and optimizer state.
-    converted = RunConfig(model=model, optimizer=run.optimizer, precision=run.precision)
-    path = write_converted(model_dir, converted, params)
+    model_gin = gin_text_of(done.run.model, done.run.precision)
     Path(model_dir, "model.gin").write_text(model_gin, encoding="utf-8")  # for people
-    count = sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(params))
-    print(f"{count:,} parameters from {call.args.hf_dir} → {path}")
+    print(f"{done.parameters:,} parameters from {call.args.hf_dir} → {done.path}")
     print(
         f"train from it: t5scale train --gin_file={model_dir}/model.gin --gin.MODEL_DIR={model_dir}"
     )
@@ -211,8 +170,8 @@ def export_command(call: Invocation) -> None:
         model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes,
         run_of_gin=run_from_gin_text,  # checkpoints whose meta holds gin text, not the run
     )  # fmt: skip
-    model = done.run.model
-    print(f"{model.name} step {done.step}: {done.parameters:,} parameters → {call.args.out_dir}")
+    print(f"{done.run.model.name} step {done.step}: {done.parameters:,} parameters → "
+          f"{call.args.out_dir}")  # fmt: skip
     print("  " + ", ".join(path.name for path in done.files))
     if not done.tokenizer:
         print("  no tokenizer: the run trained on synthetic tokens (DataConfig.source)")
@@ -224,27 +183,15 @@ def export_command(call: Invocation) -> None:
 def distributed_check_command(call: Invocation) -> None:
     """Prove the processes work together: every device adds its process id + 1 in one all-reduce."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from t5scale.parallel.mesh import AXES, describe_mesh, make_mesh
+    from t5scale.parallel.distributed import all_reduce_check
+    from t5scale.parallel.mesh import describe_mesh, make_mesh
 
     run = call.run_config()
     call.join_processes(run)
     mesh = make_mesh(run.parallel)
     print(f"process {jax.process_index()}: {describe_mesh(mesh, run.parallel)}", flush=True)
-    ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
-    values = jax.make_array_from_callback(
-        ids.shape, NamedSharding(mesh, P(*AXES)), lambda index: ids[index].astype(np.float32)
-    )
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
-    # Every local device's part finished, not only the one `float` reads: XLA:CPU sums in steps
-    # (inside a process, then across), so another device may still be in its cross-process
-    # step, and a process that exits meanwhile left its peer stuck at exit, in gloo.
-    total = jax.block_until_ready(total)
-    got, expected = float(total), float(ids.sum())
+    got, expected = all_reduce_check(mesh)
     if got != expected:
         raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
     print(
@@ -257,33 +204,22 @@ def distributed_check_command(call: Invocation) -> None:
 
 def study_command(call: Invocation) -> None:
     """The grid's trials each run in a process of their own: this one starts no device."""
-    from t5scale.config import build_cluster_config, build_study_config, operative_config, parse_gin
-    from t5scale.study import funnel
+    from t5scale import config
     from t5scale.study.report import write_report
     from t5scale.study.runner import run_study
 
-    parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
-    study = build_study_config()
+    config.parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
+    study, gin_text = config.build_study_config(), config.operative_config()
     # a cluster file: the compile-only rounds compile for its GPUs (XLA's GPU compiler)
-    summary = run_study(study, operative_config(), cluster=build_cluster_config())
-    print(
-        f"study done: {summary['trials']} trials in {summary['elapsed_s'] / 60:.1f} min; "
-        f"{study.study_dir}/results.jsonl, {study.study_dir}/funnel.md"
-    )
-    for model, record in sorted(summary["winners"].items()):
-        tied = summary["tied"][model]
-        ties = f", tied within the evidence with {len(tied)}" if tied else ""
-        print(f"winner for {model}: {funnel.configuration_of(record).label()} at "
-              f"{record.point.devices} devices{ties} (funnel.md)")  # fmt: skip
-    try:
-        print(f"report: {write_report(study.study_dir)}")
-    except ConfigError as error:
-        if "no completed trial" not in str(error):
-            raise
+    cluster = config.build_cluster_config()
+    summary = run_study(study, config.study_runs(study), gin_text, cluster=cluster)
+    print("\n".join(summary.lines(study.study_dir)))
+    if not summary.completed:
         raise ConfigError(
-            f"no trial of the study completed ({summary['trials']} trials; why: "
+            f"no trial of the study completed ({summary.trials} trials; why: "
             f"{study.study_dir}/funnel.md and results.jsonl): the report is skipped"
-        ) from None
+        )
+    print(f"report: {write_report(study.study_dir)}")
 
 
 def report_command(call: Invocation) -> None:
@@ -295,7 +231,7 @@ def report_command(call: Invocation) -> None:
 
 def plan_command(call: Invocation) -> None:
     from t5scale.config import build_cluster_config, build_study_config
-    from t5scale.study import plan
+    from t5scale.whatif import plan
 
     run = call.run_config()
     config = build_study_config("plan")
@@ -306,18 +242,11 @@ def plan_command(call: Invocation) -> None:
 
 
 def simulate_command(call: Invocation) -> None:
-    from t5scale.config import build_study_config
-    from t5scale.study import simulate
+    from t5scale.config import build_cluster_config, build_study_config
+    from t5scale.whatif import simulate
 
     run = call.run_config()
-    try:
-        cluster = build_study_config("cluster")
-    except ConfigError as error:
-        if "required positional argument" not in str(error):
-            raise
-        missing = str(error).partition("argument")[2].lstrip("s: ")
-        raise ConfigError(f"ClusterConfig: not given: {missing}; a cluster file names every "
-                          "figure, e.g. --gin_file=gin/clusters/a100.gin") from None  # fmt: skip
+    cluster = build_cluster_config(required=True)
     config = build_study_config("simulate")
     show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
     result = simulate.simulate(run, cluster, config, show)

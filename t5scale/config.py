@@ -194,5 +194,15 @@ def _build(make):
         raise ConfigError(str(error).splitlines()[0]) from None
 
 
+def gin_text_of(*configs: object) -> str:
+    """Configs as gin bindings a person can read and pass back with --gin_file, e.g. the
+    ModelConfig and PrecisionConfig `t5scale convert` writes to MODEL_DIR/model.gin."""
+    return "".join(
+        f"{type(config).__name__}.{name} = {value!r}\n"
+        for config in configs
+        for name, value in dataclasses.asdict(config).items()
+    )
+
+
 def operative_config() -> str:
     return gin.operative_config_str()

@@ -354,6 +354,9 @@ def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, t
         ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={tmp_path / 'x'}", "--step=7"],
          "no checkpoint at step 7"),
         ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={directory / 'config.json'}"], "is a file"),
+        # under a file: refused before the checkpoint is read (it was a traceback after)
+        ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={directory / 'config.json' / 'hf'}"],
+         "cannot be made"),
         ([f"--gin.MODEL_DIR='{run}'", f"--out_dir={out}"], "already holds a model"),
     ):  # fmt: skip
         code, _, err = cli_in_process(["export", *args], capsys)

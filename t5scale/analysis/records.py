@@ -170,7 +170,7 @@ class StepAnalysis(JsonRecord):
     # The compiler that made the program, e.g. 'xla:cpu' or 'xla:gpu NVIDIA H100 80GB HBM3,
     # 2 nodes x 8' (compile-only, t5scale/xla_gpu.py); None in files written before it was said.
     compiler: str | None = None
-    # ModelConfig.attention as compiled ('dot' or 'fused'; 'auto' resolved); None in files
+    # ModelConfig.attention as compiled ('dot', 'fused' or 'fused_reference'; 'auto' resolved); None in files
     # written before it was said.
     attention: str | None = None
     # ModelConfig.scan_layers as compiled (the layers as a loop, or unrolled); None in files

@@ -345,3 +345,24 @@ class PeerWatch:
         """After a collective failed: give the watch time to name the lost peer (it exits)."""
         if self.multi_process:
             self._stop.wait(self.lost_after_s + 3 * self.interval_s)
+
+
+def all_reduce_check(mesh) -> tuple[float, float]:
+    """(got, expected) of one all-reduce over every device of `mesh`: each adds its process id
+    + 1, so that a process that is not there, or counted twice, shows."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    ids = np.vectorize(lambda device: device.process_index + 1)(mesh.devices)
+    values = jax.make_array_from_callback(
+        ids.shape, NamedSharding(mesh, P(*mesh.axis_names)),
+        lambda index: ids[index].astype(np.float32),
+    )  # fmt: skip
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
+    # Every local device's part finished, not only the one `float` reads: XLA:CPU sums in steps
+    # (inside a process, then across), so another device may still be in its cross-process
+    # step, and a process that exits meanwhile left its peer stuck at exit, in gloo.
+    total = jax.block_until_ready(total)
+    return float(total), float(ids.sum())

@@ -65,7 +65,19 @@ class StudySummary:
     # None for a grid search, which timed every point
     full_grid: tuple[float, float] | None
     trials: int
+    completed: int  # trials whose status is ok
     elapsed_s: float
+
+    def lines(self, study_dir: str) -> list[str]:
+        """What the CLI says when the study is done."""
+        lines = [f"study done: {self.trials} trials in {self.elapsed_s / 60:.1f} min; "
+                 f"{study_dir}/results.jsonl, {study_dir}/funnel.md"]  # fmt: skip
+        for model, record in sorted(self.winners.items()):
+            tied = self.tied[model]
+            ties = f", tied within the evidence with {len(tied)}" if tied else ""
+            lines.append(f"winner for {model}: {funnel.configuration_of(record).label()} at "
+                         f"{record.point.devices} devices{ties} (funnel.md)")  # fmt: skip
+        return lines
 
 
 class Progress:
@@ -172,6 +184,7 @@ def run_study(
         spent_device_s=spent_device,
         full_grid=full,
         trials=len(compile_records) + len(timed_records),
+        completed=sum(r.result.status == "ok" for r in compile_records + timed_records),
         elapsed_s=time.perf_counter() - progress.started,
     )
 

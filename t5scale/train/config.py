@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from t5scale.data.config import DataConfig
@@ -55,6 +56,20 @@ class TrainConfig:
             raise ConfigError(
                 f"TrainConfig.steps_per_execution must be >= 1, got {self.steps_per_execution}"
             )
+
+
+def check_output_dir(path: str | Path, name: str) -> None:
+    """A ConfigError in one line unless `path` is a directory this process can write into, or
+    one it can make: checked before a command's work, so that nothing is read or computed for
+    an output that cannot be written."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name} {str(path)!r} is a file, not a directory")
+    existing = path if path.exists() else next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{name} {str(path)!r} cannot be made: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {str(path)!r}: {str(existing)!r} is not writable")
 
 
 def make_model_dir(path: str) -> None:

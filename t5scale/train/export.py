@@ -22,7 +22,7 @@ from t5scale.errors import ConfigError
 from t5scale.model import hf_export
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, check_compatible
-from t5scale.train.config import CheckpointConfig, RunConfig
+from t5scale.train.config import CheckpointConfig, RunConfig, check_output_dir
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import build_setup
@@ -38,8 +38,7 @@ class Exported:
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out_dir {out_dir} is a file, not a directory")
+    check_output_dir(out_dir, "--out_dir")
     held = [name for name in hf_export.MODEL_FILES if (out_dir / name).exists()]
     if held and not overwrite:
         raise ConfigError(
