@@ -39,7 +39,7 @@ def main() -> None:
     xla_cpu.emulate_cpu_devices(args.devices)
     from t5scale.model.sizes import preset
     from t5scale.parallel.mesh import ParallelConfig
-    from t5scale.train.checkpoint import Checkpoints, model_signature
+    from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, model_signature
     from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
     from t5scale.train.setup import build_setup
 
@@ -54,8 +54,8 @@ def main() -> None:
         run = RunConfig(model=model, parallel=parallel, train=TrainConfig(batch_size=args.devices))
         setup = build_setup(run)
         state = setup.create_state(seed=0)
-        meta = {"step": 0, "data_position": 0, "model": model_signature(model)}
-        meta["optimizer"] = "adamw"
+        meta = CheckpointMeta(step=0, data_position=0, model=model_signature(model),
+                              optimizer="adamw")  # fmt: skip
         blocks, completes, restores, size = [], [], [], 0
         for repeat in range(args.repeats):
             directory = root / f"{name}_{repeat}"

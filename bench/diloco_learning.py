@@ -53,7 +53,7 @@ def one_run(mode: str, replicas: int, every: int, args) -> dict:
     sync = build_setup(run).compile().analysis.replica_sync
     started = time.perf_counter()
     history = train(run)
-    validation = [(r["step"], r["validation_loss"]) for r in history if "validation_loss" in r]
+    validation = [(r.step, r.validation_loss) for r in history if r.validation_loss is not None]
     return {
         "mode": mode,
         "replicas": replicas,
@@ -61,7 +61,7 @@ def one_run(mode: str, replicas: int, every: int, args) -> dict:
         "steps": args.steps,
         "tokens": run.tokens_per_step * args.steps,
         "final_validation_loss": validation[-1][1],
-        "final_train_loss": history[-1]["loss"],
+        "final_train_loss": history[-1].loss,
         "validation": validation,
         "bytes_over_replica_per_token": sync.per_step.bytes_over_replica / run.tokens_per_step,
         "bytes_per_token": sync.per_step.bytes / run.tokens_per_step,

@@ -137,7 +137,7 @@ def run_steps(setup: Setup, state, first: int, last: int, step=None):
     losses = []
     for batch in synthetic_batches(setup, first, last):
         state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(metrics.loss))
     return state, np.array(losses)
 
 

@@ -99,7 +99,7 @@ def _train(setup: Setup, steps: int):
     step, state, losses = setup.compile(), setup.create_state(seed=0), []
     for done, batch in enumerate(_equal_weight_batches(setup, steps)):
         state, metrics = step.execute(state, batch, done)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(metrics.loss))
     return np.array(losses), jax.device_get(setup.form.to_canonical(state))
 
 

@@ -31,12 +31,12 @@ def test_k_steps_in_one_execution_are_k_single_steps(parallel, devices):
     state, one_losses = setup.create_state(seed=0), []
     for batch in batches:
         state, metrics = one(state, batch)
-        one_losses.append(float(metrics["loss"]))
+        one_losses.append(float(metrics.loss))
     one_params = jax.device_get(state.params)
     many = setup.compile(steps_per_execution=K).compiled
     state, metrics = many(setup.create_state(seed=0), setup.stack(batches))
-    assert metrics["loss"].shape == (K,)
-    np.testing.assert_allclose(np.asarray(metrics["loss"]), one_losses, rtol=1e-5)
+    assert metrics.loss.shape == (K,)
+    np.testing.assert_allclose(np.asarray(metrics.loss), one_losses, rtol=1e-5)
     assert_same_parameters(jax.device_get(state.params), one_params)
 
 

@@ -83,7 +83,7 @@ step, state = setup.compile().compiled, setup.create_state()
 for i in range(3):
     batch = synthetic_batch(run.data, 8, run.model.vocab_size, 0, i)
     state, metrics = step(state, jax.device_put(batch, setup.batch_sharding()))
-    print("loss", float(metrics["loss"]), flush=True)
+    print("loss", float(metrics.loss), flush=True)
 """
 
 

@@ -12,7 +12,6 @@ from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
 from t5scale.study.evidence import TimingRule, measure
 from t5scale.study.records import StepTimes
-from t5scale.train.metrics import StepMetrics
 from t5scale.train.profiling import StepTrace, step_annotation
 from t5scale.train.setup import CompiledStep, Setup
 
@@ -79,11 +78,10 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> Time
         for _ in range(executions_per_sample):
             batch = next_batch()
             started = time.perf_counter()
-            state, outputs = step.execute(state, batch, len(losses))
-            jax.block_until_ready((state, outputs))
+            state, metrics = step.execute(state, batch, len(losses))
+            jax.block_until_ready((state, metrics))
             elapsed += time.perf_counter() - started
-            metrics = StepMetrics(**jax.device_get(outputs))
-            losses.extend(of_step.loss for of_step in metrics.per_step())
+            losses.extend(of_step.loss for of_step in jax.device_get(metrics).per_step())
         return elapsed / steps_per_sample
 
     found = measure(sample, rule)

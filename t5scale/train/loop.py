@@ -139,10 +139,8 @@ class StepPrograms:
         """(state, metrics) after len(batches) steps after `done`, by the program of that many
         steps (CompiledStep.execute); with several, a value per step each."""
         if len(batches) == 1:
-            state, outputs = self.single_step.execute(state, batches[0], done)
-        else:
-            state, outputs = self.multi_step.execute(state, self.setup.stack(batches), done)
-        return state, StepMetrics(**outputs)
+            return self.single_step.execute(state, batches[0], done)
+        return self.multi_step.execute(state, self.setup.stack(batches), done)
 
 
 def _checkpoint_due(run: RunConfig, step: int) -> bool:

@@ -40,6 +40,27 @@ class StepMetrics:
         values = jax.tree.map(lambda x: np.atleast_1d(np.asarray(x)), self)
         return [jax.tree.map(lambda x, i=i: float(x[i]), values) for i in range(len(values.loss))]
 
+    def over_replicas(self) -> StepMetrics:
+        """One value per step from a value per replica (the last axis), on the host: the losses
+        weighted by each replica's target tokens (what one synchronous step over the global
+        batch reports), the tokens summed, the gradient norm averaged, non-finite if any
+        replica was (local SGD, DiLoCo: t5scale/train/replicas.py)."""
+        per_replica = jax.tree.map(lambda x: np.asarray(x, np.float64), self)
+        tokens = per_replica.target_tokens
+        weights = tokens / np.maximum(tokens.sum(axis=-1, keepdims=True), 1.0)
+
+        def weighted(values: np.ndarray) -> np.ndarray:
+            return (values * weights).sum(axis=-1)
+
+        return StepMetrics(
+            loss=weighted(per_replica.loss),
+            cross_entropy=weighted(per_replica.cross_entropy),
+            z_loss=weighted(per_replica.z_loss),
+            target_tokens=tokens.sum(axis=-1),
+            grad_norm=per_replica.grad_norm.mean(axis=-1),
+            nonfinite=per_replica.nonfinite.max(axis=-1),
+        )
+
 
 @flax.struct.dataclass
 class LossSums:

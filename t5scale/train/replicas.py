@@ -37,7 +37,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -151,23 +150,3 @@ def outer_step_per_device(
     updates, momentum = outer_tx.update(delta, outer.momentum, outer.anchor)
     anchor = optax.apply_updates(outer.anchor, updates)
     return OuterState(anchor, momentum), jax.tree.map(lambda a: a[None], anchor)
-
-
-def combine_replica_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """One value per step from a value per replica (the last axis), on the host: the losses
-    weighted by each replica's target tokens (what one synchronous step over the global batch
-    reports), the tokens summed, the gradient norm averaged, non-finite if any replica was."""
-    tokens = np.asarray(metrics["target_tokens"], np.float64)
-    weights = tokens / np.maximum(tokens.sum(axis=-1, keepdims=True), 1.0)
-    combined = {}
-    for name, values in metrics.items():
-        values = np.asarray(values, np.float64)
-        if name in ("loss", "cross_entropy", "z_loss"):
-            combined[name] = (values * weights).sum(axis=-1)
-        elif name == "target_tokens":
-            combined[name] = values.sum(axis=-1)
-        elif name == "nonfinite":
-            combined[name] = values.max(axis=-1)
-        else:
-            combined[name] = values.mean(axis=-1)
-    return combined

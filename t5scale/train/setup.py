@@ -32,7 +32,7 @@ from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.target import Target
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
-from t5scale.train.replicas import combine_replica_metrics
+from t5scale.train.metrics import StepMetrics
 from t5scale.train.state import StateForm, TrainState, build_form
 from t5scale.train.step import (
     batch_sharding,
@@ -76,7 +76,7 @@ class CompiledStep:
             self.compiled, setup.step_shape(), self.compile_time_s, outer, self.remat
         )
 
-    def execute(self, state: TrainState, batch: Any, done: int) -> tuple[TrainState, Any]:
+    def execute(self, state: TrainState, batch: Any, done: int) -> tuple[TrainState, StepMetrics]:
         """(state, metrics) after one execution: the steps after `done` (`batch`: their batches,
         stacked when there are several). With local SGD or DiLoCo, the outer step follows where
         it is due after them, and the replicas' metrics come back combined, on the host: one
@@ -88,9 +88,7 @@ class CompiledStep:
         if sync.due(done + self.steps_per_execution):
             state = self.setup.compiled_outer.compiled(state)
         # Each replica's metrics live on its own devices (another process's, across hosts).
-        return state, combine_replica_metrics(
-            multihost_utils.process_allgather(metrics, tiled=True)
-        )
+        return state, multihost_utils.process_allgather(metrics, tiled=True).over_replicas()
 
 
 def _of_form(name: str, doc: str) -> property:

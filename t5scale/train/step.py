@@ -9,7 +9,6 @@ bf16 copy, when mixed).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -79,10 +78,9 @@ def make_train_step(
     skip_nonfinite: bool = False,
     steps_per_execution: int = 1,
 ):
-    """The jitted step(state, batch) → (state, metrics); the state is donated. The metrics are
-    a StepMetrics, given by name (`program_outputs`).
+    """The jitted step(state, batch) → (state, StepMetrics); the state is donated.
 
-    Their `nonfinite` is 1 where the step's loss or gradient norm is NaN or Inf; with
+    The metrics' `nonfinite` is 1 where the step's loss or gradient norm is NaN or Inf; with
     skip_nonfinite such a step leaves parameters and optimizer state as they were (a select
     over the state).
 
@@ -113,15 +111,8 @@ def make_train_step(
     stacked = steps_per_execution > 1
     per_replica_metrics = () if layout.sync_replicas else ("replica",)
     metrics_spec = P(*((None,) if stacked else ()), *per_replica_metrics)
-    inner = steps if stacked else step
-
-    @functools.wraps(inner)  # named as the step: jit_step in profiles and HLO
-    def program(state: TrainState, batch: Batch):
-        state, metrics = inner(state, batch)
-        return state, program_outputs(metrics)
-
     return jax.jit(
-        program,
+        steps if stacked else step,
         in_shardings=(state_shardings, batch_sharding(layout, stacked)),
         out_shardings=(state_shardings, NamedSharding(layout.mesh, metrics_spec)),
         donate_argnums=0,
@@ -244,13 +235,6 @@ def _step_metrics(sums: dict[str, jax.Array], grad_norm: jax.Array) -> StepMetri
         z_loss=sums["z_loss_sum"] / tokens, target_tokens=tokens, grad_norm=grad_norm,
         nonfinite=1.0 - finite.astype(jnp.float32),
     )  # fmt: skip
-
-
-def program_outputs(metrics: StepMetrics) -> dict[str, jax.Array]:
-    """The metrics as the compiled step gives them: by name, for the callers that still read
-    them so (t5scale/train/setup.py's replica combination, tests/conftest.py); the loop and
-    the study take them back as StepMetrics(**outputs)."""
-    return {field.name: getattr(metrics, field.name) for field in dataclasses.fields(metrics)}
 
 
 def batch_sharding(layout: StateLayout, stacked: bool = False) -> NamedSharding:
