@@ -93,9 +93,9 @@ def _gradients(parallel: ParallelConfig, model: ModelConfig, devices: int = 8, *
     params = jax.device_put(params, setup.layout.param_shardings)
     run = setup.run
     step = gradient_fn_jitted(run.model, setup.layout, run.train, setup.precision)
-    grads, metrics = step(params, synthetic_batches(setup, 0, 0)[0])
+    grads, sums = step(params, synthetic_batches(setup, 0, 0)[0])
     grads = jax.device_get(setup.layout.unpad(grads))
-    return grads, float(metrics["cross_entropy_sum"])
+    return grads, float(sums.cross_entropy)
 
 
 @functools.cache

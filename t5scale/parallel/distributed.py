@@ -96,6 +96,40 @@ class ProcessSpec:
         return self.num_processes > 1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What one source (the config and T5SCALE_* variables, or the scheduler) says of this
+    process's place; None: that source does not say. Checked once all are read."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+    def or_else(self, fallback: _Settings) -> _Settings:
+        """These settings, with `fallback`'s where these do not say."""
+
+        def first(mine, theirs):
+            return theirs if mine is None else mine
+
+        return _Settings(
+            coordinator_address=first(self.coordinator_address, fallback.coordinator_address),
+            num_processes=first(self.num_processes, fallback.num_processes),
+            process_id=first(self.process_id, fallback.process_id),
+            local_device_ids=first(self.local_device_ids, fallback.local_device_ids),
+        )
+
+    @property
+    def missing(self) -> list[str]:
+        """The names of the settings a multi-process run needs that no source gave."""
+        needed = (
+            ("coordinator_address", self.coordinator_address),
+            ("num_processes", self.num_processes),
+            ("process_id", self.process_id),
+        )
+        return [name for name, value in needed if value is None]
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: 'gpu[003-008,011],login2' → 'gpu003'."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
@@ -116,7 +150,7 @@ def _int(value: str | None, name: str) -> int | None:
         raise DistributedError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _from_slurm(env: Mapping[str, str]) -> dict:
+def _from_slurm(env: Mapping[str, str]) -> _Settings:
     """Settings from an `srun` step (SLURM sets these in every task it starts)."""
     count = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
     nodes = _int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES"), "SLURM_NNODES")
@@ -127,12 +161,12 @@ def _from_slurm(env: Mapping[str, str]) -> dict:
     local_ids = None
     if nodes and count and count > nodes:  # several tasks per node: one GPU each
         local_ids = (_int(env["SLURM_LOCALID"], "SLURM_LOCALID"),)
-    return {
-        "coordinator_address": f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{port}",
-        "num_processes": count,
-        "process_id": _int(env["SLURM_PROCID"], "SLURM_PROCID"),
-        "local_device_ids": local_ids,
-    }
+    return _Settings(
+        coordinator_address=f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{port}",
+        num_processes=count,
+        process_id=_int(env["SLURM_PROCID"], "SLURM_PROCID"),
+        local_device_ids=local_ids,
+    )
 
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
@@ -145,43 +179,43 @@ def resolve_processes(
 ) -> ProcessSpec:
     """This process's place among the processes, or a DistributedError that names what is missing."""
     env = os.environ if env is None else env
-    settings = {
-        "coordinator_address": config.coordinator_address
+    settings = _Settings(
+        coordinator_address=config.coordinator_address
         or env.get(f"{ENV_PREFIX}COORDINATOR_ADDRESS")
         or None,
-        "num_processes": config.num_processes
+        num_processes=config.num_processes
         if config.num_processes is not None
         else _int(env.get(f"{ENV_PREFIX}NUM_PROCESSES"), f"{ENV_PREFIX}NUM_PROCESSES"),
-        "process_id": config.process_id
+        process_id=config.process_id
         if config.process_id is not None
         else _int(env.get(f"{ENV_PREFIX}PROCESS_ID"), f"{ENV_PREFIX}PROCESS_ID"),
-        "local_device_ids": config.local_device_ids,
-    }
+        local_device_ids=config.local_device_ids,
+    )
     source = "explicit"
     if _in_slurm_step(env) and int(env["SLURM_NTASKS"]) > 1:
         source = "slurm"
-        for name, value in _from_slurm(env).items():
-            settings[name] = value if settings[name] is None else settings[name]
-    elif "JOB_COMPLETION_INDEX" in env and settings["process_id"] is None:
+        settings = settings.or_else(_from_slurm(env))
+    elif "JOB_COMPLETION_INDEX" in env and settings.process_id is None:
         source = "kubernetes"  # an Indexed Job: the pod's index is the process id
-        settings["process_id"] = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
-    count = settings["num_processes"]
-    if count in (None, 1) and settings["coordinator_address"] is None:
+        index = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+        settings = dataclasses.replace(settings, process_id=index)
+    if settings.num_processes in (None, 1) and settings.coordinator_address is None:
         return ProcessSpec("single")
-    missing = [name for name in ("coordinator_address", "num_processes", "process_id")
-               if settings[name] is None]  # fmt: skip
-    if missing:
+    if missing := settings.missing:
         flags = ", ".join(f"--{m} (or {ENV_PREFIX}{m.upper()})" for m in missing)
         raise DistributedError(f"a {source} multi-process run needs {flags}")
-    if count < 1 or not 0 <= settings["process_id"] < count:
+    count, process = settings.num_processes, settings.process_id
+    if count < 1 or not 0 <= process < count:
         raise DistributedError(
-            f"process id {settings['process_id']} is outside 0..{count - 1} ({count} processes)"
+            f"process id {process} is outside 0..{count - 1} ({count} processes)"
         )
-    if not re.fullmatch(r".+:\d+", settings["coordinator_address"]):
-        raise DistributedError(
-            f"coordinator address {settings['coordinator_address']!r} is not host:port"
-        )
-    return ProcessSpec(source, **settings)
+    address = settings.coordinator_address
+    if not re.fullmatch(r".+:\d+", address):
+        raise DistributedError(f"coordinator address {address!r} is not host:port")
+    return ProcessSpec(
+        source, num_processes=count, process_id=process, coordinator_address=address,
+        local_device_ids=settings.local_device_ids,
+    )  # fmt: skip
 
 
 def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = None) -> PeerWatch:

@@ -50,6 +50,7 @@ from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.attention import attend_on_mesh
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
+from t5scale.train.metrics import LossSums
 from t5scale.train.precision import Precision
 from t5scale.train.replicas import specs_over_replicas
 
@@ -331,7 +332,7 @@ def _local_gradients(
     z_loss: float,
     params,
     batch,
-):
+) -> tuple[Any, LossSums]:
     weights = batch["decoder_loss_weights"].astype(jnp.float32)
     total_weight = jnp.maximum(lax.psum(jnp.sum(weights), layout.data_axes), 1.0)
     # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
@@ -346,18 +347,18 @@ def _local_gradients(
     # Ordered after the gradients: see t5scale/parallel/collectives.py.
     sums = jnp.stack([jnp.sum(cross_entropy), jnp.sum(z_term)])
     sums = lax.psum(collectives.ordered_after(sums, grads), layout.data_axes)
-    metrics = {"cross_entropy_sum": sums[0], "z_loss_sum": sums[1], "target_tokens": total_weight}
-    return grads, metrics
+    return grads, LossSums(cross_entropy=sums[0], z_loss=sums[1], target_tokens=total_weight)
 
 
 def gradient_fn(
     model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
 ):
-    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, summed
-    metrics), as a shard_map.
+    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums
+    over the global batch), as a shard_map.
 
-    Where replicas step on their own, every parameter, gradient and metric has a leading axis of
-    one entry per replica, and the batch is split into the replicas' slices on a leading axis."""
+    Where replicas step on their own, every parameter, gradient and loss sum has a leading axis
+    of one entry per replica, and the batch is split into the replicas' slices on a leading
+    axis."""
     local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
     param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
     if layout.sync_replicas:
@@ -369,8 +370,8 @@ def gradient_fn(
     def one_replica(params, batch):
         squeeze = functools.partial(jax.tree.map, lambda x: x[0])
         unsqueeze = functools.partial(jax.tree.map, lambda x: x[None])
-        grads, metrics = local(squeeze(params), squeeze(batch))
-        return unsqueeze(grads), unsqueeze(metrics)
+        grads, sums = local(squeeze(params), squeeze(batch))
+        return unsqueeze(grads), unsqueeze(sums)
 
     return jax.shard_map(
         one_replica, mesh=layout.mesh,

@@ -49,6 +49,18 @@ OUTER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
+class OuterSgd:
+    """The outer optimizer's settings that apply: SGD's learning rate, and its Nesterov momentum
+    (0: plain SGD)."""
+
+    learning_rate: float
+    momentum: float
+
+
+LOCAL_SGD = OuterSgd(learning_rate=1.0, momentum=0.0)  # the anchor becomes the replicas' mean
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaSyncConfig:
     """mode: 'every_step', 'local_sgd' or 'diloco'; every: H, inner steps per synchronisation;
     outer_learning_rate and outer_momentum (Nesterov): DiLoCo's outer optimizer; outer_dtype:
@@ -85,25 +97,32 @@ class ReplicaSyncConfig:
         """Whether the outer step runs after `step`."""
         return self.local and step % self.every == 0
 
+    @property
+    def outer_sgd(self) -> OuterSgd:
+        """The outer step's SGD: local SGD's is fixed (LOCAL_SGD) whatever the fields say,
+        DiLoCo's is the fields'."""
+        if self.mode == "local_sgd":
+            return LOCAL_SGD
+        return OuterSgd(learning_rate=self.outer_learning_rate, momentum=self.outer_momentum)
+
     def describe(self) -> dict[str, Any]:
-        """What a checkpoint's meta and the analysis record."""
+        """What a checkpoint's meta and the analysis record (their JSON form: SavedSync)."""
         if not self.local:
             return {"mode": self.mode}
         return {"mode": self.mode, "every": self.every, **self.outer_settings()}
 
-    def outer_settings(self) -> dict[str, Any]:
-        if self.mode == "local_sgd":
-            return {"outer_learning_rate": 1.0, "outer_momentum": 0.0}
-        return {"outer_learning_rate": self.outer_learning_rate,
-                "outer_momentum": self.outer_momentum}  # fmt: skip
+    def outer_settings(self) -> dict[str, float]:
+        """`outer_sgd` as the keyword arguments of the records that hold it (SavedSync,
+        SyncSettings: their fields outer_learning_rate, outer_momentum)."""
+        outer = self.outer_sgd
+        return {"outer_learning_rate": outer.learning_rate, "outer_momentum": outer.momentum}
 
 
 def outer_optimizer(config: ReplicaSyncConfig) -> optax.GradientTransformation:
     """SGD on Δ: with Nesterov momentum for DiLoCo, learning rate 1 and none for local SGD."""
-    settings = config.outer_settings()
-    momentum = settings["outer_momentum"] or None
-    return optax.sgd(settings["outer_learning_rate"], momentum=momentum,
-                     nesterov=momentum is not None)  # fmt: skip
+    outer = config.outer_sgd
+    momentum = outer.momentum or None
+    return optax.sgd(outer.learning_rate, momentum=momentum, nesterov=momentum is not None)
 
 
 class OuterState(flax.struct.PyTreeNode):

@@ -125,7 +125,7 @@ def _update_fn(
     """update(state, grads, sums) → (parameters, optimizer state, metrics) after the update of
     one replica (or all of them, when they step together)."""
 
-    def update(state: TrainState, grads, sums):
+    def update(state: TrainState, grads, sums: LossSums):
         params, opt_state = apply_update(tx, layout, precision, state, grads)
         metrics = _step_metrics(sums, optax.tree.norm(cast(grads, jnp.float32)))
         finite = metrics.nonfinite == 0
@@ -225,15 +225,14 @@ def make_outer_step(
     )  # fmt: skip
 
 
-def _step_metrics(sums: dict[str, jax.Array], grad_norm: jax.Array) -> StepMetrics:
+def _step_metrics(sums: LossSums, grad_norm: jax.Array) -> StepMetrics:
     """The step's metrics from the gradient's loss sums (t5scale/train/gradients.py)."""
-    tokens = sums["target_tokens"]
-    loss = (sums["cross_entropy_sum"] + sums["z_loss_sum"]) / tokens
+    tokens = sums.target_tokens
+    loss = (sums.cross_entropy + sums.z_loss) / tokens
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     return StepMetrics(
-        loss=loss, cross_entropy=sums["cross_entropy_sum"] / tokens,
-        z_loss=sums["z_loss_sum"] / tokens, target_tokens=tokens, grad_norm=grad_norm,
-        nonfinite=1.0 - finite.astype(jnp.float32),
+        loss=loss, cross_entropy=sums.cross_entropy / tokens, z_loss=sums.z_loss / tokens,
+        target_tokens=tokens, grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32),
     )  # fmt: skip
 
 
