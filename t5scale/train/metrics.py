@@ -64,7 +64,8 @@ class StepMetrics:
 
 @flax.struct.dataclass
 class LossSums:
-    """The eval step's losses summed over a batch's target tokens, and those tokens."""
+    """Losses summed over a batch's target tokens, and those tokens: what the gradients'
+    pass (train/gradients.py) and the eval step return."""
 
     cross_entropy: Any
     z_loss: Any

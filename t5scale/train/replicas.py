@@ -109,13 +109,9 @@ class ReplicaSyncConfig:
         """What a checkpoint's meta and the analysis record (their JSON form: SavedSync)."""
         if not self.local:
             return {"mode": self.mode}
-        return {"mode": self.mode, "every": self.every, **self.outer_settings()}
-
-    def outer_settings(self) -> dict[str, float]:
-        """`outer_sgd` as the keyword arguments of the records that hold it (SavedSync,
-        SyncSettings: their fields outer_learning_rate, outer_momentum)."""
         outer = self.outer_sgd
-        return {"outer_learning_rate": outer.learning_rate, "outer_momentum": outer.momentum}
+        return {"mode": self.mode, "every": self.every, "outer_learning_rate": outer.learning_rate,
+                "outer_momentum": outer.momentum}  # fmt: skip
 
 
 def outer_optimizer(config: ReplicaSyncConfig) -> optax.GradientTransformation:

@@ -218,7 +218,8 @@ class Setup:
             ),
             sync=SyncSettings(
                 mode=sync.mode, every=sync.every, outer_dtype=sync.outer_dtype,
-                **sync.outer_settings(),
+                outer_learning_rate=sync.outer_sgd.learning_rate,
+                outer_momentum=sync.outer_sgd.momentum,
             ) if sync.local else SyncSettings(mode=sync.mode),
             compiler=self.target.compiler_name,
             gpu=self.target.is_gpu,
