@@ -59,7 +59,7 @@ class Workload:
     input_length: int = 512
     target_length: int = 114
     dtype: str = "float32"
-    remat: str = "none"
+    remat: str = "dots"
     steps: int = 3
     precision: str = "auto"  # PrecisionConfig.mode: with bfloat16, auto is mixed precision
 
@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--remat", choices=["none", "minimal", "full"], default="none")
+    parser.add_argument("--remat", choices=["dots", "minimal", "full"], default="dots")
     parser.add_argument("--precision", choices=["auto", "float32", "mixed"], default="auto",
                         help="t5scale's model state (PrecisionConfig.mode): auto is mixed "
                              "precision with --dtype bfloat16, fp32 otherwise")  # fmt: skip

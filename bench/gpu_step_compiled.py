@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--attention", nargs="+", default=["dot", "fused"])
-    parser.add_argument("--remat", nargs="+", default=["none", "full"])
+    parser.add_argument("--remat", nargs="+", default=["dots", "full"])
     parser.add_argument("--layers", nargs="+", default=["loop"], choices=["loop", "unrolled"])
     args = parser.parse_args()
     print(

@@ -1,6 +1,6 @@
 """XLA's per-device memory of the compiled train step, with the output layer tiled or whole.
 
-    python bench/head_memory.py [--models mt5_small mt5_base mt5_large] [--remats none full]
+    python bench/head_memory.py [--models mt5_small mt5_base mt5_large] [--remats dots full]
         [--chunks 0 auto] [--batch 32] [--out docs/head_memory.json]
 
 Compile only (nothing is allocated or run): one device, stage 0, batch 32 at the mT5
@@ -61,7 +61,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mt5_small", "mt5_base", "mt5_large"])
-    parser.add_argument("--remats", nargs="+", default=["none", "full"])
+    parser.add_argument("--remats", nargs="+", default=["dots", "full"])
     parser.add_argument("--chunks", nargs="+", default=["0", "auto"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", type=Path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import gin
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError
-from t5scale.model.sizes import ModelConfig
+from t5scale.model.sizes import RENAMED_REMATS, ModelConfig
 from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.study.config import StudyConfig
@@ -176,9 +176,17 @@ def build_run_config() -> RunConfig:
     return _build(lambda: RunConfig(**{field: make() for field, make in _CONFIGURABLES.items()}))
 
 
+# An operative config's remat binding by an earlier name, as old checkpoints' metas hold it
+_OLD_REMAT = re.compile(
+    rf"^(\s*ModelConfig\.remat\s*=\s*)(['\"])({'|'.join(RENAMED_REMATS)})\2", re.MULTILINE
+)
+
+
 def run_from_gin_text(text: str) -> RunConfig:
     """The RunConfig an operative gin config describes: how checkpoints written before the run
-    was kept as JSON in their meta name it (t5scale/train/export.py reads both)."""
+    was kept as JSON in their meta name it (t5scale/train/export.py reads both). A remat
+    policy by an earlier name reads as it is named now (the operative config binds it)."""
+    text = _OLD_REMAT.sub(lambda m: m[1] + repr(RENAMED_REMATS[m[3]]), text)
     with tempfile.NamedTemporaryFile("w", suffix=".gin", encoding="utf-8") as written:
         written.write(text)
         written.flush()

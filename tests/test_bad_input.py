@@ -49,7 +49,12 @@ def _one_line(code: int, err: str) -> str:
         (lambda: ModelConfig(layer_norm_epsilon="tiny"), "layer_norm_epsilon must be a number"),
         (
             lambda: ModelConfig(remat="some"),
-            "ModelConfig.remat must be none, minimal, full or auto, got 'some'",
+            "ModelConfig.remat must be dots, minimal, full or auto, got 'some'",
+        ),
+        (  # the policy's earlier name, which read as "no remat"
+            lambda: ModelConfig(remat="none"),
+            "ModelConfig.remat 'none' is now 'dots' (it keeps the matmuls' outputs and "
+            "recomputes the elementwise work); 'full' and 'minimal' recompute more",
         ),
         (lambda: OptimizerConfig(learning_rate="fast"), "learning_rate must be a number"),
         (lambda: OptimizerConfig(warmup_steps=1.5), "warmup_steps must be an integer"),
@@ -119,6 +124,10 @@ TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
         (["params", "--gin.TrainConfig.steps=%NOPE"], "gin: macro NOPE is not defined"),
         (["params", "--gin.TRAIN_STEPS=1.5"], "TrainConfig.steps must be an integer, got 1.5"),
         (["params", "--gin.DataConfig.languages=en"], "DataConfig.languages must be a list"),
+        (
+            ["params", "--gin_file=gin/models/mt5_tiny.gin", "--gin.ModelConfig.remat='none'"],
+            "ModelConfig.remat 'none' is now 'dots' (it keeps the matmuls' outputs",
+        ),
         (["params", "--num_processes=0"], "DistributedConfig.num_processes must be >= 1"),
         (["params", "--num_processes=1", "--process_id=3"], "process_id must be >= 0 and below"),
         (["train", *TINY, "--gin.MODEL_DIR=/proc/t5scale-no/x"], "cannot be used as a directory"),

@@ -169,16 +169,16 @@ def test_the_roofline_counts_the_model_flops_and_what_remat_recomputes():
     base = ModelConfig(name="mt5_small", dtype="bfloat16")
     flops = training_flops_per_step(base, 8, 512, 128, causal_attention_halved=False)
     time = {remat: step_compute(dataclasses.replace(base, remat=remat), 8, 512, 128, CLUSTER)
-            for remat in ("none", "minimal", "full")}  # fmt: skip
-    assert time["none"].matmul_flops == pytest.approx(flops)
+            for remat in ("dots", "minimal", "full")}  # fmt: skip
+    assert time["dots"].matmul_flops == pytest.approx(flops)
     head = 2 * 8 * 128 * base.d_model * base.vocab_size  # the output projection's forward
     assert time["full"].matmul_flops == pytest.approx(flops + (flops / 3 - head))
     assert step_compute(base, 8, 512, 128, CLUSTER, tensor=2).matmul_flops == pytest.approx(
         flops / 2
     )
-    forward = time["none"].forward_layers
-    # none recomputes the elementwise work, minimal also attention's batched matmuls, full all
-    assert 2 * forward < time["none"].backward_layers < time["minimal"].backward_layers
+    forward = time["dots"].forward_layers
+    # dots recomputes the elementwise work, minimal also attention's batched matmuls, full all
+    assert 2 * forward < time["dots"].backward_layers < time["minimal"].backward_layers
     assert time["minimal"].backward_layers < time["full"].backward_layers
     assert time["full"].backward_layers == pytest.approx(3 * forward)
 

@@ -18,7 +18,7 @@ OBJ = "tokens_per_s_per_device"
 def _timed(
     stage: int, step_times: list[float], losses: list[float], repeat: int = 0
 ) -> TrialRecord:
-    point = Point("m", stage, 1, "none", 1e-3, devices=2)
+    point = Point("m", stage, 1, "dots", 1e-3, devices=2)
     steps = StepTimes(**median_interval(step_times).as_dict(), warmup_samples=1)
     timing = TrialTiming(step_time_s=steps, step_times_s=(9.0, *step_times), tokens_per_step=200,
                          tokens_per_s_per_device=100 / steps.median,

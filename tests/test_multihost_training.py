@@ -72,7 +72,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_pa
     _, output = _finish(reference, two)
     assert "[p1] process 1: mesh replica=2 × zero=4 × tensor=1 over 8 devices" in output
     remat = json.loads((hybrid / "step_analysis.json").read_text())["remat"]
-    assert remat["requested"] == "auto" and remat["policy"] == "none", remat
+    assert remat["requested"] == "auto" and remat["policy"] == "dots", remat
     # The ZeRO-3 checkpoint of step 10, written by two processes (each its own shards),
     # restores in one process under ZeRO-2 and trains steps 11 and 12.
     (resumed,) = _finish(_one_process(hybrid, 12, STAGES[2]))

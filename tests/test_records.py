@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import TINY_ARGS, cli_in_process, run_cli
 
-from t5scale.config import run_from_gin_text
+from t5scale.config import gin_text_of, run_from_gin_text
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
@@ -87,6 +87,19 @@ def test_checkpoint_meta_round_trips_through_json():
     data = json.loads(json.dumps(meta.to_json()))
     assert "gin" not in data and data["sync"]["every"] == 3
     assert CheckpointMeta.from_json(data) == meta
+    # written before remat 'none' was named 'dots' (the same policy); as input it is refused
+    assert data["run"]["model"]["remat"] == "dots"
+    data["run"]["model"]["remat"] = "none"
+    assert CheckpointMeta.from_json(data) == meta
+
+
+def test_an_operative_gin_config_from_before_dots_reads_as_dots():
+    """The metas of checkpoints from before the run was kept hold gin text that binds every
+    ModelConfig field, remat 'none' included when it was the default."""
+    model = ModelConfig(name="mt5_small", dtype="bfloat16")
+    old = gin_text_of(model).replace("ModelConfig.remat = 'dots'", "ModelConfig.remat = 'none'")
+    assert "'none'" in old
+    assert run_from_gin_text(old).model == model
 
 
 # The metas of checkpoints written before CheckpointMeta: the training loop's (a DiLoCo run),

@@ -1,10 +1,12 @@
 """remat = 'auto': the cheapest policy whose compiled step fits the budget (t5scale/train/setup.py)."""
 
 import functools
+import json
 
 import pytest
 from conftest import tiny_setup
 
+from t5scale.analysis.records import RematChoice, StepAnalysis
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER, ModelConfig
@@ -31,19 +33,25 @@ def _peaks() -> dict[str, int]:
     return {policy: peak(policy) for policy in REMAT_LADDER}
 
 
+@functools.cache
+def _auto(policy: str):
+    """The 'auto' step whose budget `policy` fits exactly (each cheaper one is over)."""
+    return _setup().compile(memory_budget_bytes=_peaks()[policy])
+
+
 def test_the_ladder_saves_memory_at_each_rung():
     peaks = _peaks()
-    assert peaks["none"] > peaks["minimal"] > peaks["full"], peaks
+    assert peaks["dots"] > peaks["minimal"] > peaks["full"], peaks
 
 
-# In CI the middle rung: 'none' is the CLI test's choice, 'full' the fallback test's.
+# In CI the middle rung: 'dots' is the CLI test's choice, 'full' the fallback test's.
 @pytest.mark.parametrize(
     "policy",
     [pytest.param(p, marks=pytest.mark.slow) if p != "minimal" else p for p in REMAT_LADDER],
 )
 def test_auto_takes_the_cheapest_policy_that_fits(policy):
-    budget = _peaks()[policy]  # this one fits exactly; every cheaper one is over
-    step = _setup().compile(memory_budget_bytes=budget)
+    budget = _peaks()[policy]
+    step = _auto(policy)
     assert step.setup.run.model.remat == policy
     chosen = step.analysis.to_json()["remat"]
     assert chosen["requested"] == "auto" and chosen["policy"] == policy and chosen["fits"]
@@ -64,5 +72,16 @@ def test_a_fixed_policy_is_recorded_and_auto_is_never_traced_unchosen():
     assert step.analysis.to_json()["remat"] == {"requested": "minimal", "policy": "minimal"}
     with pytest.raises(ConfigError, match="chosen by Setup.compile"):
         _setup().train_step()
-    with pytest.raises(ValueError, match="none, minimal, full or auto"):
+    with pytest.raises(ValueError, match="dots, minimal, full or auto"):
         ModelConfig(remat="some")
+
+
+def test_an_analysis_from_before_dots_was_named_so_reads_as_dots():
+    """step_analysis.json (and results.jsonl's analyses) written when 'dots' was 'none'."""
+    analysis = _auto("minimal").analysis  # tried 'dots', then chose 'minimal'
+    written = json.loads(json.dumps(analysis.to_json()))
+    assert written["remat"]["tried"][0]["policy"] == "dots"
+    written["remat"]["tried"][0]["policy"] = "none"
+    assert StepAnalysis.from_json(written) == analysis
+    written["remat"] = {"requested": "none", "policy": "none"}  # a fixed policy
+    assert StepAnalysis.from_json(written).remat == RematChoice(requested="dots", policy="dots")

@@ -155,14 +155,14 @@ def _spec(point: Point, kind: str = "compile", budget: int | None = None) -> dic
 
 
 def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
-    tiny = Point("mt5_tiny", 3, 1, "none", 1e-3, devices=2, input_length=32, target_length=8)
+    tiny = Point("mt5_tiny", 3, 1, "dots", 1e-3, devices=2, input_length=32, target_length=8)
     timeout = run_trial(_spec(tiny, "timed"), tmp_path, "timeout", timeout_s=0.5)
     assert timeout["status"] == "timeout" and timeout["wall_s"] < 10
     oom = run_trial(_spec(tiny, budget=1024), tmp_path, "oom", timeout_s=180)
     assert oom["status"] == "out-of-memory" and "exceeds the budget" in oom["error"]
     # 4 heads do not split over tensor=3
     bad = Point(
-        "mt5_tiny", 0, 1, "none", 1e-3, devices=6, tensor=3, input_length=32, target_length=8
+        "mt5_tiny", 0, 1, "dots", 1e-3, devices=6, tensor=3, input_length=32, target_length=8
     )
     error = run_trial(_spec(bad), tmp_path, "bad", timeout_s=180)
     assert error["status"] == "compile error" and "'heads' dimension" in error["error"], error
@@ -179,7 +179,7 @@ def test_a_profile_trial_traces_the_step(tmp_path):
     assert result["status"] == "ok", result
     # remat is swept like any value: 'auto' records the policy it chose and the budget
     remat = result["analysis"]["remat"]
-    assert remat["requested"] == "auto" and remat["policy"] == "none"
+    assert remat["requested"] == "auto" and remat["policy"] == "dots"
     assert remat["budget_bytes"] == spec["memory_budget_bytes"]
     (trace,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
@@ -188,7 +188,7 @@ def test_a_profile_trial_traces_the_step(tmp_path):
 
 
 def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
-    point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, sync="diloco/2", replicas=2,
+    point = Point("mt5_tiny", 2, 1, "dots", 1e-3, devices=4, sync="diloco/2", replicas=2,
                   input_length=32, target_length=8)  # fmt: skip
     run = point.run(study_runs(StudyConfig(models=("mt5_tiny",)))["mt5_tiny"])
     assert run.parallel.replica == 2 and run.sync.every == 2
@@ -205,7 +205,7 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
 def test_a_results_line_from_before_a_rename_is_the_same_trial():
     """StudyConfig.gradient_accumulation is now micro_batches: a line that names the old field
     is read under the new name, with the key a restarted study looks for."""
-    point = Point("mt5_tiny", 2, 1, "none", 1e-3, devices=4, micro_batches=2)
+    point = Point("mt5_tiny", 2, 1, "dots", 1e-3, devices=4, micro_batches=2)
     result = TrialResult(status="compile error", error="x", wall_s=1.0, log="l")
     now = TrialRecord(key=point.key("compile"), kind="compile", point=point, result=result)
     line = now.to_json()
@@ -222,7 +222,7 @@ def test_study_config_errors_are_one_line(tmp_path):
     bad = run_cli("study", "--gin.StudyConfig.stages=[5]", f"--gin.STUDY_DIR={tmp_path}")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "StudyConfig.stages: ZeRO stage must be 0, 1, 2 or 3" in bad.stderr
-    with pytest.raises(ConfigError, match="remats \\['some'\\]: each must be one of none, minimal"):
+    with pytest.raises(ConfigError, match="remats \\['some'\\]: each must be one of dots, minimal"):
         StudyConfig(remats=("auto", "some"))
     with pytest.raises(ConfigError, match="'diloco' is not 'every_step', 'local_sgd/H' or"):
         StudyConfig(replica_syncs=("every_step", "diloco"))

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from t5scale.errors import ConfigError
-from t5scale.study.config import StudyConfig
+from t5scale.model.sizes import ModelConfig
+from t5scale.study.config import Point, StudyConfig
+from t5scale.study.records import TrialRecord, TrialResult, parse_results
 from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
 from t5scale.study.trial import run_trial
+from t5scale.train.config import RunConfig
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.plan import PlanConfig
 from t5scale.whatif.simulate import SimulateConfig, simulate
@@ -47,6 +50,7 @@ from t5scale.whatif.simulate import SimulateConfig, simulate
         ({"device_memory_gb": 0}, "StudyConfig.device_memory_gb must be None or > 0, got 0"),
         ({"device_memory_gb": -1.0}, "StudyConfig.device_memory_gb must be None or > 0"),
         ({"learning_rates": [0]}, r"StudyConfig.learning_rates \[0\]: each must be > 0"),
+        ({"remats": ["dots", "none"]}, "StudyConfig.remats: ModelConfig.remat 'none' is now"),
         ({"compile_workers": -1}, "StudyConfig.compile_workers must be >= 0"),
         ({"extra_bindings": ["nothing"]}, r"extra_bindings \['nothing'\]: each must be NAME=VALUE"),
         ({"extra_bindings": ["A.b="]}, r"extra_bindings \['A.b='\]: each must be NAME=VALUE"),
@@ -134,7 +138,7 @@ def test_cluster_config_checks_each_figures_type(fields, message):
 
 
 def _failed_line(status: str = "crash") -> dict:
-    config = {"model": "mt5_tiny", "stage": 0, "micro_batch_size": 1, "remat": "none",
+    config = {"model": "mt5_tiny", "stage": 0, "micro_batch_size": 1, "remat": "dots",
               "learning_rate": 1e-3, "devices": 2}  # fmt: skip
     return {"key": f"timed:{status}", "kind": "timed", "config": config, "status": status}
 
@@ -181,3 +185,21 @@ def test_an_ok_line_without_its_timing_is_left_out_of_the_plots(tmp_path):
 def test_cluster_replace_keeps_checking():
     with pytest.raises(ConfigError, match="gpus_per_node must be >= 1, got 0"):
         dataclasses.replace(_cluster(), gpus_per_node=0)
+
+
+def test_a_results_line_from_before_dots_was_named_so_is_the_same_trial():
+    """remat 'none' is now 'dots': a results.jsonl line written before reads as 'dots', its
+    run too, with the key the trial has now (so that a restarted study skips it)."""
+    point = Point("mt5_tiny", 2, 1, "dots", 1e-3, devices=4)
+    result = TrialResult(status="compile error", error="x", wall_s=1.0, log="l")
+    now = TrialRecord(key=point.key("compile"), kind="compile", point=point, result=result,
+                      run=RunConfig(model=ModelConfig(remat="dots")))  # fmt: skip
+    line = json.loads(json.dumps(now.to_json()))
+    for name in ("config", "config_point"):
+        line[name]["remat"] = "none"
+    line["run"]["model"]["remat"] = "none"
+    line["key"] = line["key"].replace("remat=dots", "remat=none")
+    assert TrialRecord.from_json(line) == now
+    assert list(parse_results(json.dumps(line) + "\n")) == [point.key("compile")]
+    del line["config_point"]  # the oldest lines: the point as `config` alone
+    assert TrialRecord.from_json(line) == now

@@ -8,10 +8,13 @@ are the fields' names.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any, Self
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.kernels import GpuProgram, KernelInventory
 from t5scale.jsonform import JsonRecord
+from t5scale.model.sizes import RENAMED_REMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +123,23 @@ class ReplicaSync(JsonRecord):
     outer_state_bytes_per_device: int | None = None
 
 
+def _remats_named_now(data: Mapping[str, Any], *fields: str) -> dict[str, Any]:
+    """`data` with the remat policies in `fields` named as they are now (a file written before
+    'none' became 'dots')."""
+    named = {
+        f: RENAMED_REMATS.get(data[f], data[f]) for f in fields if isinstance(data.get(f), str)
+    }
+    return dict(data) | named
+
+
 @dataclasses.dataclass(frozen=True)
 class RematTry(JsonRecord):
     policy: str
     peak_estimate_bytes: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return super().from_json(_remats_named_now(data, "policy"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +152,10 @@ class RematChoice(JsonRecord):
     budget_bytes: int | None = None
     fits: bool | None = None
     tried: tuple[RematTry, ...] | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        return super().from_json(_remats_named_now(data, "requested", "policy"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,11 +13,14 @@ from typing import Literal, get_args
 
 import jax
 
-from t5scale.errors import check_field_types
+from t5scale.errors import ConfigError, check_field_types
 
-RematPolicy = Literal["none", "minimal", "full", "auto"]
+RematPolicy = Literal["dots", "minimal", "full", "auto"]
 # Cheapest first: what `remat = 'auto'` tries until the compiled step fits (t5scale/train/setup.py).
-REMAT_LADDER: tuple[str, ...] = ("none", "minimal", "full")
+REMAT_LADDER: tuple[str, ...] = ("dots", "minimal", "full")
+# Policies by an earlier name: refused as input, read as the new name in files written before
+# (results.jsonl, step_analysis.json, a checkpoint's run). 'none' was never "no remat".
+RENAMED_REMATS = {"none": "dots"}
 DType = Literal["float32", "bfloat16"]
 AttentionKind = Literal["dot", "fused", "fused_reference", "auto"]
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
@@ -74,9 +77,10 @@ class ModelConfig:
     # kept is PrecisionConfig's (t5scale/train/precision.py): fp32, or with bf16 compute by
     # default DeepSpeed's mixed precision (a bf16 working copy, an fp32 master).
     dtype: DType = "float32"
-    # What the layers keep for the backward pass (t5scale/model/mt5.py, remat_policy); 'auto':
-    # the first of REMAT_LADDER whose compiled step fits the device, chosen at compile time.
-    remat: RematPolicy = "none"
+    # What the layers keep for the backward pass (t5scale/model/mt5.py, remat_policy): 'dots'
+    # every matmul's output, 'minimal' fewer, 'full' nothing; 'auto': the first of REMAT_LADDER
+    # whose compiled step fits the device, chosen at compile time.
+    remat: RematPolicy = "dots"
     # Target tokens per chunk of the output projection and loss (t5scale/model/head.py): None
     # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
     loss_chunk_tokens: int | None = None
@@ -97,6 +101,13 @@ class ModelConfig:
     scan_layers: bool = True
 
     def __post_init__(self) -> None:
+        # before the type check, whose line would not say what the old name became
+        if isinstance(self.remat, str) and self.remat in RENAMED_REMATS:
+            raise ConfigError(
+                f"ModelConfig.remat {self.remat!r} is now {RENAMED_REMATS[self.remat]!r} (it "
+                "keeps the matmuls' outputs and recomputes the elementwise work); 'full' and "
+                "'minimal' recompute more"
+            )
         check_field_types(self)
         size = SIZES.get(self.name)
         if size is None:
@@ -112,7 +123,7 @@ class ModelConfig:
                 object.__setattr__(self, field, value)
         if self.remat not in (*REMAT_LADDER, "auto"):
             raise ValueError(
-                f"ModelConfig.remat must be none, minimal, full or auto, got {self.remat!r}"
+                f"ModelConfig.remat must be dots, minimal, full or auto, got {self.remat!r}"
             )
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
             raise ValueError(

@@ -14,7 +14,7 @@ from typing import Any, get_args
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.jsonform import fields_from_json
-from t5scale.model.sizes import REMAT_LADDER, SIZES, DType, ModelConfig
+from t5scale.model.sizes import REMAT_LADDER, RENAMED_REMATS, SIZES, DType, ModelConfig
 from t5scale.parallel.zero import check_stages
 from t5scale.train.config import RunConfig
 from t5scale.train.optim import OptimizerConfig
@@ -27,6 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OBJECTIVES = ("tokens_per_s_per_device", "loss")
 # Point fields by an earlier name, as results.jsonl's older lines hold them
 RENAMED_POINT_FIELDS = {"gradient_accumulation": "micro_batches"}
+# Point values by an earlier name, by field: read as the value is named now
+RENAMED_POINT_VALUES = {"remat": RENAMED_REMATS}
 SEARCHES = ("funnel", "grid")
 
 
@@ -57,7 +59,7 @@ class StudyConfig:
     stages: tuple[int, ...] = (0, 1, 2, 3)
     devices: tuple[int, ...] = (1, 2, 4, 8)
     micro_batch_sizes: tuple[int, ...] = (1,)
-    remats: tuple[str, ...] = ("none",)
+    remats: tuple[str, ...] = ("dots",)
     learning_rates: tuple[float, ...] = (1e-3,)
     replica_syncs: tuple[str, ...] = ("every_step",)
     replicas: int = 2
@@ -130,6 +132,8 @@ class StudyConfig:
             )
         if bad := [m for m in self.micro_batch_sizes if m < 1]:
             raise ConfigError(f"StudyConfig.micro_batch_sizes {bad}: each must be >= 1")
+        if renamed := [r for r in self.remats if r in RENAMED_REMATS]:  # say what it is now
+            _reraise("StudyConfig.remats", lambda: ModelConfig("mt5_tiny", remat=renamed[0]))
         if bad := [
             r for r in self.remats if _refused(lambda r=r: ModelConfig("mt5_tiny", remat=r))
         ]:
@@ -371,7 +375,7 @@ class Point:
         )  # fmt: skip
 
     def run_name(self) -> str:
-        """A path that names the point, e.g. mt5_tiny/stage2_mb1_none_lr0.001/4dev."""
+        """A path that names the point, e.g. mt5_tiny/stage2_mb1_dots_lr0.001/4dev."""
         sync = "" if self.sync == "every_step" else "_" + self.sync.replace("/", "")
         return (
             f"{self.model}/stage{self.stage}_mb{self.micro_batch_size}_{self.remat}"
@@ -389,5 +393,19 @@ class Point:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Point:
         """A point from its JSON form (`as_dict`'s or the fields'): a field a study before it
-        lacks takes its default, and a field by an earlier name is read as it is now named."""
-        return fields_from_json(cls, {RENAMED_POINT_FIELDS.get(k, k): v for k, v in data.items()})
+        lacks takes its default, and a field or value by an earlier name is read as it is now
+        named."""
+        fields = {RENAMED_POINT_FIELDS.get(k, k): v for k, v in data.items()}
+        for field, renamed in RENAMED_POINT_VALUES.items():
+            if isinstance(fields.get(field), str):
+                fields[field] = renamed.get(fields[field], fields[field])
+        return fields_from_json(cls, fields)
+
+    @staticmethod
+    def written_by_earlier_names(data: Mapping[str, Any]) -> bool:
+        """Whether a point's JSON form names a field or value by an earlier name (its key in
+        results.jsonl is then not the key the trial has now)."""
+        return bool(RENAMED_POINT_FIELDS.keys() & data.keys()) or any(
+            isinstance(data.get(field), str) and data[field] in renamed
+            for field, renamed in RENAMED_POINT_VALUES.items()
+        )

@@ -5,7 +5,7 @@ save against timing every grid point, as the timing noise grows? The same `funne
 `evidence.measure` as a real study, with trials that draw step times instead of running them.
 
 The grid of known speeds (`true_step_time`) is a weak-scaled study of one model: ZeRO stages 0-3,
-micro-batches 1-8, remat none or full, 1-8 devices. Its speeds are made up but shaped like
+micro-batches 1-8, remat dots or full, 1-8 devices. Its speeds are made up but shaped like
 measured ones: small micro-batches waste the device (0.45 of the best at 1 sequence), full
 remat costs a quarter, and each stage's communication grows with log2(devices), stage 3 the
 most. The ranking is the same at every device count (what a funnel assumes); stages 1 and 2
@@ -32,7 +32,7 @@ from t5scale.study.evidence import TimingRule, measure
 from t5scale.study.records import StepTimes, TrialRecord, TrialResult, TrialTiming
 
 MICRO_BATCH_EFFICIENCY = {1: 0.45, 2: 0.7, 4: 0.9, 8: 1.0}
-REMAT_EFFICIENCY = {"none": 1.0, "full": 0.75}
+REMAT_EFFICIENCY = {"dots": 1.0, "full": 0.75}
 STAGE_OVERHEAD_PER_DOUBLING = {0: 0.03, 1: 0.02, 2: 0.025, 3: 0.06}
 TOKENS_PER_SEQUENCE = 160  # 128 + 32
 BEST_TOKENS_PER_S_PER_DEVICE = 2000.0

@@ -4,7 +4,8 @@ keeps of it (`TrialRecord`: the result in its study's context).
 
 JSON only where a file is written or read: the trial's SPEC.json and RESULT.json
 (t5scale/study/trial.py), machine.json, and results.jsonl (`parse_results`), whose lines keep
-their format. A line written before a Point field was renamed is read under the new name.
+their format. A line written before a Point field or value was renamed is read under the new
+name.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Self
 
 from t5scale.analysis.records import StepAnalysis
 from t5scale.jsonform import JsonRecord, fields_to_json, written_when_none
-from t5scale.study.config import RENAMED_POINT_FIELDS, Point
+from t5scale.study.config import Point
 from t5scale.study.evidence import Interval, Measurement, TimingRule
 from t5scale.train.config import RunConfig
 from t5scale.xla_gpu import GpuTopology
@@ -210,11 +211,12 @@ class TrialRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
-        """A line of results.jsonl. One that names a Point field by an earlier name gets the
-        key the trial has now, so that a restarted study finds it."""
+        """A line of results.jsonl. One that names a Point field or value by an earlier name
+        (micro_batches, remat 'dots') gets the key the trial has now, so that a restarted study
+        finds it."""
         written = data["config_point"] if "config_point" in data else data["config"]
         point, key = Point.from_json(written), data["key"]
-        if RENAMED_POINT_FIELDS.keys() & written.keys():
+        if Point.written_by_earlier_names(written):
             key = point.key(key.split(":", 1)[0])
         machine = data.get("machine")
         return cls(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Self
 
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.jsonform import JsonRecord
-from t5scale.model.sizes import ModelConfig
+from t5scale.model.sizes import RENAMED_REMATS, ModelConfig
 from t5scale.parallel.distributed import DistributedConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import optim
@@ -130,6 +132,17 @@ class RunConfig(JsonRecord):
         # A ValueError where the two disagree. local SGD or DiLoCo on one replica is refused by
         # the training loop only: `simulate` times its outer step on one node too.
         resolve(self.precision, self.model.dtype)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        """A run from its JSON form; one written before a remat policy was renamed (a
+        checkpoint's meta, results.jsonl's `run`) reads as the policy is named now, before
+        ModelConfig, which refuses the old name as input, sees it."""
+        model = data.get("model")
+        remat = model.get("remat") if isinstance(model, Mapping) else None
+        if isinstance(remat, str) and remat in RENAMED_REMATS:
+            data = dict(data) | {"model": dict(model) | {"remat": RENAMED_REMATS[remat]}}
+        return super().from_json(data)
 
     @property
     def tokens_per_step(self) -> int:

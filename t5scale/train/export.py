@@ -50,7 +50,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 def _as_exported(run: RunConfig) -> RunConfig:
     """The run as its checkpoint is read here: fp32 (the master), ZeRO-0 over this process's
     devices, replicas synchronous, a batch the devices divide (nothing is trained)."""
-    model = dataclasses.replace(run.model, dtype="float32", remat="none")
+    model = dataclasses.replace(run.model, dtype="float32", remat="dots")
     train = dataclasses.replace(run.train, batch_size=jax.device_count(), micro_batches=1)
     return dataclasses.replace(
         run, model=model, train=train, parallel=ParallelConfig(),

@@ -80,8 +80,9 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
     return Target.compile_only_gpus(topology)
 
 
-# Part of the cache key: a newer step_analysis.json layout never reads an older entry.
-ANALYSIS_VERSION = 9
+# Part of the cache key: a newer step_analysis.json layout never reads an older entry
+# (10: remat 'none' is now 'dots').
+ANALYSIS_VERSION = 10
 _CACHE_WRITE = threading.Lock()
 
 

@@ -18,7 +18,7 @@ vocabulary split over `tensor`):
   (log-sum-exp, target logit, and the backward's softmax) and writes them once;
 - backward: twice the forward's matmul work (input and weight gradients) and twice its
   elementwise bytes (the gradient in and out), plus what the remat policy recomputes there
-  (t5scale/model/mt5.py's `remat_policy`): `none` keeps every matmul output and recomputes the
+  (t5scale/model/mt5.py's `remat_policy`): `dots` keeps every matmul output and recomputes the
   elementwise work; `minimal` keeps only the unbatched matmuls' outputs, so attention's scores
   and weighted values are recomputed too; `full` recomputes the layers' whole forward.
 
@@ -130,12 +130,12 @@ def step_compute(
     head.elementwise += 4 * 4 * dec_tokens * vocab / bandwidth  # fp32 logits: 3 reads, 1 write
 
     recompute = {
-        "none": layers.elementwise,
+        "dots": layers.elementwise,
         "minimal": layers.elementwise + layers.attention_matmul,
         "full": layers.matmul + layers.elementwise,
     }
     forward = layers.matmul + layers.elementwise
-    recomputed_flops = {"none": 0.0, "minimal": layers.attention_flops, "full": layers.flops}
+    recomputed_flops = {"dots": 0.0, "minimal": layers.attention_flops, "full": layers.flops}
     return ComputeTime(
         forward_layers=forward,
         backward_layers=2 * forward + recompute[model.remat],
