@@ -239,9 +239,9 @@ def remat_policy(name: str):
 
     "dots" keeps every matmul's output and recomputes only the cheap elementwise work (softmax,
     GELU, norms) in the backward pass: keeping everything instead (everything_saveable) stacks
-    a dozen more per-layer buffers out of the scan, was slower on the CPU (docs/benchmarks.md),
-    and doubles the peak of XLA's GPU program for the same GEMMs (issue 48, one H100, mixed,
-    batch 32 of 1024/229: mt5_small 13.8 → 27.0 GB, mt5_base 34.1 → 73.6). "minimal" keeps the
+    a dozen more per-layer buffers out of the scan, was slower on the CPU, and about doubles
+    the peak of XLA's GPU program for the same GEMMs (docs/benchmarks.md, "What remat 'dots'
+    keeps"; bench/remat_policies_gpu.py). "minimal" keeps the
     matmuls without batch dimensions (the projections, not attention's scores and mixing),
     "full" nothing. Under ZeRO-3 a layer's gathered parameters must never be kept for the
     backward pass (it gathers them again); they are made by all-gathers, reshapes and casts,
