@@ -95,8 +95,9 @@ class Target:
 
     @property
     def persistent_cache(self) -> bool:
-        """Whether JAX's persistent compilation cache may hold its programs: a compile-only
-        program is written there but cannot be read back without the device's client."""
+        """Whether JAX's persistent compilation cache may keep its programs: a compile-only
+        program written there cannot be read back without the device's client (JAX warns and
+        compiles again), so it is not written."""
         return self.runs_here
 
     @contextlib.contextmanager
@@ -105,19 +106,21 @@ class Target:
         if self.persistent_cache:
             yield
             return
-        with _no_persistent_cache():
+        with _not_written_to_the_persistent_cache():
             yield
 
 
 @contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
-    # jax.config's `enable_compilation_cache` has a context form only in jax's private config
-    # module; where this release lacks it, the cache stays on and JAX recompiles on a miss.
+def _not_written_to_the_persistent_cache() -> Iterator[None]:
+    # JAX decides once per process whether the cache is used at all, so a compile cannot turn
+    # it off; what it reads per compile is the least compile time worth writing. The context
+    # form of that setting is in jax's private config module; where a release lacks it, the
+    # program is written and JAX compiles again where it cannot read it back.
     from jax._src import config as jax_config
 
-    state = getattr(jax_config, "enable_compilation_cache", None)
-    if state is None or not callable(state):
+    least_time = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    if least_time is None or not callable(least_time):
         yield
         return
-    with state(False):
+    with least_time(float("inf")):
         yield

@@ -167,6 +167,24 @@ def test_plan_with_a_cluster_file_compiles_for_its_gpus(capsys, monkeypatch):
     assert three["mesh"] == {"replica": 1, "zero": 16, "tensor": 1}
 
 
+def test_a_compile_only_program_is_not_written_to_the_persistent_cache(tmp_path):
+    """JAX cannot read a compile-only GPU program back from its persistent cache (it warns and
+    compiles again): the target's cache policy keeps the step out, while the CPU programs the
+    command also compiles are written as usual."""
+    cache = tmp_path / "cache"
+    env = os.environ | {"JAX_COMPILATION_CACHE_DIR": str(cache),
+                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
+    common = ["plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin.PlanConfig.stages=[0]",
+              *(f"--gin.{binding}" for binding in SHORT), "--json"]  # fmt: skip
+    done = run_cli(*common, "--gin_file=gin/clusters/h100.gin", "--gin.DEVICES=8", env=env)
+    assert done.returncode == 0, done.stderr
+    written = {path.name.split("-")[0] for path in cache.iterdir()}
+    assert written and "jit_step" not in written, written
+    done = run_cli(*common, "--gin.DEVICES=2", env=env)  # the same step for CPU devices
+    assert done.returncode == 0, done.stderr
+    assert "jit_step" in {path.name.split("-")[0] for path in cache.iterdir()}
+
+
 def test_cluster_topologies_are_whole_nodes():
     parse_gin(["gin/clusters/a100.gin"], [], [])
     cluster = build_cluster_config()

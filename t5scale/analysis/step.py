@@ -60,8 +60,13 @@ class StepShape:
     gradient_bytes_per_device: int
     outer_state_bytes_per_device: int | None  # local SGD, DiLoCo: the anchor and its momentum
     sync: SyncSettings
+    platform: str  # Target.platform: 'cpu' or 'gpu'
     compiler: str  # Target.compiler_name
-    gpu: bool  # a GPU program: its kernels and schedule are read too
+
+    @property
+    def gpu(self) -> bool:
+        """A GPU program: its kernels and schedule are read too."""
+        return self.platform == "gpu"
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,7 +98,7 @@ def analyze_step(
         micro_batches=shape.micro_batches,
         tokens_per_step=shape.tokens_per_step,
         lengths=shape.lengths,
-        backend=layout.mesh.devices.flat[0].platform,
+        backend=shape.platform,
         compile_time_s=compile_time_s,
         parameters=shape.state_bytes.count,
         precision=shape.precision,

@@ -221,8 +221,8 @@ class Setup:
                 outer_learning_rate=sync.outer_sgd.learning_rate,
                 outer_momentum=sync.outer_sgd.momentum,
             ) if sync.local else SyncSettings(mode=sync.mode),
+            platform=self.target.platform,
             compiler=self.target.compiler_name,
-            gpu=self.target.is_gpu,
         )  # fmt: skip
 
     @functools.cached_property
