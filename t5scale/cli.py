@@ -155,19 +155,15 @@ def convert_command(call: Invocation) -> None:
 def export_command(call: Invocation) -> None:
     from t5scale import xla_cpu
     from t5scale.config import run_from_gin_text
-    from t5scale.model.hf_export import parse_size
     from t5scale.train.export import export_checkpoint
 
     model_dir = call.run_config().train.model_dir
     if not model_dir:
         raise ConfigError("export reads a run: give --gin.MODEL_DIR=/path")
-    try:
-        max_shard_bytes = parse_size(call.args.max_shard_size)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     xla_cpu.emulate_cpu_devices(call.args.cpu_devices)
     done = export_checkpoint(
-        model_dir, call.args.out_dir, call.args.step, call.args.overwrite, max_shard_bytes,
+        model_dir, call.args.out_dir, call.args.step, call.args.overwrite,
+        call.args.max_shard_size,
         run_of_gin=run_from_gin_text,  # checkpoints whose meta holds gin text, not the run
     )  # fmt: skip
     print(f"{done.run.model.name} step {done.step}: {done.parameters:,} parameters → "
@@ -291,6 +287,16 @@ def _count(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _size(text: str) -> int:
+    """An argparse type: bytes from '5GB', '100KB' … (argparse's one-line error otherwise)."""
+    from t5scale.model.hf_export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     help: str
@@ -319,7 +325,8 @@ COMMANDS: dict[str, Command] = {
         (("--out_dir", {"required": True, "help": "where to write the model"}),
          ("--step", {"type": _count(0), "default": None, "help": "default: the newest"}),
          ("--overwrite", {"action": "store_true", "help": "replace a model in out_dir"}),
-         ("--max_shard_size", {"default": "5GB", "help": "safetensors shard size (5GB)"})),
+         ("--max_shard_size", {"type": _size, "default": "5GB",
+                               "help": "safetensors shard size (5GB)"})),
     ),
     "study": Command(
         "the scaling study: a grid of isolated trials, funneled (gin/study/quick.gin)",

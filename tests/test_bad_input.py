@@ -197,6 +197,9 @@ def test_a_broken_hf_checkpoint_names_the_file(tmp_path, files, says):
     [
         (["params", "--cpu_devices=0"], {}, "argument --cpu_devices: must be >= 1, got 0"),
         (["params", "--no_such_flag"], {}, "unrecognized arguments: --no_such_flag"),
+        # a shard size is read with the flags, before any checkpoint is
+        (["export", "--gin.MODEL_DIR=/nowhere", "--out_dir=/tmp/x", "--max_shard_size=12XB"], {},
+         "argument --max_shard_size: max_shard_size: expected e.g. 5GB"),
         (["distributed-check"], {"T5SCALE_NUM_PROCESSES": "two", "T5SCALE_COORDINATOR_ADDRESS": "h:1"},
          "t5scale: error: T5SCALE_NUM_PROCESSES must be an integer, got 'two'"),
     ],
