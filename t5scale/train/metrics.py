@@ -27,12 +27,14 @@ class StepMetrics:
     gradient norm, and `nonfinite`: 1.0 where the loss or the gradient norm is NaN or Inf. Each
     field is an array, or on the host a float once split by `per_step`."""
 
-    loss: Any
+    # In the order of their names: the order the compiled step gave them in when they were a
+    # dict (a pytree's keys sorted), so that the program is the same.
     cross_entropy: Any
-    z_loss: Any
-    target_tokens: Any
     grad_norm: Any
+    loss: Any
     nonfinite: Any
+    target_tokens: Any
+    z_loss: Any
 
     def per_step(self) -> list[StepMetrics]:
         """One record of floats per step an execution took (each field a value, or one per step
