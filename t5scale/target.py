@@ -1,9 +1,9 @@
 """What a program is compiled for: the one place that answers "which compiler, is this a GPU".
 
-    Target.local(8)                       the devices at hand (emulated CPU devices, or this
-                                          host's GPUs): programs compile and run
-    Target.compile_only(GpuTopology(...)) GPUs that are not here (t5scale/xla_gpu.py): XLA's
-                                          GPU compiler makes the program; nothing runs
+    Target.local(8)                            the devices at hand (emulated CPU devices, or
+                                               this host's GPUs): programs compile and run
+    Target.compile_only_gpus(GpuTopology(...)) GPUs that are not here (t5scale/xla_gpu.py):
+                                               XLA's GPU compiler makes the program; nothing runs
 
 A target owns the devices a mesh is laid over, the compiler's options, whether the persistent
 compilation cache may hold its programs, the compiler's name as reports give it, and whether
@@ -30,7 +30,6 @@ class Target:
 
     devices: tuple[Any, ...]
     compile_only: bool = False
-    topology: xla_gpu.GpuTopology | None = None  # compile-only GPUs: what they are
 
     @classmethod
     def local(cls, count: int | None = None) -> Target:
@@ -43,7 +42,7 @@ class Target:
     @classmethod
     def compile_only_gpus(cls, topology: xla_gpu.GpuTopology) -> Target:
         """`topology`'s GPUs, compiled for by XLA's GPU compiler without them."""
-        return cls(tuple(topology.devices()), compile_only=True, topology=topology)
+        return cls(tuple(topology.devices()), compile_only=True)
 
     @classmethod
     def of(cls, devices: Sequence[Any] | Target | None) -> Target:
