@@ -130,13 +130,15 @@ def test_loader_gives_global_arrays_and_resumes_at_a_position():
     stream = [next(loader) for _ in range(4)]
     assert loader.position == 4
     loader.close()
-    assert stream[0]["encoder_input_tokens"].sharding == sharding
+    assert stream[0].encoder_input_tokens.sharding == sharding
     resumed = Batches(SMALL, 8, 0, 4096, sharding, start=2)
     again = next(resumed)
     resumed.close()
     assert resumed.position == 3
     for name in FEATURES:
-        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(stream[2][name]))
+        np.testing.assert_array_equal(
+            np.asarray(getattr(again, name)), np.asarray(getattr(stream[2], name))
+        )
 
 
 def test_synthetic_runs_never_import_tensorflow(tmp_path):

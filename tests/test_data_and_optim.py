@@ -8,7 +8,9 @@ from t5scale.train.optim import OptimizerConfig, inverse_sqrt_schedule
 
 
 def test_synthetic_batch_has_the_packed_span_corruption_layout():
-    batch = synthetic_batch(DataConfig(), batch_size=4, vocab_size=250112, seed=0, step=0)
+    batch = synthetic_batch(
+        DataConfig(), batch_size=4, vocab_size=250112, seed=0, step=0
+    ).features()
     assert set(batch) == set(FEATURES)
     for name, array in batch.items():
         assert array.dtype == np.int32
@@ -37,6 +39,7 @@ def test_synthetic_batches_are_deterministic_per_seed_and_step():
     first = synthetic_batch(config, 2, 1000, seed=3, step=7)
     again = synthetic_batch(config, 2, 1000, seed=3, step=7)
     other = synthetic_batch(config, 2, 1000, seed=3, step=8)
+    first, again, other = (batch.features() for batch in (first, again, other))
     assert all((first[k] == again[k]).all() for k in FEATURES)
     assert any((first[k] != other[k]).any() for k in FEATURES)
 

@@ -89,7 +89,7 @@ def _equal_weight_batches(setup: Setup, steps: int) -> list:
     run, batches = setup.run, []
     for index in range(steps):
         batch = synthetic_batch(run.data, run.train.batch_size, run.model.vocab_size, 0, index)
-        batch["decoder_loss_weights"][:] = 1
+        batch.decoder_loss_weights[:] = 1
         batches.append(jax.device_put(batch, setup.batch_sharding()))
     return batches
 

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from t5scale.data.batch import Batch
 from t5scale.data.config import DataConfig
 from t5scale.data.corpus import scan_corpus
-from t5scale.data.synthetic import FEATURES, synthetic_batch
+from t5scale.data.synthetic import synthetic_batch
 from t5scale.errors import DataError
 from t5scale.startup import absl_quiet
 
@@ -119,8 +120,8 @@ def _get_dataset(config: DataConfig, name: str, rows: int, seed: int, split: str
 
 def host_batches(
     config: DataConfig, global_batch: int, seed: int, vocab_size: int, split: str = "train"
-) -> Iterator[dict[str, np.ndarray]]:
-    """This process's rows of each batch, as numpy arrays keyed by FEATURES.
+) -> Iterator[Batch]:
+    """This process's rows of each batch, as numpy arrays.
 
     The data are checked here, in the caller's thread, so that bad data fail at start; the
     tf.data pipeline itself (tens of seconds of tracing for many languages) is built on the
@@ -136,7 +137,7 @@ def host_batches(
 def _seqio_rows(config, global_batch, seed, vocab_size, split, mixture):
     dataset = seqio_dataset(config, global_batch, seed, split, vocab_size, mixture=mixture)
     for batch in dataset.as_numpy_iterator():
-        yield {name: batch[name].astype(np.int32) for name in FEATURES}
+        yield Batch.of_features(batch).map(lambda feature: feature.astype(np.int32))
 
 
 def _synthetic_rows(config: DataConfig, global_batch: int, seed: int, vocab_size: int):
@@ -145,7 +146,7 @@ def _synthetic_rows(config: DataConfig, global_batch: int, seed: int, vocab_size
     step = 0
     while True:  # every process makes the whole batch and keeps its own rows
         batch = synthetic_batch(config, global_batch, vocab_size, seed, step)
-        yield {name: value[start : start + rows] for name, value in batch.items()}
+        yield batch.map(lambda feature: feature[start : start + rows])
         step += 1
 
 
@@ -190,7 +191,7 @@ class Batches:
                     return
                 if index < self._skip:
                     continue
-                batch = {name: self._global_array(rows[name]) for name in FEATURES}
+                batch = rows.map(self._global_array)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(batch, timeout=0.1)
@@ -209,7 +210,7 @@ class Batches:
     def __iter__(self) -> Batches:
         return self
 
-    def __next__(self) -> dict[str, jax.Array]:
+    def __next__(self) -> Batch:
         item = self._queue.get()
         if item is self._DONE:
             self._queue.put(self._DONE)

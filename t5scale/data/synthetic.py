@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from t5scale.data.batch import FEATURES, Batch
 from t5scale.data.config import DataConfig
 
 __all__ = ["FEATURES", "Batch", "DataConfig", "batch_shapes", "synthetic_batch"]
-
-Batch = dict[str, np.ndarray]
-FEATURES = (
-    "encoder_input_tokens",
-    "encoder_segment_ids",
-    "encoder_positions",
-    "decoder_target_tokens",
-    "decoder_input_tokens",
-    "decoder_segment_ids",
-    "decoder_positions",
-    "decoder_loss_weights",
-)
 
 
 def _segment_bounds(rng: np.random.Generator, length: int, count: int, fill: float) -> np.ndarray:
@@ -52,8 +41,7 @@ def synthetic_batch(
 ) -> Batch:
     """The global batch for `step`: the same for a (seed, step) on any mesh or process count."""
     rng = np.random.default_rng([seed, step])
-    batch = {name: np.zeros((batch_size, config.input_length), np.int32) for name in FEATURES[:3]}
-    batch |= {name: np.zeros((batch_size, config.target_length), np.int32) for name in FEATURES[3:]}
+    batch = batch_shapes(config, batch_size).map(lambda shape: np.zeros(shape, np.int32))
     for row in range(batch_size):
         count = int(rng.integers(1, config.max_segments + 1))
         count = min(count, config.target_length // 2, config.input_length // 2)
@@ -71,26 +59,30 @@ def synthetic_batch(
             vocab_size,
         )
         (
-            batch["encoder_input_tokens"][row],
-            batch["encoder_segment_ids"][row],
-            batch["encoder_positions"][row],
+            batch.encoder_input_tokens[row],
+            batch.encoder_segment_ids[row],
+            batch.encoder_positions[row],
         ) = enc
         targets, segments, positions = dec
-        batch["decoder_target_tokens"][row] = targets
-        batch["decoder_segment_ids"][row] = segments
-        batch["decoder_positions"][row] = positions
+        batch.decoder_target_tokens[row] = targets
+        batch.decoder_segment_ids[row] = segments
+        batch.decoder_positions[row] = positions
         # Decoder inputs are the targets shifted right by one within each packed example.
         shifted = np.concatenate([[0], targets[:-1]])
-        batch["decoder_input_tokens"][row] = np.where(positions == 0, 0, shifted)
-        batch["decoder_loss_weights"][row] = (segments > 0).astype(np.int32)
+        batch.decoder_input_tokens[row] = np.where(positions == 0, 0, shifted)
+        batch.decoder_loss_weights[row] = (segments > 0).astype(np.int32)
     return batch
 
 
-def batch_shapes(config: DataConfig, batch_size: int) -> dict[str, tuple[int, int]]:
-    return {
-        name: (
-            batch_size,
-            config.input_length if name.startswith("encoder") else config.target_length,
-        )
-        for name in FEATURES
-    }
+def batch_shapes(config: DataConfig, batch_size: int) -> Batch:
+    """Each feature's [rows, length]: the encoder's features are inputs long, the decoder's
+    targets long."""
+    return Batch(
+        **{
+            name: (
+                batch_size,
+                config.input_length if name.startswith("encoder") else config.target_length,
+            )
+            for name in FEATURES
+        }
+    )

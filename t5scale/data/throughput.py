@@ -52,9 +52,9 @@ def measure_throughput(
     examples = tokens = done = 0
     started = time.perf_counter()
     for batch in itertools.islice(stream, batches):
-        examples += sum(len(np.unique(row[row > 0])) for row in batch["encoder_segment_ids"])
-        tokens += int(np.count_nonzero(batch["encoder_input_tokens"]))
-        tokens += int(np.count_nonzero(batch["decoder_target_tokens"]))
+        examples += sum(len(np.unique(row[row > 0])) for row in batch.encoder_segment_ids)
+        tokens += int(np.count_nonzero(batch.encoder_input_tokens))
+        tokens += int(np.count_nonzero(batch.decoder_target_tokens))
         done += 1
-    rows = len(first["encoder_input_tokens"])
+    rows = first.rows
     return Throughput(data, ready_s, done, rows, time.perf_counter() - started, examples, tokens)

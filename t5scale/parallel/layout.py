@@ -116,6 +116,11 @@ class StateLayout:
     def zero_size(self) -> int:
         return self.mesh.shape["zero"]
 
+    @property
+    def replicas(self) -> int:
+        """The size of the mesh's `replica` axis (hosts, slices or DiLoCo replicas)."""
+        return self.mesh.shape["replica"]
+
     def map(self, fn) -> Any:
         """fn(LeafLayout) for every parameter, as a tree shaped like the parameters."""
         return jax.tree.map(fn, self.leaves, is_leaf=is_leaf_layout)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import look_up_rows
 from t5scale.model.sizes import ModelConfig
@@ -76,7 +77,7 @@ def loss_sums(
     model: ModelConfig,
     decoded: jax.Array,
     lm_head: jax.Array,
-    batch: dict[str, jax.Array],
+    batch: Batch,
     z_loss: float,
     constrain,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -88,7 +89,7 @@ def loss_sums(
     gradient is that of the group's loss with respect to the slice and this slice's part of the
     group's decoder output (t5scale/model/head.py); the all-gather's transpose sums those parts
     back to the devices whose examples they are."""
-    targets, weights = batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+    targets, weights = batch.decoder_target_tokens, batch.decoder_loss_weights
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)
     as_float = collectives.ordered_after(weights.astype(jnp.float32), group_targets)

@@ -106,7 +106,7 @@ class CheckpointMeta(JsonRecord):
             step=step, data_position=data_position, seed=run.train.seed,
             model=model_signature(run.model), optimizer=run.optimizer.name,
             precision=form.precision.name,
-            sync=SavedSync.of(form.sync, form.layout.mesh.shape["replica"]), run=run,
+            sync=SavedSync.of(form.sync, form.layout.replicas), run=run,
         )  # fmt: skip
 
     @classmethod

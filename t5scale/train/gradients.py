@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from t5scale.data.batch import Batch
 from t5scale.model.head import loss_sums, model_loss_sums
 from t5scale.model.mt5 import MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
@@ -53,18 +54,6 @@ from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train.metrics import LossSums
 from t5scale.train.precision import Precision
 from t5scale.train.replicas import specs_over_replicas
-
-Batch = dict[str, jax.Array]
-
-
-def model_inputs(batch: Batch) -> tuple[jax.Array, ...]:
-    """The model's positional inputs from a packed batch (the train and eval steps alike)."""
-    return (
-        batch["encoder_input_tokens"],
-        batch["decoder_input_tokens"],
-        batch["encoder_segment_ids"],
-        batch["decoder_segment_ids"],
-    )
 
 
 def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
@@ -187,13 +176,13 @@ def dense_loss_sums(
     """(loss, cross-entropy sum, z-loss sum) with the whole output projection on every device,
     in chunks of tokens (t5scale/model/head.py), or with loss_chunk_tokens = 0 from the whole
     logits (the untiled reference)."""
-    targets, weights = batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+    targets, weights = batch.decoder_target_tokens, batch.decoder_loss_weights
     module = MT5(model, hooks)
     if model.loss_chunk_tokens == 0:
-        logits = module.apply({"params": params}, *model_inputs(batch))
+        logits = module.apply({"params": params}, *batch.model_inputs())
         cross_entropy, z_term = loss_sums(logits, targets, weights, z_loss)
         return cross_entropy + z_term, cross_entropy, z_term
-    decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
+    decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
     return model_loss_sums(
         model, decoded, params["lm_head"], targets, weights, z_loss, constrain=_constrain
     )
@@ -217,7 +206,7 @@ def vocabulary_parallel_loss_sums(
 
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
-    decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
+    decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
     return vocab.loss_sums(model, decoded, params["lm_head"], batch, z_loss, _constrain)
 
 
@@ -231,11 +220,11 @@ def micro_batch_loss(
     batch: Batch,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(this micro-batch's share of the step's mean loss, its (cross-entropy, z-loss) sums)."""
-    local_batch, input_length = batch["encoder_input_tokens"].shape
+    local_batch, input_length = batch.encoder_input_tokens.shape
     split = layout.vocabulary_parallel and vocab.pays_off(
         local_batch * layout.zero_size,
         input_length,
-        batch["decoder_input_tokens"].shape[1],
+        batch.decoder_input_tokens.shape[1],
         model.vocab_size,
     )
     hooks = model_hooks(layout, precision)
@@ -333,7 +322,7 @@ def _local_gradients(
     params,
     batch,
 ) -> tuple[Any, LossSums]:
-    weights = batch["decoder_loss_weights"].astype(jnp.float32)
+    weights = batch.decoder_loss_weights.astype(jnp.float32)
     total_weight = jnp.maximum(lax.psum(jnp.sum(weights), layout.data_axes), 1.0)
     # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
     # an fp32 view of the bf16 working copy when mixed precision reduces in fp32 (the model

@@ -40,15 +40,15 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     """Train up to run.train.steps steps; return this call's records (metrics.jsonl's)."""
     cfg = run.train
     setup = build_setup(run, devices)
-    if run.sync.local and setup.mesh.shape["replica"] < 2:  # else it trains synchronously
+    if run.sync.local and setup.layout.replicas < 2:  # else it trains synchronously
         raise ConfigError(
             f"ReplicaSyncConfig.mode {run.sync.mode} needs replica >= 2, the mesh has "
-            f"replica={setup.mesh.shape['replica']} (set ParallelConfig.replica)"
+            f"replica={setup.layout.replicas} (set ParallelConfig.replica)"
         )
     print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
     if run.sync.local and jax.process_index() == 0:
         print(
-            f"{run.sync.mode}: {setup.mesh.shape['replica']} replicas step on their own and "
+            f"{run.sync.mode}: {setup.layout.replicas} replicas step on their own and "
             f"synchronise every {run.sync.every} steps",
             flush=True,
         )

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from t5scale.analysis.memory import compiled_memory, device_memory_budget, per_device_bytes
 from t5scale.analysis.records import RematChoice, RematTry, StatePrecision, StepAnalysis
 from t5scale.analysis.step import StepShape, SyncSettings, analyze_step
+from t5scale.data.batch import Batch
 from t5scale.data.synthetic import batch_shapes
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER, attention_for
@@ -114,18 +115,16 @@ class Setup:
     def batch_sharding(self, stacked: bool = False) -> NamedSharding:
         return batch_sharding(self.layout, stacked)
 
-    def abstract_batch(self, steps: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
+    def abstract_batch(self, steps: int = 1) -> Batch:
         """The global batch's shapes and sharding (`steps` > 1: that many stacked), to compile
         the step before any data arrive."""
         stack = (steps,) if steps > 1 else ()
         sharding = self.batch_sharding(steps > 1)
-        shapes = batch_shapes(self.run.data, self.run.train.batch_size)
-        return {
-            name: jax.ShapeDtypeStruct(stack + shape, np.int32, sharding=sharding)
-            for name, shape in shapes.items()
-        }
+        return batch_shapes(self.run.data, self.run.train.batch_size).map(
+            lambda shape: jax.ShapeDtypeStruct(stack + shape, np.int32, sharding=sharding)
+        )
 
-    def stack(self, batches: list) -> dict[str, jax.Array]:
+    def stack(self, batches: list[Batch]) -> Batch:
         """Global batches stacked for a program of len(batches) steps per execution."""
         return stack_batches(batches, self.layout)
 
@@ -207,7 +206,7 @@ class Setup:
                                      precision.grad_dtype.name, precision.mixed),
             state_bytes=form.model_state_bytes(),
             batch_bytes_per_device=per_device_bytes(
-                batch, {name: x.sharding for name, x in batch.items()}
+                batch, batch.map(lambda x: x.sharding)
             ),
             parameters_and_optimizer_bytes_per_device=per_device_bytes(
                 (state.params, state.opt_state), (shardings.params, shardings.opt_state)

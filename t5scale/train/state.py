@@ -108,7 +108,7 @@ class StateForm:
     @property
     def replicas(self) -> int | None:
         """How many replicas hold a state of their own (local SGD, DiLoCo); None: one state."""
-        return self.layout.mesh.shape["replica"] if self.outer_tx is not None else None
+        return self.layout.replicas if self.outer_tx is not None else None
 
     @property
     def is_canonical(self) -> bool:
@@ -346,7 +346,7 @@ def _at_rest_shardings(
         replicas = jax.tree.leaves(shapes.params)[0].shape[0]
         one = TrainState(shapes.step, _bare(shapes.params, 1), _bare(shapes.opt_state, 1))
         inner = _at_rest_shardings(layout, tx, one, precision)
-        over = "replica" if replicas == layout.mesh.shape["replica"] else None
+        over = "replica" if replicas == layout.replicas else None
         outer = OuterState(
             layout.update_shardings, layout.opt_state_shardings(outer_tx, shapes.outer.momentum)
         )

@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import MT5
 from t5scale.model.sizes import ModelConfig
@@ -26,7 +27,7 @@ from t5scale.parallel.layout import StateLayout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import replicas as replicas_module
 from t5scale.train.config import TrainConfig
-from t5scale.train.gradients import Batch, gradient_fn, model_inputs
+from t5scale.train.gradients import gradient_fn
 from t5scale.train.metrics import LossSums, StepMetrics
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast
 from t5scale.train.replicas import ReplicaSyncConfig
@@ -158,7 +159,7 @@ def _synchronous_step(gradients, update):
 def _step_of_each_replica(layout: StateLayout, gradients, update):
     """step(state, batch) → (state, metrics) of replicas that step on their own (local SGD,
     DiLoCo): each on its slice of the global batch, a metric per replica."""
-    replicas = layout.mesh.shape["replica"]
+    replicas = layout.replicas
     slices_sharding = NamedSharding(layout.mesh, P("replica", "zero"))
 
     def step(state: TrainState, batch: Batch):
@@ -191,7 +192,7 @@ def make_outer_step(
     Δ and the outer update are written per device (a shard_map over every axis), so that the one
     collective over `replica` is Δ's all-reduce of each device's shard: left to XLA, tensor-
     parallel tables were also gathered across replicas."""
-    stage, replicas = layout.stage, layout.mesh.shape["replica"]
+    stage, replicas = layout.stage, layout.replicas
     outer_specs = jax.tree.map(lambda s: s.spec, state_shardings.outer,
                                is_leaf=lambda x: isinstance(x, NamedSharding))  # fmt: skip
     current_specs = replicas_module.specs_over_replicas(outer_specs.anchor)
@@ -274,10 +275,10 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
 
     def evaluate(params, batch: Batch) -> LossSums:
         params = layout.unpad(params)
-        decoded = module.apply({"params": params}, *model_inputs(batch), project=False)
-        weights = batch["decoder_loss_weights"].astype(jnp.float32)
+        decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
+        weights = batch.decoder_loss_weights.astype(jnp.float32)
         _, cross_entropy, z_term = model_loss_sums(
-            model, decoded, params["lm_head"], batch["decoder_target_tokens"], weights, z_loss
+            model, decoded, params["lm_head"], batch.decoder_target_tokens, weights, z_loss
         )
         return LossSums(cross_entropy=cross_entropy, z_loss=z_term, target_tokens=jnp.sum(weights))
 
