@@ -141,7 +141,9 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + re.split(r"[,-]", ranges)[0]
 
 
-def _int(value: str | None, name: str) -> int | None:
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    """The integer the environment variable `name` holds: None when it is unset or empty."""
+    value = env.get(name)
     if value is None or value == "":
         return None
     try:
@@ -152,19 +154,19 @@ def _int(value: str | None, name: str) -> int | None:
 
 def _from_slurm(env: Mapping[str, str]) -> _Settings:
     """Settings from an `srun` step (SLURM sets these in every task it starts)."""
-    count = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
-    nodes = _int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES"), "SLURM_NNODES")
+    count = _env_int(env, "SLURM_NTASKS")
+    nodes = _env_int(env, "SLURM_STEP_NUM_NODES") or _env_int(env, "SLURM_NNODES")
     # A port that the tasks agree on without talking, different per job on shared nodes.
     port = env.get(f"{ENV_PREFIX}COORDINATOR_PORT") or str(
-        49152 + _int(env["SLURM_JOB_ID"], "SLURM_JOB_ID") % 16384
+        49152 + _env_int(env, "SLURM_JOB_ID") % 16384
     )
     local_ids = None
     if nodes and count and count > nodes:  # several tasks per node: one GPU each
-        local_ids = (_int(env["SLURM_LOCALID"], "SLURM_LOCALID"),)
+        local_ids = (_env_int(env, "SLURM_LOCALID"),)
     return _Settings(
         coordinator_address=f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{port}",
         num_processes=count,
-        process_id=_int(env["SLURM_PROCID"], "SLURM_PROCID"),
+        process_id=_env_int(env, "SLURM_PROCID"),
         local_device_ids=local_ids,
     )
 
@@ -185,19 +187,19 @@ def resolve_processes(
         or None,
         num_processes=config.num_processes
         if config.num_processes is not None
-        else _int(env.get(f"{ENV_PREFIX}NUM_PROCESSES"), f"{ENV_PREFIX}NUM_PROCESSES"),
+        else _env_int(env, f"{ENV_PREFIX}NUM_PROCESSES"),
         process_id=config.process_id
         if config.process_id is not None
-        else _int(env.get(f"{ENV_PREFIX}PROCESS_ID"), f"{ENV_PREFIX}PROCESS_ID"),
+        else _env_int(env, f"{ENV_PREFIX}PROCESS_ID"),
         local_device_ids=config.local_device_ids,
     )
     source = "explicit"
-    if _in_slurm_step(env) and int(env["SLURM_NTASKS"]) > 1:
+    if _in_slurm_step(env) and (_env_int(env, "SLURM_NTASKS") or 0) > 1:
         source = "slurm"
         settings = settings.or_else(_from_slurm(env))
     elif "JOB_COMPLETION_INDEX" in env and settings.process_id is None:
         source = "kubernetes"  # an Indexed Job: the pod's index is the process id
-        index = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+        index = _env_int(env, "JOB_COMPLETION_INDEX")
         settings = dataclasses.replace(settings, process_id=index)
     if settings.num_processes in (None, 1) and settings.coordinator_address is None:
         return ProcessSpec("single")
