@@ -21,6 +21,7 @@ from t5scale.whatif.collectives import Placement, collective_seconds, placement
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.step_time import (
+    OverlapSeconds,
     combined,
     hidden_seconds,
     overlap_class,
@@ -145,15 +146,15 @@ def test_gradient_reductions_are_placed_by_the_micro_batch_loop(stage, kind, exp
 
 def test_hidden_communication_by_hand():
     compute = ComputeTime(forward_layers=1.0, backward_layers=2.0, head=0.5, matmul_flops=0)
-    by_class = {"forward": 0.5, "backward": 1.5, "gradient": 1.0, "gradient_per_step": 2.0,
-                "exposed": 7.0}  # fmt: skip
+    by_class = OverlapSeconds(forward=0.5, backward=1.5, gradient=1.0, gradient_per_step=2.0,
+                              exposed=7.0)  # fmt: skip
     # depth 4: a quarter of each class is never hidden. forward: 0.375 behind 1.0; backward:
     # 1.125 behind 2.0, leaving 0.875; gradient: 0.75 of it, leaving 0.125, of which the last
     # of 2 micro-batches' share, 0.0625, hides the once-per-step reduction
     got = hidden_seconds(by_class, compute, depth=4, micro_batches=2)
     assert got == pytest.approx(0.375 + 1.125 + 0.75 + 0.0625)
     # more layer traffic than compute: capped by each pass's own compute
-    swamped = by_class | {"forward": 10.0, "backward": 10.0}
+    swamped = dataclasses.replace(by_class, forward=10.0, backward=10.0)
     assert hidden_seconds(swamped, compute, depth=4, micro_batches=1) == pytest.approx(3.0)
 
 

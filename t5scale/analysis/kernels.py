@@ -174,18 +174,21 @@ class GpuProgram(JsonRecord):
 
     @property
     def inventory(self) -> KernelInventory:
-        totals = dict.fromkeys(CLASSES, ClassTotal())
+        totals = dict.fromkeys(KERNEL_CLASSES, ClassTotal())
         for kernel in self.kernels:
             runs = kernel.runs
             totals[kernel.kind] = totals[kernel.kind].plus(
                 runs, runs * kernel.bytes_read, runs * kernel.bytes_written, runs * kernel.flops
             )
-        for collective in self.collectives:
-            op = collective.op
-            totals["collective"] = totals["collective"].plus(
+        collective = ClassTotal()
+        for scheduled in self.collectives:
+            op = scheduled.op
+            collective = collective.plus(
                 op.count, op.count * op.operand_bytes, op.count * op.bytes, 0.0
             )
-        return KernelInventory(**totals, unknown_trip_count_loops=self.unknown_trip_count_loops)
+        return KernelInventory(
+            **totals, collective=collective, unknown_trip_count_loops=self.unknown_trip_count_loops
+        )
 
 
 def gpu_program(hlo_text: str) -> GpuProgram:

@@ -211,5 +211,9 @@ class StepAnalysis(JsonRecord):
         return self.mesh.get("replica", 1) * self.mesh.get("zero", 1)
 
     @property
+    def zero(self) -> int:
+        return self.mesh.get("zero", 1)
+
+    @property
     def tensor(self) -> int:
         return self.mesh.get("tensor", 1)

@@ -115,25 +115,36 @@ def overlap_class(op: CollectiveOp, mesh: dict[str, int]) -> str:
     return "exposed"
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapSeconds:
+    """A step's communication seconds by what compute each class may hide behind (CLASSES)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    gradient: float = 0.0
+    gradient_per_step: float = 0.0
+    exposed: float = 0.0
+
+
 def hidden_seconds(
-    by_class: dict[str, float], compute: ComputeTime, depth: int, micro_batches: int
+    by_class: OverlapSeconds, compute: ComputeTime, depth: int, micro_batches: int
 ) -> float:
     """Communication hidden behind compute: each class behind the compute it may overlap, but
     for one layer's worth (fill and drain)."""
     keep = 1 - 1 / depth
-    forward = min(by_class["forward"] * keep, compute.forward_layers)
-    backward = min(by_class["backward"] * keep, compute.backward_layers)
+    forward = min(by_class.forward * keep, compute.forward_layers)
+    backward = min(by_class.backward * keep, compute.backward_layers)
     free = compute.backward_layers - backward  # backward compute no layer collective took
-    gradient = min(by_class["gradient"] * keep, free)
+    gradient = min(by_class.gradient * keep, free)
     last = (free - gradient) / micro_batches  # the last micro-batch's free backward compute
-    return forward + backward + gradient + min(by_class["gradient_per_step"] * keep, last)
+    return forward + backward + gradient + min(by_class.gradient_per_step * keep, last)
 
 
 def owned_parameters(analysis: StepAnalysis) -> float:
     """Parameters whose update this device runs: its `tensor` slice, and from stage 1 its
     `zero` shard of that."""
     owned = analysis.parameters / analysis.tensor
-    return owned / analysis.mesh["zero"] if analysis.zero_stage >= 1 else owned
+    return owned / analysis.zero if analysis.zero_stage >= 1 else owned
 
 
 def _memory_seconds(moved: float, cluster: ClusterConfig) -> float:
@@ -229,7 +240,7 @@ def predict(
     hidden = 0.0
     if overlap:
         depth = analysis.layers.depth
-        hidden = hidden_seconds(by_class, compute, depth, analysis.micro_batches)
+        hidden = hidden_seconds(OverlapSeconds(**by_class), compute, depth, analysis.micro_batches)
     update = update_seconds(analysis, cluster)
     outer, every = outer_step_seconds(analysis, cluster, combine_threshold_bytes)
     return _prediction(
