@@ -38,7 +38,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 checkpoi
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from t5scale.model.mt5 import abstract_params
+from t5scale.model.mt5 import EMBEDDING, LM_HEAD, abstract_params
 from t5scale.model.sizes import ModelConfig
 
 # feed_forward_proj values whose activation is GELU's tanh approximation, t5scale's only one
@@ -196,8 +196,8 @@ def weight_plan(cfg: ModelConfig) -> list[Weight]:
     dec, dec_layers = ("decoder", "layers"), cfg.num_decoder_layers
     eb, db = "encoder.block.{i}.layer", "decoder.block.{i}.layer"
     return [
-        Weight(("embedding",), "shared.weight", (cfg.vocab_size, d), same),
-        Weight(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), transpose),
+        Weight((EMBEDDING,), "shared.weight", (cfg.vocab_size, d), same),
+        Weight((LM_HEAD,), "lm_head.weight", (cfg.vocab_size, d), transpose),
         relpos("encoder"),
         norm((*enc, "pre_attention_norm"), f"{eb}.0.layer_norm", enc_layers),
         *attention((*enc, "attention"), f"{eb}.0.SelfAttention", enc_layers),
@@ -339,13 +339,13 @@ def params_from_hf(
                     value[i] = layer
             _set(params, weight.path, np.ascontiguousarray(value))
 
-        shared = params["embedding"]
+        shared = params[EMBEDDING]
         for alias in _ALIASES_OF_SHARED:
             if alias in where and not np.array_equal(_read(where, alias, shared.shape), shared):
                 raise ValueError(
                     f"HF tensor {alias} differs from shared.weight; t5scale has one embedding"
                 )
-        if np.array_equal(params["lm_head"].T, shared):
+        if np.array_equal(params[LM_HEAD].T, shared):
             raise ValueError(
                 "HF lm_head.weight equals shared.weight (tied output projection); "
                 "t5scale's lm_head is untied"

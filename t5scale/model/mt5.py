@@ -36,6 +36,9 @@ Axes = tuple[str, ...]
 # 'fused_reference').
 AttentionBias = Any
 NEG_INF = -1e10
+# The parameters of the vocabulary: the input embedding [V, d] and the output projection [d, V]
+# (mT5 does not tie them), by their names in the parameter tree.
+EMBEDDING, LM_HEAD = "embedding", "lm_head"
 
 
 def _keep_params(params, path: tuple[str, ...]):
@@ -381,7 +384,7 @@ class MT5(_Module):
         if decoder_segment_ids is None:
             decoder_segment_ids = jnp.ones_like(decoder_input_tokens, dtype=jnp.int32)
         embedding = self.table(
-            "embedding", _normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed")
+            EMBEDDING, _normal(1.0), (cfg.vocab_size, cfg.d_model), ("vocab", "embed")
         )
 
         # One look-up for both stacks' tokens: one collective where the table is split.
@@ -397,7 +400,7 @@ class MT5(_Module):
         if not project:
             return decoded
         lm_head = self.weight(
-            "lm_head", _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
+            LM_HEAD, _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )
         logits = project_to_vocab(decoded, lm_head).astype(jnp.float32)
         return self.constrain(logits, ("batch", "length", "vocab"))

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.errors import MeshError
+from t5scale.model.mt5 import EMBEDDING, LM_HEAD
 from t5scale.parallel import rules
 from t5scale.parallel.mesh import DATA_AXES, ParallelConfig
 from t5scale.parallel.zero import ZeroStage, get_stage
@@ -189,7 +190,7 @@ class StateLayout:
     def vocabulary_parallel(self) -> bool:
         """Stage 3 with the embedding and the output projection split by vocabulary, so that the
         step may use them where they lie (t5scale/parallel/vocab.py decides when it pays)."""
-        tables = (self.leaves["embedding"], self.leaves["lm_head"])
+        tables = (self.leaves[EMBEDDING], self.leaves[LM_HEAD])
         return self.stage.shard_parameters and all(t.split_by_vocabulary for t in tables)
 
     @property

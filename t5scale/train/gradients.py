@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.data.batch import Batch
 from t5scale.model.head import loss_sums, model_loss_sums
-from t5scale.model.mt5 import MT5, ShardingHooks
+from t5scale.model.mt5 import EMBEDDING, LM_HEAD, MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.attention import attend_on_mesh
@@ -144,7 +144,7 @@ def gather_outside_layers(
         and layouts[index].over_zero
         and not (keep_vocabulary_split and layouts[index].split_by_vocabulary)
     ]
-    chosen.sort(key=lambda index: "embedding" in names[index])  # the embedding last
+    chosen.sort(key=lambda index: EMBEDDING in names[index])  # the embedding last
     values = [leaf for _, leaf in leaves]
     done = gather_over_zero(
         [values[index] for index in chosen], [layouts[index] for index in chosen], dtype,
@@ -184,7 +184,7 @@ def dense_loss_sums(
         return cross_entropy + z_term, cross_entropy, z_term
     decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
     return model_loss_sums(
-        model, decoded, params["lm_head"], targets, weights, z_loss, constrain=_constrain
+        model, decoded, params[LM_HEAD], targets, weights, z_loss, constrain=_constrain
     )
 
 
@@ -207,7 +207,7 @@ def vocabulary_parallel_loss_sums(
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
-    return vocab.loss_sums(model, decoded, params["lm_head"], batch, z_loss, _constrain)
+    return vocab.loss_sums(model, decoded, params[LM_HEAD], batch, z_loss, _constrain)
 
 
 def micro_batch_loss(
@@ -234,7 +234,7 @@ def micro_batch_loss(
             params, layout, precision.param_dtype, total_weight, keep_vocabulary_split=split
         )
     if split:
-        slice_size = layout.leaves["lm_head"].padded[1] // layout.zero_size
+        slice_size = layout.leaves[LM_HEAD].padded[1] // layout.zero_size
         sums = vocabulary_parallel_loss_sums(
             model, hooks, params, batch, z_loss, slice_size, last_collective
         )

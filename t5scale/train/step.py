@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
-from t5scale.model.mt5 import MT5
+from t5scale.model.mt5 import LM_HEAD, MT5
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import StateLayout
 from t5scale.parallel.mesh import DATA_AXES
@@ -278,7 +278,7 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
         decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
         weights = batch.decoder_loss_weights.astype(jnp.float32)
         _, cross_entropy, z_term = model_loss_sums(
-            model, decoded, params["lm_head"], batch.decoder_target_tokens, weights, z_loss
+            model, decoded, params[LM_HEAD], batch.decoder_target_tokens, weights, z_loss
         )
         return LossSums(cross_entropy=cross_entropy, z_loss=z_term, target_tokens=jnp.sum(weights))
 
