@@ -1,8 +1,10 @@
 """Synthetic packed span-corruption batches and the learning-rate schedule."""
 
+import jax
 import numpy as np
 import pytest
 
+from t5scale.data.batch import Batch
 from t5scale.data.synthetic import FEATURES, DataConfig, synthetic_batch
 from t5scale.train.optim import OptimizerConfig, inverse_sqrt_schedule
 
@@ -42,6 +44,19 @@ def test_synthetic_batches_are_deterministic_per_seed_and_step():
     first, again, other = (batch.features() for batch in (first, again, other))
     assert all((first[k] == again[k]).all() for k in FEATURES)
     assert any((first[k] != other[k]).any() for k in FEATURES)
+
+
+def test_the_batch_record_is_seqio_features_and_flattens_as_the_dict_did():
+    """A Batch is made from seqio's dict at the data edge and gives it back; JAX flattens it in
+    the order it flattened the dict (sorted names), so the compiled step's arguments keep
+    their order."""
+    batch = synthetic_batch(DataConfig(input_length=16, target_length=8), 2, 100, seed=0, step=0)
+    features = batch.features() | {"a_task_feature": np.zeros(2)}  # extra features are left
+    again = Batch.of_features(features)
+    assert all(np.array_equal(again.features()[k], batch.features()[k]) for k in FEATURES)
+    as_dict = {k: batch.features()[k] for k in FEATURES}
+    assert [id(x) for x in jax.tree.leaves(batch)] == [id(x) for x in jax.tree.leaves(as_dict)]
+    assert batch.rows == 2 and batch.map(lambda x: x[:1]).rows == 1
 
 
 @pytest.mark.parametrize("shape", ["linear", "constant"])
