@@ -203,11 +203,13 @@ def study_command(call: Invocation) -> None:
     from t5scale import config
     from t5scale.study.report import write_report
     from t5scale.study.runner import run_study
+    from t5scale.whatif.tpu_pod import refuse_tpu_pod
 
     config.parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
     study, gin_text = config.build_study_config(), config.operative_config()
     # a cluster file: the compile-only rounds compile for its GPUs (XLA's GPU compiler)
     cluster = config.build_cluster_config()
+    refuse_tpu_pod(cluster, "study")
     summary = run_study(study, config.study_runs(study), gin_text, cluster=cluster)
     print("\n".join(summary.lines(study.study_dir)))
     if not summary.completed:
@@ -231,7 +233,7 @@ def plan_command(call: Invocation) -> None:
 
     run = call.run_config()
     config = build_study_config("plan")
-    cluster = build_cluster_config()  # given: XLA's GPU compiler, for the cluster's GPUs
+    cluster = build_cluster_config()  # given: XLA's GPU or TPU compiler, for its devices
     show = _emulate_cpu_devices(config.devices, call.args.json)
     result = plan.run_plan(run, config, show, cluster)
     print(json.dumps(result.to_json(), indent=2) if call.args.json else plan.format_plan(result))
@@ -240,9 +242,11 @@ def plan_command(call: Invocation) -> None:
 def simulate_command(call: Invocation) -> None:
     from t5scale.config import build_cluster_config, build_study_config
     from t5scale.whatif import simulate
+    from t5scale.whatif.tpu_pod import refuse_tpu_pod
 
     run = call.run_config()
     cluster = build_cluster_config(required=True)
+    refuse_tpu_pod(cluster, "simulate")
     config = build_study_config("simulate")
     show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
     result = simulate.simulate(run, cluster, config, show)

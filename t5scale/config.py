@@ -31,6 +31,7 @@ from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.plan import PlanConfig
 from t5scale.whatif.simulate import SimulateConfig
+from t5scale.whatif.tpu_pod import TpuPodConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Always parsed first: it declares the macros (TRAIN_STEPS, MODEL_DIR, …) that runs override.
@@ -51,6 +52,7 @@ _STUDY_CONFIGURABLES = {
     "study": gin.external_configurable(StudyConfig, "StudyConfig"),
     "plan": gin.external_configurable(PlanConfig, "PlanConfig"),
     "cluster": gin.external_configurable(ClusterConfig, "ClusterConfig"),
+    "tpu_pod": gin.external_configurable(TpuPodConfig, "TpuPodConfig"),
     "simulate": gin.external_configurable(SimulateConfig, "SimulateConfig"),
 }
 
@@ -136,20 +138,27 @@ def build_study_config(name: str = "study"):
     return _build(_STUDY_CONFIGURABLES[name])
 
 
-def build_cluster_config(required: bool = False) -> ClusterConfig | None:
-    """The ClusterConfig a cluster file (gin/clusters/) binds, or None where none is given;
-    a ConfigError naming the figures not given where one is `required` or partly given."""
-    needed = [f.name for f in dataclasses.fields(ClusterConfig)
-              if f.default is dataclasses.MISSING]  # fmt: skip
-    missing = [name for name in needed if not _bound(f"ClusterConfig.{name}")]
-    if missing == needed and not required:
-        return None
-    if missing:
+def build_cluster_config(required: bool = False) -> ClusterConfig | TpuPodConfig | None:
+    """The GPU cluster (ClusterConfig) or TPU pod (TpuPodConfig) a cluster file (gin/clusters/)
+    binds, or None where none is given; a ConfigError naming the figures not given where one
+    is `required` or partly given."""
+    for name, kind in (("cluster", ClusterConfig), ("tpu_pod", TpuPodConfig)):
+        needed = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]
+        missing = [field for field in needed if not _bound(f"{kind.__name__}.{field}")]
+        if missing == needed:
+            continue
+        if missing:
+            raise ConfigError(
+                f"{kind.__name__}: not given: {', '.join(missing)}; a cluster file names every "
+                "figure, e.g. --gin_file=gin/clusters/a100.gin or gin/clusters/tpu_v5p.gin"
+            )
+        return build_study_config(name)
+    if required:
         raise ConfigError(
-            f"ClusterConfig: not given: {', '.join(missing)}; a cluster file names every "
-            "figure, e.g. --gin_file=gin/clusters/a100.gin"
+            "no cluster file: give one of gin/clusters/ (a GPU cluster or a TPU pod), e.g. "
+            "--gin_file=gin/clusters/h100.gin"
         )
-    return build_study_config("cluster")
+    return None
 
 
 def _bound(parameter: str) -> bool:

@@ -1,23 +1,28 @@
-"""How JAX starts in a t5scale process where jax's CUDA plugin is installed but no GPU is.
+"""How JAX starts in a t5scale process where an accelerator's compiler is installed but no
+accelerator is.
 
-The `gpu` extra installs the plugin so that a laptop or a login node can compile for a GPU
-cluster it does not have (t5scale/xla_gpu.py). Left alone, the plugin then spoils every command
-on such a machine: JAX tries it first and prints a traceback ("Unable to load CUDA"), and
-importing jax prints an absl line per GPU library ("Could not find cuda drivers on your
-machine"). So, before jax is imported, and only where the plugin is installed:
+The `gpu-compile` extra installs jax's CUDA plugin and the `tpu` extra libtpu, so that a laptop
+or a login node can compile for a GPU cluster or a TPU pod it does not have (t5scale/xla_gpu.py,
+t5scale/xla_tpu.py). Left alone, either spoils every command on such a machine: JAX tries it
+first and prints a traceback ("Unable to load CUDA") or libtpu's complaints that it finds no TPU
+VM, and importing jax prints an absl line per GPU library ("Could not find cuda drivers on
+your machine"). So, before jax is imported, and only where the plugin or libtpu is installed:
 
-- without an NVIDIA driver (no libcuda.so.1) and without JAX_PLATFORMS set by the user,
-  JAX_PLATFORMS defaults to `cpu`: every command runs on the CPU as it does without the plugin,
-  and compile-only GPU devices still come from jax.experimental.topologies;
-- the absl lines the plugin's registration prints are dropped; anything else passes through.
+- without the accelerator (no NVIDIA driver, no TPU chip on the PCI bus) and without
+  JAX_PLATFORMS set by the user, JAX_PLATFORMS defaults to `cpu`: every command runs on the
+  CPU as it does without them, and compile-only devices still come from
+  jax.experimental.topologies;
+- the absl lines the CUDA plugin's registration prints are dropped; anything else passes
+  through.
 
-On a GPU machine, or with JAX_PLATFORMS set, nothing changes.
+On a GPU machine or a TPU VM, or with JAX_PLATFORMS set, nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import importlib.util
 import os
 import sys
@@ -32,6 +37,22 @@ def cuda_plugin_installed() -> bool:
         return importlib.util.find_spec("jax_cuda12_plugin") is not None
     except ValueError:  # imported as None: kept out on purpose
         return False
+
+
+def libtpu_installed() -> bool:
+    try:
+        return importlib.util.find_spec("libtpu") is not None
+    except ValueError:
+        return False
+
+
+def tpu_chips_present() -> bool:
+    """Whether a TPU chip is on this machine's PCI bus (Google's vendor id, as jax looks)."""
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with contextlib.suppress(OSError), open(vendor) as file:
+            if file.read().strip() == "0x1ae0":
+                return True
+    return False
 
 
 def nvidia_driver_present() -> bool:
@@ -72,12 +93,16 @@ def _without_stub_lines():
 
 def start_jax() -> None:
     """Import jax as the module docstring says (a no-op once jax is imported)."""
-    if "jax" in sys.modules or not cuda_plugin_installed():
+    if "jax" in sys.modules:
         return
-    driver = nvidia_driver_present()
-    if not driver and not os.environ.get("JAX_PLATFORMS"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    if driver:
+    cuda, tpu = cuda_plugin_installed(), libtpu_installed()
+    if not cuda and not tpu:
+        return
+    driver = cuda and nvidia_driver_present()
+    chips = tpu and tpu_chips_present()
+    if not chips and not os.environ.get("JAX_PLATFORMS"):
+        os.environ["JAX_PLATFORMS"] = "cuda,cpu" if driver else "cpu"
+    if driver or not cuda:
         return
     with _without_stub_lines():
         import jax  # noqa: F401

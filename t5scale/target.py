@@ -4,6 +4,8 @@
                                                this host's GPUs): programs compile and run
     Target.compile_only_gpus(GpuTopology(...)) GPUs that are not here (t5scale/xla_gpu.py):
                                                XLA's GPU compiler makes the program; nothing runs
+    Target.compile_only_tpus(TpuTopology(...)) TPU slices that are not here (t5scale/xla_tpu.py):
+                                               XLA's TPU compiler (libtpu), deviceless
 
 A target owns the devices a mesh is laid over, the compiler's options, whether the persistent
 compilation cache may hold its programs, the compiler's name as reports give it, and whether
@@ -20,7 +22,7 @@ from typing import Any
 
 import jax
 
-from t5scale import xla_gpu
+from t5scale import xla_gpu, xla_tpu
 from t5scale.errors import ConfigError
 
 
@@ -45,6 +47,11 @@ class Target:
         return cls(tuple(topology.devices()), compile_only=True)
 
     @classmethod
+    def compile_only_tpus(cls, topology: xla_tpu.TpuTopology) -> Target:
+        """`topology`'s TPU chips, compiled for by XLA's TPU compiler without them."""
+        return cls(tuple(topology.devices()), compile_only=True)
+
+    @classmethod
     def of(cls, devices: Sequence[Any] | Target | None) -> Target:
         """A target from what a caller holds: a target, a list of devices, or None (all
         devices at hand)."""
@@ -53,11 +60,12 @@ class Target:
         if devices is None:
             return cls.local()
         devices = tuple(devices)
-        return cls(devices, compile_only=xla_gpu.is_compile_only_gpu(devices))
+        compile_only = xla_gpu.is_compile_only_gpu(devices) or xla_tpu.is_compile_only_tpu(devices)
+        return cls(devices, compile_only=compile_only)
 
     @property
     def platform(self) -> str:
-        """'cpu' or 'gpu' (XLA's name, which says 'gpu' for CUDA devices)."""
+        """'cpu', 'gpu' or 'tpu' (XLA's name, which says 'gpu' for CUDA devices)."""
         return self.devices[0].platform
 
     @property
@@ -65,12 +73,19 @@ class Target:
         return self.platform == "gpu"
 
     @property
+    def is_tpu(self) -> bool:
+        return self.platform == "tpu"
+
+    @property
     def size(self) -> int:
         return len(self.devices)
 
     @property
-    def hosts(self) -> int:
-        """Processes the devices belong to (nodes, for compile-only GPUs)."""
+    def dcn_granules(self) -> int:
+        """Groups of devices only the slow network joins: the mesh's axis across them
+        (t5scale/parallel/mesh.py). GPU nodes or processes; TPU slices, whose hosts share ICI."""
+        if self.is_tpu:
+            return len({getattr(d, "slice_index", None) or 0 for d in self.devices})
         return len({device.process_index for device in self.devices})
 
     @property
@@ -84,7 +99,10 @@ class Target:
 
     @property
     def compiler_name(self) -> str:
-        """As plan and simulate report it: 'xla:cpu', or 'xla:gpu <GPU>, N nodes x G'."""
+        """As plan and simulate report it: 'xla:cpu', 'xla:gpu <GPU>, N nodes x G', or
+        'xla:tpu <chip>, <slice> (<torus>), N slices'."""
+        if self.is_tpu:
+            return xla_tpu.compiler_name(self.devices)
         return xla_gpu.compiler_name(self.devices)
 
     @property

@@ -1,6 +1,6 @@
 """The packages' layering (docs/concepts.md): no module imports a package above its own.
 
-    ground floor (errors, jsonform, startup, target, xla_cpu, xla_gpu)
+    ground floor (errors, jsonform, startup, target, xla_cpu, xla_gpu, xla_tpu)
     < model, data < parallel < analysis < train < whatif < study < config < cli
 
 Every import counts, those inside functions too (the CLI imports each command's modules when
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "t5scale"
-GROUND = ("errors", "jsonform", "startup", "target", "xla_cpu", "xla_gpu", "__init__")
+GROUND = ("errors", "jsonform", "startup", "target", "xla_cpu", "xla_gpu", "xla_tpu", "__init__")
 LAYERS = [GROUND, ("model", "data"), ("parallel",), ("analysis",), ("train",), ("whatif",),
           ("study",), ("config",), ("cli",)]  # fmt: skip
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}

@@ -60,7 +60,7 @@ class StepShape:
     gradient_bytes_per_device: int
     outer_state_bytes_per_device: int | None  # local SGD, DiLoCo: the anchor and its momentum
     sync: SyncSettings
-    platform: str  # Target.platform: 'cpu' or 'gpu'
+    platform: str  # Target.platform: 'cpu', 'gpu' or 'tpu'
     compiler: str  # Target.compiler_name
 
     @property

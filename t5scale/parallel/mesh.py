@@ -6,6 +6,11 @@ only the once-per-step gradient reduction crosses the slow network. With
 `zero_across_hosts=True` the `zero` axis spans the processes instead (ZeRO over the whole
 cluster: less memory per device, more inter-node traffic). Devices are ordered by mesh_utils'
 hybrid device mesh, processes as the slow ("DCN") dimension.
+
+On TPUs the slow network joins slices, not hosts: a slice's hosts share its ICI torus, so the
+whole slice is one group (`zero` and `tensor` over ICI, laid along the torus by mesh_utils) and
+`replica` (or, with zero_across_hosts, `zero`) spans the slices over DCN, as MaxText lays its
+ICI and DCN axes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from jax.sharding import AxisType, Mesh
 
 from t5scale.errors import MeshError, check_field_types
 from t5scale.parallel.zero import check_stages
+from t5scale.target import Target
 
 AXES = ("replica", "zero", "tensor")
 # The batch is split over both data-parallel axes; model state is only ever sharded over `zero`.
@@ -58,7 +64,8 @@ class ParallelConfig:
         return "zero" if self.zero_across_hosts else "replica"
 
     def resolve(self, num_devices: int, hosts: int = 1) -> tuple[int, int, int]:
-        """The concrete (replica, zero, tensor) for `num_devices`, or a MeshError that says why."""
+        """The concrete (replica, zero, tensor) for `num_devices` over `hosts` groups that only
+        the slow network joins (dcn_granules), or a MeshError that says why."""
         replica = self.replica
         if replica is None:
             replica = hosts if self.axis_across_hosts == "replica" else 1
@@ -89,22 +96,30 @@ class ParallelConfig:
         if across % hosts:
             raise MeshError(
                 f"{self.axis_across_hosts}={across} spans the hosts and must be a multiple of the "
-                f"{hosts} processes (ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
+                f"{hosts} hosts (processes; slices on TPUs) "
+                f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
             )
         return tuple(sizes)
 
 
 def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
-    """A mesh over `devices` (default: all), `tensor` fastest-varying so it stays within a host."""
+    """A mesh over `devices` (default: all), `tensor` fastest-varying so it stays within a host
+    (a slice, on TPUs), laid along the TPU torus where the devices are TPUs."""
     devices = list(jax.devices() if devices is None else devices)
-    hosts = len({d.process_index for d in devices})
-    shape = config.resolve(len(devices), hosts)
+    target = Target.of(devices)
+    granules, tpu = target.dcn_granules, target.is_tpu
+    shape = config.resolve(len(devices), granules)
     auto = (AxisType.Auto,) * len(AXES)
-    if hosts > 1:
+    if granules > 1:
         across = AXES.index(config.axis_across_hosts)
-        dcn = tuple(hosts if i == across else 1 for i in range(len(AXES)))
-        per_host = tuple(s // d for s, d in zip(shape, dcn, strict=True))
-        grid = mesh_utils.create_hybrid_device_mesh(per_host, dcn, devices, process_is_granule=True)
+        dcn = tuple(granules if i == across else 1 for i in range(len(AXES)))
+        inside = tuple(s // d for s, d in zip(shape, dcn, strict=True))
+        grid = mesh_utils.create_hybrid_device_mesh(
+            inside, dcn, devices, process_is_granule=not tpu, allow_split_physical_axes=tpu
+        )
+        return Mesh(grid, AXES, axis_types=auto)
+    if tpu:  # an axis may take part of a torus dimension (tensor=2 on a 4x4x4 slice)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         return Mesh(grid, AXES, axis_types=auto)
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, AXES, axis_types=auto)

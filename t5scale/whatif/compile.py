@@ -1,7 +1,7 @@
 """The one place a run is compiled for a plan, a simulation or a study's trial.
 
     target = cluster_target(cluster, 16, "gpu")      # or Target.local(8): emulated devices
-    step = compile_for(weak_scale(run, 3, 16, 4, hosts=target.hosts), target, budget)
+    step = compile_for(weak_scale(run, 3, 16, 4, hosts=target.dcn_granules), target, budget)
     analysis = cached_analysis(run, target, budget)  # the same, kept on disk
 
 `compile_for` lays the run over the target's devices and compiles its step with nothing

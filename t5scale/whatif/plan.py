@@ -28,6 +28,7 @@ from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.whatif.compile import cluster_target, compile_for
 from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.weak_scaling import weak_scale
 
 GIB = 2**30
@@ -119,7 +120,7 @@ class Plan:
     run: RunConfig
     plan: PlanConfig
     stages: tuple[StagePlan, ...]
-    compiler: str  # Target.compiler_name: 'xla:cpu' or 'xla:gpu <GPU>, N nodes x G'
+    compiler: str  # Target.compiler_name: 'xla:cpu', 'xla:gpu <GPU>, N nodes x G', 'xla:tpu …'
     device_memory_gb: float
 
     def to_json(self) -> dict[str, Any]:
@@ -146,7 +147,12 @@ def plan_stage(
     """The stage compiled with zero over every data-parallel device (replica 1), across the
     nodes too where the target is several nodes' compile-only GPUs."""
     staged = weak_scale(
-        run, stage, plan.devices, plan.micro_batch_size, tensor=plan.tensor, hosts=target.hosts
+        run,
+        stage,
+        plan.devices,
+        plan.micro_batch_size,
+        tensor=plan.tensor,
+        hosts=target.dcn_granules,
     )
     return compile_stage_plan(staged, target, budget_bytes)
 
@@ -158,12 +164,22 @@ def compile_stage_plan(run: RunConfig, target: Target, budget_bytes: float) -> S
 
 
 def run_plan(
-    run: RunConfig, plan: PlanConfig, show=print, cluster: ClusterConfig | None = None
+    run: RunConfig,
+    plan: PlanConfig,
+    show=print,
+    cluster: ClusterConfig | TpuPodConfig | None = None,
 ) -> Plan:
-    """Each stage compiled for `plan.devices` emulated CPU devices, or, with a cluster that
-    names its GPU's compile target, for that many of its GPUs by XLA's GPU compiler (device
-    memory then the cluster's)."""
-    if cluster is not None:
+    """Each stage compiled for `plan.devices` emulated CPU devices; with a GPU cluster that
+    names its GPU's compile target, for that many of its GPUs by XLA's GPU compiler; with a
+    TPU pod, for its slices' chips by XLA's TPU compiler (device memory then theirs)."""
+    if isinstance(cluster, TpuPodConfig):
+        target = Target.compile_only_tpus(cluster.topology())
+        if plan.devices not in (PlanConfig.devices, target.size):
+            raise ConfigError(f"PlanConfig.devices={plan.devices}, but {cluster.slices} × "
+                              f"{cluster.slice} are {target.size} chips")  # fmt: skip
+        plan = dataclasses.replace(plan, devices=target.size)
+        budget = cluster.device_memory_gb * 1e9
+    elif cluster is not None:
         target = cluster_target(cluster, plan.devices, "gpu")
         budget = cluster.device_memory_gb * 1e9
     else:

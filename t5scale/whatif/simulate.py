@@ -141,7 +141,7 @@ def simulate(
         target = cluster_target(cluster, devices, "gpu" if gpu else "cpu")
         staged = weak_scale(
             dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
-            tensor=config.tensor, replicas=nodes if sync.local else 1, hosts=target.hosts,
+            tensor=config.tensor, replicas=nodes if sync.local else 1, hosts=target.dcn_granules,
         )  # fmt: skip
         budget = int(cluster.device_memory_gb * 1e9)
         analysis = cached_analysis(staged, target, budget)

@@ -1,0 +1,154 @@
+"""Compiling for TPU slices on this TPU-less machine (t5scale/xla_tpu.py): libtpu's deviceless
+topologies, slices named as Cloud TPU names them, the mesh over slices, `plan` with a TPU pod
+file, and a quiet CPU start with libtpu installed.
+
+libtpu comes with the test extra (jax[tpu]); nothing here runs on a TPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cli_inline, run_cli
+
+from t5scale.cli import IN_CHILD
+from t5scale.errors import ConfigError
+from t5scale.parallel.mesh import ParallelConfig, make_mesh
+from t5scale.startup import libtpu_installed
+from t5scale.target import Target
+from t5scale.xla_tpu import TpuSlice, TpuTopology
+
+pytestmark = pytest.mark.skipif(not libtpu_installed(), reason="libtpu: the tpu extra (Linux)")
+
+TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.INPUT_LENGTH=32", "--gin.TARGET_LENGTH=8",
+        "--gin.DATA_SOURCE='synthetic'"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, generation, shape",
+    [("v4-8", "v4", (2, 2, 1)), ("v5p-16", "v5p", (2, 2, 2)), ("v5p-128", "v5p", (4, 4, 4)),
+     ("v5e-256", "v5e", (16, 16)), ("v5litepod-16", "v5e", (4, 4)), ("v6e-8", "v6e", (2, 4))],
+)  # fmt: skip
+def test_slices_are_named_as_cloud_tpu_names_accelerator_types(name, generation, shape):
+    """v4 and v5p count TensorCores (two a chip), v5e and v6e chips."""
+    one = TpuSlice.named(name)
+    assert (one.generation, one.shape) == (generation, shape)
+    cores = 2 if generation in ("v4", "v5p") else 1
+    assert one.chips * cores == int(name.split("-")[1])
+
+
+@pytest.mark.parametrize(
+    "name, shape, said",
+    [("v7x-8", None, "not an accelerator type"), ("v5p-12", None, "not a 3D slice"),
+     ("v5e-8", "2x2", "not a 2D slice"), ("v5p-128", "4x4x8", "not a 3D slice")],
+)  # fmt: skip
+def test_a_slice_that_does_not_exist_is_one_line(name, shape, said):
+    with pytest.raises(ConfigError, match=said):
+        TpuSlice.named(name, shape)
+
+
+def test_compile_only_chips_of_a_two_host_slice_and_of_two_slices():
+    one = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-16")))
+    assert one.size == 8 and one.is_tpu and one.compile_only and not one.runs_here
+    assert len({d.process_index for d in one.devices}) == 2  # two TPU VMs of 4 chips
+    assert one.dcn_granules == 1  # ICI joins the slice's hosts
+    assert one.compiler_name == "xla:tpu TPU v5, v5p-16 (2x2x2)"
+    two = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8"), slices=2))
+    assert two.size == 16 and two.dcn_granules == 2
+    assert two.compiler_name == "xla:tpu TPU v5 lite, v5e-8 (2x4), 2 slices"
+    assert Target.of(two.devices).compile_only  # the devices alone say so too
+
+
+def _slice_of(device) -> int:
+    return getattr(device, "slice_index", None) or 0
+
+
+def test_the_mesh_puts_replicas_across_slices_and_zero_inside_them():
+    devices = list(TpuTopology(TpuSlice.named("v5p-16"), slices=2).devices())
+    mesh = make_mesh(ParallelConfig(zero_stage=1), devices)
+    assert dict(mesh.shape) == {"replica": 2, "zero": 8, "tensor": 1}  # a replica per slice
+    for replica in range(2):  # each replica's zero group is one slice (ICI), over its 2 hosts
+        assert len({_slice_of(d) for d in mesh.devices[replica].flat}) == 1
+        assert len({d.process_index for d in mesh.devices[replica].flat}) == 2
+    # zero_across_hosts: ZeRO spans both slices (over DCN), one replica
+    across = make_mesh(ParallelConfig(zero_stage=3, zero_across_hosts=True), devices)
+    assert dict(across.shape) == {"replica": 1, "zero": 16, "tensor": 1}
+    assert len({_slice_of(d) for d in across.devices.flat}) == 2
+
+
+def test_tensor_takes_part_of_a_torus_dimension():
+    """tensor=2 on a 4x4x4 slice: mesh_utils refuses it unless an axis may split a physical
+    dimension; the two chips of a tensor group are ICI neighbours."""
+    devices = list(TpuTopology(TpuSlice.named("v5p-128")).devices())
+    mesh = make_mesh(ParallelConfig(zero_stage=3, tensor=2), devices)
+    assert dict(mesh.shape) == {"replica": 1, "zero": 32, "tensor": 2}
+    for pair in mesh.devices.reshape(-1, 2):
+        a, b = (d.coords for d in pair)
+        assert sum(abs(x - y) for x, y in zip(a, b, strict=True)) == 1
+
+
+def _quiet_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+
+
+def test_with_libtpu_and_no_tpu_jax_starts_on_the_cpu_quietly():
+    """libtpu, left alone, prints that it finds no TPU VM (on starting jax, and again on
+    describing a topology); t5scale starts jax on the CPU and drops those lines."""
+    code = (
+        "import t5scale, jax; print(jax.devices()[0].platform); "
+        "from t5scale.xla_tpu import TpuSlice, TpuTopology; "
+        "print(len(TpuTopology(TpuSlice.named('v5e-8')).devices()))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_quiet_env(), cwd=REPO, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "8"]
+    assert done.stderr == ""
+
+
+def test_without_libtpu_a_tpu_plan_is_one_line_naming_the_install():
+    code = (
+        "import sys; sys.modules['libtpu'] = None; from t5scale.cli import main; "
+        f"sys.exit(main({['plan', *TINY, '--gin_file=gin/clusters/tpu_v5e.gin']!r}))"
+    )
+    env = _quiet_env() | {IN_CHILD: "1"}  # plan's compile in this process, without libtpu
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "t5scale: error: compiling for TPUs needs libtpu: pip install 't5scale[tpu]' "
+        "(jax[tpu]: libtpu, XLA's TPU compiler; Linux only)"
+    ]
+
+
+def test_simulate_and_the_study_refuse_a_tpu_pod_in_one_line(capsys, monkeypatch):
+    for command in ("simulate", "study"):
+        code, _, err = cli_inline([command, *TINY, "--gin_file=gin/clusters/tpu_v5e.gin"],
+                                  capsys, monkeypatch)  # fmt: skip
+        assert code == 2, err
+        assert f"{command} takes GPU clusters only so far" in err
+
+
+@pytest.fixture(scope="module")
+def tpu_plan():
+    """`plan --json` of mt5_tiny for a v5e-8 slice (8 chips on 2 TPU VMs), every stage."""
+    done = run_cli("plan", "--json", *TINY, "--gin_file=gin/clusters/tpu_v5e.gin",
+                   "--gin.TpuPodConfig.slice='v5e-8'", "--gin.PlanConfig.micro_batch_size=2",
+                   env=_quiet_env())  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_plan_compiles_every_stage_for_the_slice_with_xla_tpu(tpu_plan):
+    assert tpu_plan["compiler"] == "xla:tpu TPU v5 lite, v5e-8 (2x4)"
+    assert tpu_plan["devices"] == 8 and tpu_plan["device_memory_gb"] == 16
+    assert [s["stage"] for s in tpu_plan["stages"]] == [0, 1, 2, 3]
+    for stage in tpu_plan["stages"]:
+        assert stage["mesh"] == {"replica": 1, "zero": 8, "tensor": 1}
+        assert stage["fits"] and stage["xla_memory_per_device"]["peak_estimate_bytes"] > 0
+    peaks = [s["xla_model_state_per_device"]["xla_parameters_and_optimizer_bytes"]
+             for s in tpu_plan["stages"]]  # fmt: skip
+    assert peaks == sorted(peaks, reverse=True)  # the stages shard more and more
