@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from t5scale.analysis.hlo import Instruction, collective_ops, parse_module
 from t5scale.analysis.hlo_walk import Walk, trip_count
 from t5scale.analysis.kernels import gpu_program
-from t5scale.startup import cuda_plugin_installed
+from t5scale.startup import cuda_plugin_installed, libtpu_installed
 
 OUTER, INNER = 3, 4  # trip counts: a scan with a fori_loop inside
 CONTROL = ("while", "call", "conditional", "async-start")
@@ -213,3 +213,19 @@ def test_xla_never_evaluates_the_condition_of_a_loop_of_known_trip_count():
     assert float(uncounted(1.0)[1]) == 32.0  # 5 iterations: 1 → 32
     jax.effects_barrier()
     assert len(evaluated) == 5 + 1
+
+
+@pytest.mark.skipif(not libtpu_installed(), reason="libtpu: the tpu extra (Linux)")
+def test_loops_xla_tpu_leaves_without_a_trip_count_are_counted_from_the_loop():
+    """XLA:TPU writes no known_trip_count; each loop counts from a constant to a constant by 1,
+    and the walk reads that: the nested loops' collectives run OUTER × INNER times."""
+    from t5scale.xla_tpu import TpuSlice, TpuTopology
+
+    program = nested_loops(TpuTopology(TpuSlice.named("v5e-8")).devices())
+    module = parse_module(program)
+    loops = [i for body in module.computations.values() for i in body if i.opcode == "while"]
+    assert [trip_count(loop) for loop in loops] == [None, None]
+    assert sorted(trip_count(loop, module.computations) for loop in loops) == [OUTER, INNER]
+    ops, totals = collective_ops(program)
+    assert runs_per_kind(ops) == {"all-gather": OUTER * INNER, "all-reduce": OUTER * INNER}
+    assert totals.unknown_trip_count_loops == 0

@@ -6,19 +6,28 @@ libtpu comes with the test extra (jax[tpu]); nothing here runs on a TPU."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import pytest
-from conftest import REPO, cli_inline, run_cli
+from conftest import REPO, cli_inline
+from test_zero import stage3_expected_bytes
 
-from t5scale.cli import IN_CHILD
+from t5scale.analysis.memory import model_state_bytes
+from t5scale.cli import IN_CHILD, main
+from t5scale.config import build_run_config, parse_gin
 from t5scale.errors import ConfigError
+from t5scale.model.mt5 import abstract_params
 from t5scale.parallel.mesh import ParallelConfig, make_mesh
 from t5scale.startup import libtpu_installed
 from t5scale.target import Target
+from t5scale.whatif.compile import compile_for
+from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_tpu import TpuSlice, TpuTopology
 
 pytestmark = pytest.mark.skipif(not libtpu_installed(), reason="libtpu: the tpu extra (Linux)")
@@ -134,21 +143,89 @@ def test_simulate_and_the_study_refuse_a_tpu_pod_in_one_line(capsys, monkeypatch
 
 @pytest.fixture(scope="module")
 def tpu_plan():
-    """`plan --json` of mt5_tiny for a v5e-8 slice (8 chips on 2 TPU VMs), every stage."""
-    done = run_cli("plan", "--json", *TINY, "--gin_file=gin/clusters/tpu_v5e.gin",
-                   "--gin.TpuPodConfig.slice='v5e-8'", "--gin.PlanConfig.micro_batch_size=2",
-                   env=_quiet_env())  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    """`plan --json` of mt5_tiny (fp32, 2 sequences per chip, one micro-batch) for a v5e-8
+    slice, 8 chips on 2 TPU VMs, every stage; and the run's unboxed parameter shapes."""
+    args = ["plan", "--json", *TINY, "--gin_file=gin/clusters/tpu_v5e.gin",
+            "--gin.TpuPodConfig.slice='v5e-8'", "--gin.PlanConfig.micro_batch_size=2"]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:  # compiled here, as plan's child would
+        patch.setenv(IN_CHILD, "1")
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    assert code == 0, err.getvalue()
+    parse_gin(["gin/models/mt5_tiny.gin"], [flag.removeprefix("--gin.") for flag in TINY[1:]])
+    run = build_run_config()
+    return json.loads(out.getvalue()), run, nn.meta.unbox(abstract_params(run.model))
 
 
 def test_plan_compiles_every_stage_for_the_slice_with_xla_tpu(tpu_plan):
-    assert tpu_plan["compiler"] == "xla:tpu TPU v5 lite, v5e-8 (2x4)"
-    assert tpu_plan["devices"] == 8 and tpu_plan["device_memory_gb"] == 16
-    assert [s["stage"] for s in tpu_plan["stages"]] == [0, 1, 2, 3]
-    for stage in tpu_plan["stages"]:
+    plan, _, _ = tpu_plan
+    assert plan["compiler"] == "xla:tpu TPU v5 lite, v5e-8 (2x4)"
+    assert plan["devices"] == 8 and plan["device_memory_gb"] == 16
+    assert [s["stage"] for s in plan["stages"]] == [0, 1, 2, 3]
+    for stage in plan["stages"]:
         assert stage["mesh"] == {"replica": 1, "zero": 8, "tensor": 1}
         assert stage["fits"] and stage["xla_memory_per_device"]["peak_estimate_bytes"] > 0
-    peaks = [s["xla_model_state_per_device"]["xla_parameters_and_optimizer_bytes"]
-             for s in tpu_plan["stages"]]  # fmt: skip
-    assert peaks == sorted(peaks, reverse=True)  # the stages shard more and more
+    state = [s["xla_model_state_per_device"]["xla_parameters_and_optimizer_bytes"]
+             for s in plan["stages"]]  # fmt: skip
+    assert state == sorted(state, reverse=True)  # the stages shard more and more
+
+
+# ---- what XLA:TPU's program does on the wire, read against the ZeRO formula --------------------
+
+
+def _within(found: float, expected: float, tolerance: float = 0.05) -> bool:
+    return abs(found - expected) <= tolerance * expected
+
+
+def _collectives(plan: dict, stage: int) -> dict:
+    return plan["stages"][stage]["collectives"]
+
+
+def test_stage_0_and_1_all_reduce_the_gradients_on_a_tpu_slice(tpu_plan):
+    plan, _, params = tpu_plan
+    state = model_state_bytes(params, {})
+    for stage in (0, 1):
+        found = _collectives(plan, stage)
+        assert _within(found["all-reduce"]["bytes"], state.gradients), (stage, found)
+        assert "reduce-scatter" not in found
+    # the updated shards gathered back, each once (an async gather counted at its start only)
+    assert _within(_collectives(plan, 1)["all-gather"]["bytes"], state.parameters)
+
+
+def test_stage_2_reduce_scatters_the_gradients_whatever_form_xla_tpu_gives_them(tpu_plan):
+    """XLA:TPU writes most of ZeRO 2's reduce-scatters as an all-reduce whose result each chip
+    slices its 1/8 of: read as the reduce-scatters they are, their bytes are the gradients'."""
+    plan, _, params = tpu_plan
+    found, state = _collectives(plan, 2), model_state_bytes(params, {})
+    assert _within(found["reduce-scatter"]["operand_bytes"], state.gradients)
+    assert _within(found["reduce-scatter"]["bytes"], state.gradients / 8)
+    assert found["reduce_scatters_as_all_reduce_and_slice"] > 0
+    assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * state.gradients
+    assert _within(found["all-gather"]["bytes"], state.parameters)
+
+
+def test_stage_3_reduce_scatters_as_the_formula_says_and_gathers_at_least_that(tpu_plan):
+    """Its loops carry no trip count for XLA:TPU (t5scale counts them from the loop); the
+    reduce-scatters match the formula. XLA:TPU splits the layer loops and gathers the layers'
+    parameters again in each part: its all-gathers move more than the formula (docs)."""
+    plan, run, params = tpu_plan
+    found = _collectives(plan, 3)
+    batch = plan["stages"][3]["batch_size"]
+    gathered, scattered = stage3_expected_bytes(params, run.model, run.data, batch, 1)
+    assert "unknown_trip_count_loops" not in found
+    assert _within(found["reduce-scatter"]["operand_bytes"], scattered)
+    assert found["all-gather"]["bytes"] >= 0.95 * gathered
+
+
+def test_two_slices_reduce_over_dcn_as_xla_tpu_writes_it(tpu_plan):
+    """Between slices XLA:TPU's program sends to its megascale runtime (host transfers that
+    name the collective); t5scale reads those as collectives over DCN."""
+    _, run, _ = tpu_plan
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-4"), slices=2))
+    staged = weak_scale(run, 1, target.size, 2, replicas=2, hosts=target.dcn_granules)
+    analysis = compile_for(staged, target).analysis
+    assert analysis.mesh == {"replica": 2, "zero": 4, "tensor": 1}
+    dcn = [op for op in analysis.collective_ops if op.form == "dcn"]
+    assert dcn and {op.kind for op in dcn} == {"all-reduce"}
+    assert all(op.group is None for op in dcn)  # every slice takes part

@@ -13,6 +13,7 @@ from t5scale.jsonform import JsonRecord
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 UNKNOWN_LOOPS = "unknown_trip_count_loops"
 WIDENED = "widened_by_backend"
+SLICED = "reduce_scatters_as_all_reduce_and_slice"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,10 @@ class CollectiveOp(JsonRecord):
     computation: str  # the computation it is in: XLA's combiners merge only within one
     loops: tuple[int, ...] = ()
     loop_names: tuple[str, ...] = ()  # each loop's op_name (JAX's trace path, `…/encoder/while`)
+    # How the program writes it where that differs from its kind: 'all-reduce+slice' (XLA:TPU's
+    # reduce-scatter as an all-reduce whose result each device slices its share of), 'dcn'
+    # (XLA:TPU's collective between slices, a send to its megascale runtime).
+    form: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +56,12 @@ class Collectives:
     by_kind: dict[str, KindTotal]
     unknown_trip_count_loops: int = 0
     widened_by_backend: int = 0
+    reduce_scatters_as_all_reduce_and_slice: int = 0  # instructions, each counted once
 
     @classmethod
-    def of(cls, ops: Iterable[CollectiveOp], unknown_loops: int = 0, widened: int = 0) -> Self:
+    def of(
+        cls, ops: Iterable[CollectiveOp], unknown_loops: int = 0, widened: int = 0, sliced: int = 0
+    ) -> Self:
         totals: dict[str, KindTotal] = {}
         for op in ops:
             total = totals.get(op.kind, KindTotal())
@@ -63,17 +71,18 @@ class Collectives:
                 total.operand_bytes + op.count * op.operand_bytes,
             )
         by_kind = {kind: totals[kind] for kind in KINDS if kind in totals}
-        return cls(by_kind, unknown_loops, widened)
+        return cls(by_kind, unknown_loops, widened, sliced)
 
     def to_json(self) -> dict[str, Any]:
-        notes = {UNKNOWN_LOOPS: self.unknown_trip_count_loops, WIDENED: self.widened_by_backend}
+        notes = {UNKNOWN_LOOPS: self.unknown_trip_count_loops, WIDENED: self.widened_by_backend,
+                 SLICED: self.reduce_scatters_as_all_reduce_and_slice}  # fmt: skip
         kinds = {kind: total.to_json() for kind, total in self.by_kind.items()}
         return kinds | {name: count for name, count in notes.items() if count}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         by_kind = {kind: KindTotal.from_json(data[kind]) for kind in KINDS if kind in data}
-        return cls(by_kind, data.get(UNKNOWN_LOOPS, 0), data.get(WIDENED, 0))
+        return cls(by_kind, data.get(UNKNOWN_LOOPS, 0), data.get(WIDENED, 0), data.get(SLICED, 0))
 
     def summary(self) -> str:
         """One line, e.g. `all-gather 24× 1.5 MiB, reduce-scatter 12× 819.2 KiB` (result

@@ -245,17 +245,33 @@ def operand_name(operand: str) -> str:
     return _COMMENT.sub("", operand).split()[-1].lstrip("%")
 
 
+def users_of(module: Module) -> dict[str, list[tuple[Instruction, int]]]:
+    """Each instruction's users anywhere in the module, with the operand position it takes."""
+    users: dict[str, list[tuple[Instruction, int]]] = {}
+    for body in module.computations.values():
+        for instruction in body:
+            for position, operand in enumerate(instruction.operands):
+                users.setdefault(operand_name(operand), []).append((instruction, position))
+    return users
+
+
+def _fusion_parameter(fusion: Instruction, position: int, module: Module) -> Instruction | None:
+    """The parameter of a fusion's computation that its operand at `position` becomes."""
+    return next(
+        (inner for inner in fused_body(fusion, module.computations)
+         if inner.opcode == "parameter" and inner.operands == (str(position),)),
+        None,
+    )  # fmt: skip
+
+
 class _Widening:
     """Recognises the converts XLA:CPU puts around a 16-bit collective that it runs in f32: a
     16-bit value widened to f32 on the way in, the f32 result narrowed back on the way out."""
 
-    def __init__(self, module: Module):
+    def __init__(self, module: Module, users: dict[str, list[tuple[Instruction, int]]]):
         self.module = module
         self.by_name = {i.name: i for body in module.computations.values() for i in body}
-        self.users: dict[str, list[tuple[Instruction, int]]] = {}
-        for instruction in self.by_name.values():
-            for position, operand in enumerate(instruction.operands):
-                self.users.setdefault(operand_name(operand), []).append((instruction, position))
+        self.users = users
 
     def widened(self, instruction: Instruction) -> bool:
         operands = [self.by_name.get(operand_name(operand)) for operand in instruction.operands]
@@ -296,16 +312,124 @@ class _Widening:
                 if not self._narrowed(user.name, depth + 1):
                     return False
             elif user.opcode == "fusion":
-                parameter = next(
-                    (inner for inner in fused_body(user, self.module.computations)
-                     if inner.opcode == "parameter" and inner.operands == (str(position),)),
-                    None,
-                )  # fmt: skip
+                parameter = _fusion_parameter(user, position, self.module)
                 if parameter is None or not self._narrowed(parameter.name, depth + 1):
                     return False
             else:
                 return False
         return True
+
+
+class _Slicing:
+    """Recognises a reduce-scatter XLA:TPU writes as an all-reduce whose every use is a
+    dynamic-slice of at most 1/N of it (N the group's devices), maybe inside a fusion: each
+    device keeps its share of the sum, as a reduce-scatter's result, though the instruction
+    is an all-reduce."""
+
+    def __init__(self, module: Module, users: dict[str, list[tuple[Instruction, int]]]):
+        self.module, self.users = module, users
+
+    def sliced_bytes(self, instruction: Instruction, devices: int) -> int:
+        """The all-reduce's operand bytes whose sum each device keeps only a 1/`devices`
+        share of (all of them, some elements of a tuple all-reduce, or none)."""
+        elements = tuple_elements(instruction.result_type)
+        if len(elements) < 2:
+            return (
+                shape_bytes(instruction.result_type)
+                if self._kept_share(
+                    instruction.name, _elements(instruction.result_type), devices, 0
+                )
+                else 0
+            )
+        sliced = 0
+        for user, _ in self.users.get(instruction.name, []):
+            index = re.search(r"index=(\d+)", user.attributes)
+            if user.opcode != "get-tuple-element" or index is None:
+                return 0  # the tuple is used whole somewhere
+            element = elements[int(index.group(1))]
+            if self._kept_share(user.name, _elements(element), devices, 0):
+                sliced += shape_bytes(element)
+        return sliced
+
+    def _kept_share(self, name: str, total: int, devices: int, depth: int) -> bool:
+        users = self.users.get(name, [])
+        if not users or depth > 8:
+            return False
+        for user, position in users:
+            if user.opcode == "dynamic-slice":
+                if position != 0 or _elements(user.result_type) * devices > total:
+                    return False
+            elif user.opcode in ("bitcast", "copy") or user.opcode.endswith("-done"):
+                if not self._kept_share(user.name, total, devices, depth + 1):
+                    return False
+            elif user.opcode == "fusion":
+                parameter = _fusion_parameter(user, position, self.module)
+                if parameter is None or not self._kept_share(
+                    parameter.name, total, devices, depth + 1
+                ):
+                    return False
+            else:
+                return False
+        return True
+
+
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+
+
+def async_copies(module: Module, by_name: Mapping[str, Instruction]) -> set[str]:
+    """Computations whose collectives are copies of an XLA:TPU async collective already counted:
+    an async collective runs as a fusion marked AsyncCollectiveStart (counted there), one marked
+    AsyncCollectiveDone, and fusions in between that take the start's results and print the
+    collective again ("continuations"); only the start is counted."""
+
+    def marked(computation: str, target: str) -> bool:
+        return any(
+            i.opcode == "custom-call"
+            and (found := _CUSTOM_TARGET.search(i.attributes))
+            and found.group(1) == target
+            for i in module.computations.get(computation, [])
+        )
+
+    def callee(instruction: Instruction) -> str | None:
+        found = _CALLS.search(instruction.attributes)
+        return found.group(1) if found else None
+
+    starts = {name for name in module.computations if marked(name, "AsyncCollectiveStart")}
+    copies = {name for name in module.computations if marked(name, "AsyncCollectiveDone")}
+    if not starts:
+        return copies
+    fusions = [i for i in by_name.values() if i.opcode == "fusion" and callee(i) not in starts]
+    in_flight = {i.name for i in by_name.values() if i.opcode == "fusion" and callee(i) in starts}
+    grown = True
+    while grown:  # continuations of continuations
+        grown = False
+        for fusion in fusions:
+            if fusion.name in in_flight:
+                continue
+            if any(_through_moves(operand, by_name) in in_flight for operand in fusion.operands):
+                in_flight.add(fusion.name)
+                copies.add(callee(fusion))
+                grown = True
+    return copies
+
+
+def _through_moves(operand: str, by_name: Mapping[str, Instruction]) -> str:
+    """The instruction an operand comes from, through tuple elements, bitcasts and copies."""
+    name = operand_name(operand)
+    for _ in range(8):
+        value = by_name.get(name)
+        if value is None or value.opcode not in ("get-tuple-element", "bitcast", "copy"):
+            break
+        name = operand_name(value.operands[0])
+    return name
+
+
+def _elements(type_text: str) -> int:
+    found = ARRAY_TYPE.search(type_text)
+    if found is None:
+        return 0
+    return math.prod(int(d) for d in found.group(2).split(",") if d.strip())
 
 
 def async_done_types(module: Module) -> dict[str, str]:
@@ -373,24 +497,66 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     collectives XLA:CPU widened (counted at their 16-bit size)."""
     module = parse_module(hlo_text)
     done_types = async_done_types(module)
-    widening = _Widening(module)
+    users = users_of(module)
+    widening, slicing = _Widening(module, users), _Slicing(module, users)
+    copies = async_copies(module, widening.by_name)
     widened: set[str] = set()
+    sliced: set[str] = set()
 
     def collective(instruction: Instruction, computation: str) -> Counter[CollectiveOp] | None:
-        """The collective an instruction is, at its 16-bit size if XLA:CPU widened it; None
-        (walk what it runs) if it is none."""
+        """The collective an instruction is, at its 16-bit size if XLA:CPU widened it, as the
+        reduce-scatter it is in effect where XLA:TPU wrote one as an all-reduce and a slice;
+        None (walk what it runs) if it is none."""
+        if instruction.opcode == "send":
+            return _over_dcn(instruction, computation)
         if (op := collective_op(instruction, computation, module, done_types)) is None:
             return None
+        if computation in copies:
+            return Counter()
         if widening.widened(instruction):
             widened.add(instruction.name)
             op = dataclasses.replace(op, bytes=op.bytes // 2, operand_bytes=op.operand_bytes // 2)
+        devices = group_size(instruction.attributes) or 0
+        if op.kind == "all-reduce" and devices > 1:
+            if kept := slicing.sliced_bytes(instruction, devices):
+                sliced.add(instruction.name)
+                return _as_reduce_scatter(op, kept, devices)
         return Counter({op: 1})
 
     # Keyed by the op as it runs once (count 1); the values count its runs per step.
     walk = Walk(module.computations, collective, inside_loop)
     runs = walk.per_run(module.entry) if module.entry is not None else Counter()
     ops = [dataclasses.replace(op, count=count) for op, count in runs.items() if count]
-    return ops, Collectives.of(ops, len(walk.unknown_loops), len(widened))
+    return ops, Collectives.of(ops, len(walk.unknown_loops), len(widened), len(sliced))
+
+
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
+
+
+def _over_dcn(send: Instruction, computation: str) -> Counter[CollectiveOp] | None:
+    """XLA:TPU's collectives between slices: a host-transfer `send` to its megascale runtime
+    that names the collective (ALL_REDUCE…), its payload the first element of its result;
+    the `recv` beside it is the same collective. None for any other send."""
+    found = _MEGASCALE.search(send.attributes)
+    kind = found.group(1).lower().replace("_", "-") if found else None
+    if kind not in KINDS:
+        return None
+    payload = shape_bytes(tuple_elements(send.result_type)[0])
+    # Every slice takes part: the group is all devices, which spans the axis across slices.
+    return Counter({CollectiveOp(kind, 1, payload, payload, None, computation, form="dcn"): 1})
+
+
+def _as_reduce_scatter(op: CollectiveOp, sliced: int, devices: int) -> Counter[CollectiveOp]:
+    """An all-reduce of which `sliced` operand bytes are kept 1/`devices` per device: that
+    part as a reduce-scatter written as all-reduce and slice, the rest as the all-reduce."""
+    scatter = dataclasses.replace(
+        op, kind="reduce-scatter", bytes=sliced // devices, operand_bytes=sliced,
+        form="all-reduce+slice",
+    )  # fmt: skip
+    rest = op.operand_bytes - sliced
+    if rest <= 0:
+        return Counter({scatter: 1})
+    return Counter({scatter: 1, dataclasses.replace(op, bytes=rest, operand_bytes=rest): 1})
 
 
 def collective_stats(hlo_text: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ of the kind, what the computations it runs hold, times how often it runs them:
 
 - a `call`, an `async-start`, a fusion: its computation once;
 - a `conditional`: every branch once, as if each ran (an upper bound);
-- a `while` of known trip count n (XLA's `known_trip_count`): its body n times, each item found
+- a `while` of known trip count n (XLA's `known_trip_count`, or, where XLA:TPU writes none, a
+  loop that counts from a constant to a constant by 1): its body n times, each item found
   there marked as inside the loop (`Loop`: n and the loop's op_name), and its condition never:
   XLA's runtimes, on GPUs and on CPUs, run such a loop as n runs of the body and do not evaluate
   the condition at all (their WhileThunk; tests/test_hlo_walk.py sees it on the CPU);
@@ -75,15 +76,89 @@ def called_names(instruction: Instruction) -> list[str]:
     return callees
 
 
-def trip_count(instruction: Instruction) -> int | None:
-    """Iterations of a `while`, from XLA's `known_trip_count` backend config, if it knows."""
+def trip_count(
+    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]] | None = None
+) -> int | None:
+    """Iterations of a `while`, from XLA's `known_trip_count` backend config (XLA:CPU and
+    XLA:GPU write it), else, given the module's computations, from the loop itself where it
+    counts `i` from a constant up to a constant by 1 (XLA:TPU writes no such config)."""
     found = _TRIP_COUNT.search(instruction.attributes)
+    if found:
+        return int(found.group(1))
+    return _counted_trips(instruction, computations) if computations else None
+
+
+def _counted_trips(
+    loop: Instruction, computations: Mapping[str, Sequence[Instruction]]
+) -> int | None:
+    """c to n by 1: the condition's root is `get-tuple-element(state, k) < constant n`, the
+    initial state's element k a constant c (maybe copied), the body's element k that element
+    plus constant 1; None for any other loop."""
+    by_name = _names(computations)
+    condition, body = (re.search(rf"\b{role}=" + _NAME, loop.attributes)
+                       for role in ("condition", "body"))  # fmt: skip
+    if not (condition and body and loop.operands):
+        return None
+    test = computations.get(condition.group(1), [None])[-1]  # the root is printed last
+    if test is None or test.opcode != "compare" or "direction=LT" not in test.attributes:
+        return None
+    counter, bound = (_source(operand, by_name) for operand in test.operands)
+    index, limit = _element_index(counter), _constant(bound)
+    start = _tuple_element(_source(loop.operands[0], by_name), index, by_name)
+    step = _tuple_element(computations.get(body.group(1), [None])[-1], index, by_name)
+    if limit is None or (first := _constant(start)) is None or step is None:
+        return None
+    if step.opcode != "add" or sorted(
+        (_element_index(_source(o, by_name)) == index, _constant(_source(o, by_name)) == 1)
+        for o in step.operands
+    ) != [(False, True), (True, False)]:
+        return None
+    return max(limit - first, 0)
+
+
+def _names(computations: Mapping[str, Sequence[Instruction]]) -> dict[str, Instruction]:
+    return {i.name: i for body in computations.values() for i in body}
+
+
+def _source(operand: str | None, by_name: Mapping[str, Instruction]) -> Instruction | None:
+    """The instruction an operand names, through copies and bitcasts."""
+    if operand is None:
+        return None
+    value = by_name.get(re.sub(r"/\*.*?\*/", "", operand).split()[-1].lstrip("%"))
+    while value is not None and value.opcode in ("copy", "bitcast") and value.operands:
+        value = by_name.get(value.operands[0].split()[-1].lstrip("%"))
+    return value
+
+
+def _element_index(value: Instruction | None) -> int | None:
+    if value is None or value.opcode != "get-tuple-element":
+        return None
+    found = re.search(r"\bindex=(\d+)", value.attributes)
     return int(found.group(1)) if found else None
 
 
-def calls(instruction: Instruction) -> list[Call]:
+def _constant(value: Instruction | None) -> int | None:
+    if value is None or value.opcode != "constant" or len(value.operands) != 1:
+        return None
+    try:
+        return int(value.operands[0])
+    except ValueError:
+        return None
+
+
+def _tuple_element(
+    value: Instruction | None, index: int | None, by_name: Mapping[str, Instruction]
+) -> Instruction | None:
+    if value is None or index is None or value.opcode != "tuple" or index >= len(value.operands):
+        return None
+    return _source(value.operands[index], by_name)
+
+
+def calls(
+    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]] | None = None
+) -> list[Call]:
     """The computations an instruction runs, per run of it (module docstring)."""
-    trips = trip_count(instruction) if instruction.opcode == "while" else None
+    trips = trip_count(instruction, computations) if instruction.opcode == "while" else None
     if trips is None:
         return [Call(callee, 1) for callee in called_names(instruction)]
     # Only the body: a loop of known trip count never evaluates its condition (module docstring).
@@ -141,10 +216,10 @@ class Walk(Generic[Item]):
 
     def called(self, instruction: Instruction) -> Counter[Item]:
         """What the computations an instruction runs hold, per run of the instruction."""
-        if instruction.opcode == "while" and trip_count(instruction) is None:
+        if instruction.opcode == "while" and trip_count(instruction, self.computations) is None:
             self.unknown_loops.add(instruction.name)
         total: Counter[Item] = Counter()
-        for call in calls(instruction):
+        for call in calls(instruction, self.computations):
             for item, count in self.per_run(call.computation).items():
                 if call.loop is not None:
                     item = self.in_loop(item, call.loop)

@@ -96,7 +96,7 @@ class ParallelConfig:
         if across % hosts:
             raise MeshError(
                 f"{self.axis_across_hosts}={across} spans the hosts and must be a multiple of the "
-                f"{hosts} hosts (processes; slices on TPUs) "
+                f"{hosts} processes (TPU slices, on a pod) "
                 f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
             )
         return tuple(sizes)
