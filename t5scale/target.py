@@ -107,8 +107,15 @@ class Target:
 
     @property
     def compiler_options(self) -> dict[str, Any]:
-        """XLA's options for a compile (compile-only GPUs: xla_gpu.compiler_options)."""
-        return xla_gpu.compiler_options(self.devices) if self.compile_only else {}
+        """XLA's options for a compile (compile-only GPUs: xla_gpu.compiler_options; compile-only
+        TPUs: xla_tpu.COMPILER_OPTIONS)."""
+        if not self.compile_only:
+            return {}
+        return (
+            dict(xla_tpu.COMPILER_OPTIONS)
+            if self.is_tpu
+            else xla_gpu.compiler_options(self.devices)
+        )
 
     @property
     def persistent_cache(self) -> bool:

@@ -27,6 +27,10 @@ from t5scale.errors import ConfigError
 from t5scale.startup import captured_stderr, libtpu_installed, tpu_chips_present
 
 INSTALL_HINT = "pip install 't5scale[tpu]' (jax[tpu]: libtpu, XLA's TPU compiler; Linux only)"
+# A compile for chips that are not here: XLA:TPU refuses a program whose memory exceeds the
+# chip's HBM (RESOURCE_EXHAUSTED); told not to, it makes the program, whose memory analysis then
+# says by how much it does not fit (the planner's question). The program never runs.
+COMPILER_OPTIONS = {"xla_tpu_no_crash_on_oom": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +136,10 @@ class TpuTopology:
         several) and, inside a slice, host by host as libtpu places them."""
         spec = GENERATIONS[self.slice.generation]
         name = f"{spec.topology_prefix}:{self.slice.shape_text}"
-        return list(_topology(name, spec.chip_config, self.slices).devices)
+        # A TPU VM holds 2x2 chips; a slice of fewer (v5e-1) is a host of its own shape.
+        shape = (*self.slice.shape, 1, 1)[:3]
+        host = shape if self.slice.chips < 4 else None
+        return list(_topology(name, spec.chip_config, self.slices, host).devices)
 
 
 def require_libtpu() -> None:
@@ -153,7 +160,7 @@ _NO_TPU_LINES = (
 
 
 @functools.cache
-def _topology(name: str, chip_config: str, slices: int):
+def _topology(name: str, chip_config: str, slices: int, host: tuple[int, ...] | None):
     require_libtpu()
     from jax.experimental import topologies
 
@@ -162,9 +169,10 @@ def _topology(name: str, chip_config: str, slices: int):
 
     with captured_stderr() as said:
         try:
+            bounds = {} if host is None else {"chips_per_host_bounds": host}
             topology = topologies.get_topology_desc(
                 topology_name=name, platform="tpu", chip_config_name=chip_config,
-                num_slices=slices,
+                num_slices=slices, **bounds,
             )  # fmt: skip
         except jax.errors.JaxRuntimeError as error:
             topology, failure = None, error

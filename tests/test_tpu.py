@@ -14,6 +14,8 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import REPO, cli_inline
 from test_zero import stage3_expected_bytes
@@ -229,3 +231,20 @@ def test_two_slices_reduce_over_dcn_as_xla_tpu_writes_it(tpu_plan):
     dcn = [op for op in analysis.collective_ops if op.form == "dcn"]
     assert dcn and {op.kind for op in dcn} == {"all-reduce"}
     assert all(op.group is None for op in dcn)  # every slice takes part
+
+
+def test_a_program_larger_than_the_chip_compiles_for_the_planner_to_say_so():
+    """XLA:TPU refuses a program whose buffers exceed the chip's HBM; for chips that are not
+    here the target tells it not to (xla_tpu.COMPILER_OPTIONS), and the memory analysis says
+    by how much: a v5e chip (16 GB) asked for two 14.4 GB results."""
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-1")))
+    assert target.compiler_name == "xla:tpu TPU v5 lite, v5e-1 (1x1)"
+    chip = jax.sharding.SingleDeviceSharding(target.devices[0])
+    outer = jax.jit(lambda x: (x[:, None] * x[None, :], x[:, None] + x[None, :]),
+                    in_shardings=chip, out_shardings=chip)  # fmt: skip
+    lowered = outer.lower(jax.ShapeDtypeStruct((60_000,), jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        lowered.compile()
+    compiled = lowered.compile(compiler_options=target.compiler_options)
+    results = compiled.memory_analysis().output_size_in_bytes  # TPU tiles pad a little
+    assert 2 * 60_000**2 * 4 <= results <= 1.01 * 2 * 60_000**2 * 4 and results > 16e9
