@@ -42,9 +42,12 @@ class Generation:
     chip_config: str  # "megacore": one device per chip of two TensorCores
     cores_per_chip_in_name: int  # v5p-8 is 4 chips: the name counts TensorCores
     dims: int  # the torus's dimensions
+    devices_per_chip: int = 1  # 2 where each TensorCore is a device of its own (v2)
 
 
 GENERATIONS = {
+    # Colab's older TPU runtime (v2-8): each of a chip's two TensorCores is a JAX device.
+    "v2": Generation("TPU v2", "v2", "default", 2, 2, devices_per_chip=2),
     "v4": Generation("TPU v4", "v4", "megacore", 2, 3),
     "v5p": Generation("TPU v5", "v5p", "megacore", 2, 3),
     "v5e": Generation("TPU v5 lite", "v5e", "default", 1, 2),
@@ -129,7 +132,9 @@ class TpuTopology:
 
     @property
     def size(self) -> int:
-        return self.slice.chips * self.slices
+        """Devices: chips, or TensorCores where each is a device (v2)."""
+        spec = GENERATIONS[self.slice.generation]
+        return self.slice.chips * spec.devices_per_chip * self.slices
 
     def devices(self) -> list:
         """The compile-only chips, slice by slice (each with its `slice_index` where there are
@@ -206,7 +211,8 @@ def compiler_name(devices) -> str:
     one = [d for d in devices if (getattr(d, "slice_index", None) or 0) == 0]
     shape = tuple(max(d.coords[i] for d in one) + 1 for i in range(len(one[0].coords)))
     spec = GENERATIONS[generation_of(devices[0])]
-    torus = shape[: spec.dims] if math.prod(shape[: spec.dims]) == len(one) else shape
+    chips = len(one) // spec.devices_per_chip
+    torus = shape[: spec.dims] if math.prod(shape[: spec.dims]) == chips else shape
     name = TpuSlice(generation_of(devices[0]), torus).name
     many = f", {slices} slices" if slices > 1 else ""
     return f"xla:tpu {devices[0].device_kind}, {name} ({'x'.join(map(str, torus))}){many}"
