@@ -221,19 +221,6 @@ def test_stage_3_reduce_scatters_as_the_formula_says_and_gathers_at_least_that(t
     assert found["all-gather"]["bytes"] >= 0.95 * gathered
 
 
-def test_two_slices_reduce_over_dcn_as_xla_tpu_writes_it(tpu_plan):
-    """Between slices XLA:TPU's program sends to its megascale runtime (host transfers that
-    name the collective); t5scale reads those as collectives over DCN."""
-    _, run, _ = tpu_plan
-    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-4"), slices=2))
-    staged = weak_scale(run, 1, target.size, 2, replicas=2, hosts=target.dcn_granules)
-    analysis = compile_for(staged, target).analysis
-    assert analysis.mesh == {"replica": 2, "zero": 4, "tensor": 1}
-    dcn = [op for op in analysis.collective_ops if op.form == "dcn"]
-    assert dcn and {op.kind for op in dcn} == {"all-reduce"}
-    assert all(op.group is None for op in dcn)  # every slice takes part
-
-
 def test_a_program_larger_than_the_chip_compiles_for_the_planner_to_say_so():
     """XLA:TPU refuses a program whose buffers exceed the chip's HBM; for chips that are not
     here the target tells it not to (xla_tpu.COMPILER_OPTIONS), and the memory analysis says
@@ -285,3 +272,28 @@ def test_the_notebooks_settings_compile_for_a_colab_tpu_runtime(runtime, stage):
 @pytest.mark.parametrize("runtime", ["v5e-1", "v2-8"])
 def test_the_notebooks_whole_grid_compiles_for_a_colab_tpu_runtime(runtime):
     _notebook_grid_on(runtime)
+
+
+def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu_plan):
+    """ZeRO 3 over two v5p-128 slices. Inside each 64-chip slice XLA:TPU writes a parameter
+    all-gather as an all-reduce of zeros into which each chip put its part; between slices it
+    sends to its megascale runtime (host transfers that name the collective). t5scale reads
+    those as the all-gathers they are, and as collectives over DCN; no gradient-sized
+    all-reduce is left."""
+    _, run, params = tpu_plan
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-128"), slices=2))
+    staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
+    analysis = compile_for(staged, target).analysis
+    found = analysis.collectives
+    assert analysis.mesh == {"replica": 1, "zero": 128, "tensor": 1}  # ZeRO over both slices
+    assert found.all_gathers_as_all_reduce_of_padded_parts > 0
+    padded = [op for op in analysis.collective_ops if op.form == "all-reduce of a zero-padded part"]
+    assert {op.kind for op in padded} == {"all-gather"}
+    dcn = [op for op in analysis.collective_ops if op.form == "dcn"]
+    assert {"all-gather", "reduce-scatter"} <= {op.kind for op in dcn}
+    assert all(op.group is None for op in dcn)  # every slice takes part
+    gathered, _ = stage3_expected_bytes(params, run.model, run.data, staged.train.batch_size, 1)
+    assert found.by_kind["all-gather"].bytes >= 0.95 * gathered
+    # what stays an all-reduce is small: loss sums, norms, the ordering chain (≤ 32 KiB each)
+    reduced = [op.bytes for op in analysis.collective_ops if op.kind == "all-reduce"]
+    assert max(reduced) < 0.02 * model_state_bytes(params, {}).gradients

@@ -14,6 +14,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 UNKNOWN_LOOPS = "unknown_trip_count_loops"
 WIDENED = "widened_by_backend"
 SLICED = "reduce_scatters_as_all_reduce_and_slice"
+PADDED = "all_gathers_as_all_reduce_of_padded_parts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,9 @@ class CollectiveOp(JsonRecord):
     loop_names: tuple[str, ...] = ()  # each loop's op_name (JAX's trace path, `…/encoder/while`)
     # How the program writes it where that differs from its kind: 'all-reduce+slice' (XLA:TPU's
     # reduce-scatter as an all-reduce whose result each device slices its share of), 'dcn'
-    # (XLA:TPU's collective between slices, a send to its megascale runtime).
+    # (XLA:TPU's collective between slices, a send to its megascale runtime), 'all-reduce of a
+    # zero-padded part' (XLA:TPU's all-gather over a large group: each device's part written
+    # into zeros, the parts summed).
     form: str | None = None
 
 
@@ -57,11 +60,13 @@ class Collectives:
     unknown_trip_count_loops: int = 0
     widened_by_backend: int = 0
     reduce_scatters_as_all_reduce_and_slice: int = 0  # instructions, each counted once
+    all_gathers_as_all_reduce_of_padded_parts: int = 0  # likewise
 
     @classmethod
     def of(
-        cls, ops: Iterable[CollectiveOp], unknown_loops: int = 0, widened: int = 0, sliced: int = 0
-    ) -> Self:
+        cls, ops: Iterable[CollectiveOp], unknown_loops: int = 0, widened: int = 0,
+        sliced: int = 0, padded: int = 0,
+    ) -> Self:  # fmt: skip
         totals: dict[str, KindTotal] = {}
         for op in ops:
             total = totals.get(op.kind, KindTotal())
@@ -71,18 +76,20 @@ class Collectives:
                 total.operand_bytes + op.count * op.operand_bytes,
             )
         by_kind = {kind: totals[kind] for kind in KINDS if kind in totals}
-        return cls(by_kind, unknown_loops, widened, sliced)
+        return cls(by_kind, unknown_loops, widened, sliced, padded)
 
     def to_json(self) -> dict[str, Any]:
         notes = {UNKNOWN_LOOPS: self.unknown_trip_count_loops, WIDENED: self.widened_by_backend,
-                 SLICED: self.reduce_scatters_as_all_reduce_and_slice}  # fmt: skip
+                 SLICED: self.reduce_scatters_as_all_reduce_and_slice,
+                 PADDED: self.all_gathers_as_all_reduce_of_padded_parts}  # fmt: skip
         kinds = {kind: total.to_json() for kind, total in self.by_kind.items()}
         return kinds | {name: count for name, count in notes.items() if count}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:
         by_kind = {kind: KindTotal.from_json(data[kind]) for kind in KINDS if kind in data}
-        return cls(by_kind, data.get(UNKNOWN_LOOPS, 0), data.get(WIDENED, 0), data.get(SLICED, 0))
+        notes = (data.get(name, 0) for name in (UNKNOWN_LOOPS, WIDENED, SLICED, PADDED))
+        return cls(by_kind, *notes)
 
     def summary(self) -> str:
         """One line, e.g. `all-gather 24× 1.5 MiB, reduce-scatter 12× 819.2 KiB` (result

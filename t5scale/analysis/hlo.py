@@ -351,6 +351,28 @@ class _Slicing:
                 sliced += shape_bytes(element)
         return sliced
 
+    def padded_part(self, instruction: Instruction, devices: int) -> bool:
+        """Whether an all-reduce is XLA:TPU's all-gather over a large group: each device writes
+        its 1/`devices` part into zeros (a dynamic-update-slice of a broadcast 0, maybe as a
+        fusion's root) and the all-reduce sums the parts into the whole."""
+        if len(instruction.operands) != 1 or len(tuple_elements(instruction.result_type)) > 1:
+            return False
+        by_name = {i.name: i for body in self.module.computations.values() for i in body}
+        value = fusion = by_name.get(_through_moves(instruction.operands[0], by_name))
+        if value is not None and value.opcode == "fusion":
+            body = fused_body(value, self.module.computations)
+            value = body[-1] if body else None
+        if value is None or value.opcode != "dynamic-update-slice" or len(value.operands) < 2:
+            return False
+        base = by_name.get(_through_moves(value.operands[0], by_name))
+        if base is not None and base.opcode == "parameter" and fusion is not None:
+            position = int(base.operands[0])  # the fusion's operand that parameter is
+            base = by_name.get(_through_moves(fusion.operands[position], by_name))
+        zero = base is not None and base.opcode == "broadcast" and bool(base.operands)
+        zero = zero and _is_zero(by_name.get(_through_moves(base.operands[0], by_name)))
+        part = _elements(operand_type(value.operands[1], self.module.types))
+        return zero and part * devices == _elements(instruction.result_type)
+
     def _kept_share(self, name: str, total: int, devices: int, depth: int) -> bool:
         users = self.users.get(name, [])
         if not users or depth > 8:
@@ -423,6 +445,15 @@ def _through_moves(operand: str, by_name: Mapping[str, Instruction]) -> str:
             break
         name = operand_name(value.operands[0])
     return name
+
+
+def _is_zero(value: Instruction | None) -> bool:
+    if value is None or value.opcode != "constant" or len(value.operands) != 1:
+        return False
+    try:
+        return float(value.operands[0]) == 0.0
+    except ValueError:
+        return False
 
 
 def _elements(type_text: str) -> int:
@@ -502,6 +533,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     copies = async_copies(module, widening.by_name)
     widened: set[str] = set()
     sliced: set[str] = set()
+    padded: set[str] = set()
 
     def collective(instruction: Instruction, computation: str) -> Counter[CollectiveOp] | None:
         """The collective an instruction is, at its 16-bit size if XLA:CPU widened it, as the
@@ -521,13 +553,21 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
             if kept := slicing.sliced_bytes(instruction, devices):
                 sliced.add(instruction.name)
                 return _as_reduce_scatter(op, kept, devices)
+            if slicing.padded_part(instruction, devices):
+                padded.add(instruction.name)
+                gathered = dataclasses.replace(
+                    op, kind="all-gather", operand_bytes=op.bytes // devices,
+                    form="all-reduce of a zero-padded part",
+                )  # fmt: skip
+                return Counter({gathered: 1})
         return Counter({op: 1})
 
     # Keyed by the op as it runs once (count 1); the values count its runs per step.
     walk = Walk(module.computations, collective, inside_loop)
     runs = walk.per_run(module.entry) if module.entry is not None else Counter()
     ops = [dataclasses.replace(op, count=count) for op, count in runs.items() if count]
-    return ops, Collectives.of(ops, len(walk.unknown_loops), len(widened), len(sliced))
+    notes = len(walk.unknown_loops), len(widened), len(sliced), len(padded)
+    return ops, Collectives.of(ops, *notes)
 
 
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
