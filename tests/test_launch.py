@@ -87,3 +87,61 @@ def test_compile_only_gpu_programs_use_the_launch_flags():
 
     flags = dict(flag.removeprefix("--").split("=") for flag in _gpu_flags().split())
     assert flags == {name: str(value).lower() for name, value in LAUNCH_FLAGS.items()}
+
+
+FAKE_METADATA = """#!/usr/bin/env bash
+# curl as a TPU VM's metadata server answers it: the last argument is the attribute's URL
+case "${@: -1}" in
+  */agent-worker-number) echo -n "$TPU_WORKER" ;;
+  */worker-network-endpoints) echo -n "$TPU_ENDPOINTS" ;;
+  *) exit 22 ;;
+esac
+"""
+
+
+def test_tpu_vm_sh_starts_every_worker_and_each_finds_its_place(tmp_path):
+    """From your machine: one `gcloud … ssh --worker=all` with this script as the command. On
+    each worker (its metadata stood in for by a fake curl): the place t5scale joins from. Two
+    workers on 127.0.0.1 then run distributed-check as one JAX run; a multislice's numbering
+    comes from the MEGASCALE_* variables."""
+    env = fake_slurm_env(tmp_path)  # no SLURM or T5SCALE_ variables; a free port
+    gcloud, curl = tmp_path / "gcloud", tmp_path / "curl"
+    gcloud.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$GCLOUD_ARGS"\n')
+    curl.write_text(FAKE_METADATA)
+    for script in (gcloud, curl):
+        script.chmod(0o755)
+    outer = env | {"T5SCALE_GCLOUD": str(gcloud), "GCLOUD_ARGS": str(tmp_path / "args"),
+                   "T5SCALE_REMOTE_DIR": str(REPO)}  # fmt: skip
+    command = ["t5scale", "distributed-check", "--cpu_devices=2"]
+    subprocess.run(["bash", str(LAUNCH / "tpu_vm.sh"), "my-tpu", "us-east5-a", *command],
+                   env=outer, check=True)  # fmt: skip
+    *call, remote = (tmp_path / "args").read_text().splitlines()
+    assert call == ["compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone=us-east5-a",
+                    "--worker=all"]  # fmt: skip
+    assert remote.startswith("--command=")
+    worker_env = env | {"T5SCALE_CURL": str(curl), "T5SCALE_PYTHON": sys.executable,
+                        "TPU_ENDPOINTS": "w-0:0:127.0.0.1,w-1:1:127.0.0.2",
+                        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # fmt: skip
+    workers = [
+        subprocess.Popen(
+            ["bash", "-c", remote.removeprefix("--command=")],
+            env=worker_env | {"TPU_WORKER": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in (0, 1)
+    ]
+    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    port = env["T5SCALE_COORDINATOR_PORT"]
+    for i, (worker, output) in enumerate(zip(workers, outputs, strict=True)):
+        assert worker.returncode == 0, output
+        assert f"process {i}/2, coordinator 127.0.0.1:{port}" in output
+        assert f"process {i}: distributed ok: 2 processes, 4 devices" in output
+    # A multislice: the second slice's workers come after the first's, one coordinator.
+    megascale = {"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
+                 "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.7", "TPU_WORKER": "1",
+                 "T5SCALE_PYTHON": "false"}  # fmt: skip
+    said = subprocess.run(["bash", "-c", remote.removeprefix("--command=")],
+                          env=worker_env | megascale, capture_output=True, text=True)  # fmt: skip
+    assert f"process 3/4, coordinator 10.0.0.7:{port}" in said.stdout

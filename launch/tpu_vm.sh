@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# t5scale on a Cloud TPU slice (or several, created as one multislice queued resource): one JAX
+# process per TPU VM, every VM of every slice.
+#
+#   launch/tpu_vm.sh TPU_NAME ZONE t5scale train --gin_file=gin/models/mt5_xl.gin \
+#       --gin_file=gin/zero/stage3.gin --gin.MODEL_DIR=gs://bucket/runs/xl   # all workers
+#   launch/tpu_vm.sh TPU_NAME ZONE t5scale distributed-check               # check the processes
+#
+# From your machine it runs itself on every worker (`gcloud compute tpus tpu-vm ssh --worker=all`)
+# in T5SCALE_REMOTE_DIR (default: t5scale, the repository's clone on each VM, with t5scale
+# installed there with the `tpu` extra). On a worker it reads its place from the TPU VM's
+# metadata, as jax.distributed does on TPU VMs: its worker number and the slice's workers
+# (the first is the coordinator, port T5SCALE_COORDINATOR_PORT or 8482), and, on a multislice,
+# the MEGASCALE_* variables the TPU runtime sets (slice id, number of slices, coordinator).
+# t5scale then joins the others from T5SCALE_PROCESS_ID, T5SCALE_NUM_PROCESSES and
+# T5SCALE_COORDINATOR_ADDRESS (t5scale/parallel/distributed.py). MODEL_DIR must be on storage
+# every VM sees (a gs:// bucket, a Filestore share). docs/multihost.md has the rest.
+set -euo pipefail
+
+usage() {
+  echo "usage: launch/tpu_vm.sh TPU_NAME ZONE [t5scale] COMMAND [ARGS...]" >&2
+  exit 2
+}
+
+if [[ ${T5SCALE_ON_TPU_WORKER:-} != 1 ]]; then  # on your machine: start it on every worker
+  [[ $# -lt 3 ]] && usage
+  name=$1 zone=$2
+  shift 2
+  [[ $1 == t5scale ]] && shift
+  [[ $# -lt 1 ]] && usage
+  remote="cd ${T5SCALE_REMOTE_DIR:-t5scale} && T5SCALE_ON_TPU_WORKER=1 bash launch/tpu_vm.sh"
+  exec "${T5SCALE_GCLOUD:-gcloud}" compute tpus tpu-vm ssh "$name" --zone="$zone" --worker=all \
+    --command="$remote $(printf '%q ' "$@")"
+fi
+
+# On a worker.
+[[ $# -ge 1 && $1 == t5scale ]] && shift
+[[ $# -lt 1 ]] && usage
+metadata() {
+  "${T5SCALE_CURL:-curl}" -sf -H "Metadata-Flavor: Google" \
+    "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1"
+}
+worker=$(metadata agent-worker-number) || { echo "tpu_vm.sh: no TPU VM metadata here" >&2; exit 2; }
+IFS=, read -r -a endpoints <<< "$(metadata worker-network-endpoints)"
+first=${endpoints[0]}
+# Each endpoint is a host name, or (older TPU VMs) name:id:address.
+[[ $first == *:*:* ]] && first=${first##*:}
+workers=${#endpoints[@]}
+slices=${MEGASCALE_NUM_SLICES:-1}
+slice=${MEGASCALE_SLICE_ID:-0}
+coordinator=${MEGASCALE_COORDINATOR_ADDRESS:-$first}
+export T5SCALE_PROCESS_ID=$((slice * workers + worker))
+export T5SCALE_NUM_PROCESSES=$((slices * workers))
+export T5SCALE_COORDINATOR_ADDRESS="${coordinator%%:*}:${T5SCALE_COORDINATOR_PORT:-8482}"
+echo "t5scale: worker ${worker} of ${workers} in slice ${slice} of ${slices}: process" \
+  "${T5SCALE_PROCESS_ID}/${T5SCALE_NUM_PROCESSES}, coordinator ${T5SCALE_COORDINATOR_ADDRESS}"
+unset PYTHONUNBUFFERED  # as slurm.sbatch: C++ messages unbuffered split t5scale's lines
+exec "${T5SCALE_PYTHON:-python}" -m t5scale.cli "$@"
