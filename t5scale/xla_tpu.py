@@ -87,10 +87,12 @@ class TpuSlice:
         spec = GENERATIONS[generation]
         count = int(match[2])
         chips, odd = divmod(count, spec.cores_per_chip_in_name)
-        if shape is not None:
+        if shape is None:
+            dims = _shapes(spec).get(chips)
+        elif re.fullmatch(r"\d+(x\d+)*", shape.lower()):
             dims = tuple(int(n) for n in shape.lower().split("x"))
         else:
-            dims = (_SHAPES_3D if spec.dims == 3 else _SHAPES_2D).get(chips)
+            dims = None  # not a shape: said below
         if odd or dims is None or len(dims) != spec.dims or math.prod(dims) != chips:
             raise ConfigError(
                 f"TPU slice {accelerator_type!r}{f' {shape}' if shape else ''}: not a "

@@ -55,7 +55,8 @@ def test_slices_are_named_as_cloud_tpu_names_accelerator_types(name, generation,
 @pytest.mark.parametrize(
     "name, shape, said",
     [("v7x-8", None, "not an accelerator type"), ("v5p-12", None, "not a 3D slice"),
-     ("v5e-8", "2x2", "not a 2D slice"), ("v5p-128", "4x4x8", "not a 3D slice")],
+     ("v5e-8", "2x2", "not a 2D slice"), ("v5p-128", "4x4x8", "not a 3D slice"),
+     ("v5p-128", "4xfourx4", "not a 3D slice")],
 )  # fmt: skip
 def test_a_slice_that_does_not_exist_is_one_line(name, shape, said):
     with pytest.raises(ConfigError, match=said):

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from t5scale.analysis.collectives import KINDS, CollectiveOp, Collectives
-from t5scale.analysis.hlo_walk import Loop, Walk, fused_body
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name, operand_name
 
 _NARROW_FLOATS = ("bf16", "f16")
 
@@ -76,6 +76,7 @@ class Module:
     computations: dict[str, list[Instruction]]
     entry: str | None
     types: dict[str, str]  # instruction name -> result type (names are unique in a module)
+    by_name: dict[str, Instruction] = dataclasses.field(default_factory=dict)  # name -> itself
 
 
 def shape_bytes(type_text: str) -> int:
@@ -156,6 +157,7 @@ def parse_module(hlo_text: str) -> Module:
         elif current is not None and (instruction := parse_instruction(line)):
             current.append(instruction)
             module.types[instruction.name] = instruction.result_type
+            module.by_name[instruction.name] = instruction
     return module
 
 
@@ -240,11 +242,6 @@ def dtype_of(type_text: str) -> str | None:
 _SAME_ELEMENTS = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
 
 
-def operand_name(operand: str) -> str:
-    """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
-    return _COMMENT.sub("", operand).split()[-1].lstrip("%")
-
-
 def users_of(module: Module) -> dict[str, list[tuple[Instruction, int]]]:
     """Each instruction's users anywhere in the module, with the operand position it takes."""
     users: dict[str, list[tuple[Instruction, int]]] = {}
@@ -269,9 +266,7 @@ class _Widening:
     16-bit value widened to f32 on the way in, the f32 result narrowed back on the way out."""
 
     def __init__(self, module: Module, users: dict[str, list[tuple[Instruction, int]]]):
-        self.module = module
-        self.by_name = {i.name: i for body in module.computations.values() for i in body}
-        self.users = users
+        self.module, self.by_name, self.users = module, module.by_name, users
 
     def widened(self, instruction: Instruction) -> bool:
         operands = [self.by_name.get(operand_name(operand)) for operand in instruction.operands]
@@ -357,7 +352,7 @@ class _Slicing:
         fusion's root) and the all-reduce sums the parts into the whole."""
         if len(instruction.operands) != 1 or len(tuple_elements(instruction.result_type)) > 1:
             return False
-        by_name = {i.name: i for body in self.module.computations.values() for i in body}
+        by_name = self.module.by_name
         value = fusion = by_name.get(_through_moves(instruction.operands[0], by_name))
         if value is not None and value.opcode == "fusion":
             body = fused_body(value, self.module.computations)
@@ -396,10 +391,9 @@ class _Slicing:
 
 
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
-def async_copies(module: Module, by_name: Mapping[str, Instruction]) -> set[str]:
+def async_copies(module: Module) -> set[str]:
     """Computations whose collectives are copies of an XLA:TPU async collective already counted:
     an async collective runs as a fusion marked AsyncCollectiveStart (counted there), one marked
     AsyncCollectiveDone, and fusions in between that take the start's results and print the
@@ -413,10 +407,7 @@ def async_copies(module: Module, by_name: Mapping[str, Instruction]) -> set[str]
             for i in module.computations.get(computation, [])
         )
 
-    def callee(instruction: Instruction) -> str | None:
-        found = _CALLS.search(instruction.attributes)
-        return found.group(1) if found else None
-
+    by_name, callee = module.by_name, fused_name
     starts = {name for name in module.computations if marked(name, "AsyncCollectiveStart")}
     copies = {name for name in module.computations if marked(name, "AsyncCollectiveDone")}
     if not starts:
@@ -530,7 +521,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
     done_types = async_done_types(module)
     users = users_of(module)
     widening, slicing = _Widening(module, users), _Slicing(module, users)
-    copies = async_copies(module, widening.by_name)
+    copies = async_copies(module)
     widened: set[str] = set()
     sliced: set[str] = set()
     padded: set[str] = set()

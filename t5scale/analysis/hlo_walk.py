@@ -22,6 +22,7 @@ halves of async pairs (which name their start's computation again) are not walke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ _BODY = re.compile(r"\bbody=" + _NAME)
 _FUSED = re.compile(r"\bcalls=" + _NAME)
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +78,15 @@ def called_names(instruction: Instruction) -> list[str]:
     return callees
 
 
+def operand_name(operand: str) -> str:
+    """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
+    return _COMMENT.sub("", operand).split()[-1].lstrip("%")
+
+
 def trip_count(
-    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]] | None = None
+    instruction: Instruction,
+    computations: Mapping[str, Sequence[Instruction]] | None = None,
+    by_name: Mapping[str, Instruction] | None = None,
 ) -> int | None:
     """Iterations of a `while`, from XLA's `known_trip_count` backend config (XLA:CPU and
     XLA:GPU write it), else, given the module's computations, from the loop itself where it
@@ -85,16 +94,19 @@ def trip_count(
     found = _TRIP_COUNT.search(instruction.attributes)
     if found:
         return int(found.group(1))
-    return _counted_trips(instruction, computations) if computations else None
+    if not computations:
+        return None
+    return _counted_trips(instruction, computations, by_name or _names(computations))
 
 
 def _counted_trips(
-    loop: Instruction, computations: Mapping[str, Sequence[Instruction]]
+    loop: Instruction,
+    computations: Mapping[str, Sequence[Instruction]],
+    by_name: Mapping[str, Instruction],
 ) -> int | None:
     """c to n by 1: the condition's root is `get-tuple-element(state, k) < constant n`, the
     initial state's element k a constant c (maybe copied), the body's element k that element
     plus constant 1; None for any other loop."""
-    by_name = _names(computations)
     condition, body = (re.search(rf"\b{role}=" + _NAME, loop.attributes)
                        for role in ("condition", "body"))  # fmt: skip
     if not (condition and body and loop.operands):
@@ -124,9 +136,9 @@ def _source(operand: str | None, by_name: Mapping[str, Instruction]) -> Instruct
     """The instruction an operand names, through copies and bitcasts."""
     if operand is None:
         return None
-    value = by_name.get(re.sub(r"/\*.*?\*/", "", operand).split()[-1].lstrip("%"))
+    value = by_name.get(operand_name(operand))
     while value is not None and value.opcode in ("copy", "bitcast") and value.operands:
-        value = by_name.get(value.operands[0].split()[-1].lstrip("%"))
+        value = by_name.get(operand_name(value.operands[0]))
     return value
 
 
@@ -155,10 +167,14 @@ def _tuple_element(
 
 
 def calls(
-    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]] | None = None
+    instruction: Instruction,
+    computations: Mapping[str, Sequence[Instruction]] | None = None,
+    by_name: Mapping[str, Instruction] | None = None,
 ) -> list[Call]:
     """The computations an instruction runs, per run of it (module docstring)."""
-    trips = trip_count(instruction, computations) if instruction.opcode == "while" else None
+    trips = (
+        trip_count(instruction, computations, by_name) if instruction.opcode == "while" else None
+    )
     if trips is None:
         return [Call(callee, 1) for callee in called_names(instruction)]
     # Only the body: a loop of known trip count never evaluates its condition (module docstring).
@@ -167,12 +183,18 @@ def calls(
     return [Call(body.group(1), trips, Loop(trips, name))] if body else []
 
 
+def fused_name(instruction: Instruction) -> str | None:
+    """The computation a fusion runs (`calls=`), if it names one."""
+    found = _FUSED.search(instruction.attributes)
+    return found.group(1) if found else None
+
+
 def fused_body(
     instruction: Instruction, computations: Mapping[str, Sequence[Instruction]]
 ) -> Sequence[Instruction]:
     """The instructions of the computation a fusion runs (`calls=`); none if it names none."""
-    found = _FUSED.search(instruction.attributes)
-    return computations.get(found.group(1), []) if found else []
+    name = fused_name(instruction)
+    return computations.get(name, []) if name else []
 
 
 def _unmarked(item: Item, loop: Loop) -> Item:
@@ -199,6 +221,11 @@ class Walk(Generic[Item]):
         self.unknown_loops: set[str] = set()  # names of the `while`s of unknown trip count met
         self._per_run: dict[str, Counter[Item]] = {}
 
+    @functools.cached_property
+    def by_name(self) -> dict[str, Instruction]:
+        """Every instruction by name: to follow a loop's counter to its constants."""
+        return _names(self.computations)
+
     def per_run(self, computation: str) -> Counter[Item]:
         """What one run of `computation` holds, loops counted relative to it."""
         if computation not in self._per_run:
@@ -216,10 +243,12 @@ class Walk(Generic[Item]):
 
     def called(self, instruction: Instruction) -> Counter[Item]:
         """What the computations an instruction runs hold, per run of the instruction."""
-        if instruction.opcode == "while" and trip_count(instruction, self.computations) is None:
+        # Only a `while` without XLA's trip count needs the names (XLA:TPU's).
+        known = (self.computations, self.by_name) if instruction.opcode == "while" else ()
+        if instruction.opcode == "while" and trip_count(instruction, *known) is None:
             self.unknown_loops.add(instruction.name)
         total: Counter[Item] = Counter()
-        for call in calls(instruction, self.computations):
+        for call in calls(instruction, *known):
             for item, count in self.per_run(call.computation).items():
                 if call.loop is not None:
                     item = self.in_loop(item, call.loop)

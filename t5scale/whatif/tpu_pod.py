@@ -56,10 +56,6 @@ class TpuPodConfig:
                               f"slice ({self.name})")  # fmt: skip
         return TpuTopology(one, self.slices)
 
-    @property
-    def chips(self) -> int:
-        return self.topology().size
-
 
 def refuse_tpu_pod(cluster: object, command: str) -> None:
     """A ConfigError where `command` is given a TPU pod it does not model yet."""
