@@ -107,6 +107,17 @@ def test_each_stage_compiles_for_two_h100_nodes_with_its_shards_and_collectives(
     assert arguments[1] > 2 * arguments[3]
 
 
+def test_every_scatter_add_sums_in_float32(two_nodes):
+    """A 16-bit scatter-add has no native atomic on GPUs and serialises on repeated indices:
+    the relative-position bias's gradient in bf16 took a one-H200 mt5_large step from under a
+    second to 6.6 s (docs/benchmarks.md, the GPU check of 2026-11-27). Every scatter in the
+    program (the look-up tables' gradients) sums in float32, at every stage and precision."""
+    _, steps, _, _ = two_nodes
+    for stage, step in steps.items():
+        scatters = re.findall(r"= (\w+)\[[^\]]*\]\S* scatter\(", step.compiled.as_text())
+        assert scatters and set(scatters) == {"f32"}, (stage, scatters)
+
+
 def test_nothing_is_allocated_or_run_for_compile_only_gpus(two_nodes):
     _, steps, alive_before, alive_after = two_nodes
     assert alive_after == alive_before

@@ -53,8 +53,9 @@ def _keep_activation(x: jax.Array, axes: Axes) -> jax.Array:
 
 def look_up_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids], whose gradient, a scatter-add, sums in float32 whatever the table's dtype: a
-    bfloat16 scatter-add has no native atomic on GPUs and serialises on the repeated token ids
-    of real batches (docs/benchmarks.md, 2026-11-23)."""
+    bfloat16 scatter-add has no native atomic on GPUs and serialises on repeated ids (the
+    tokens of real batches, the relative positions' buckets; docs/benchmarks.md, 2026-11-23
+    and the GPU check of 2026-11-27)."""
     if table.dtype == jnp.float32:
         return jnp.take(table, ids, axis=0)
     return _rows_summing_in_float32(table, ids)
@@ -209,7 +210,10 @@ class RelativePositionBias(_Module):
         index = relative_position_bucket(
             relative, self.bidirectional, buckets, self.cfg.relative_attention_max_distance
         )
-        return table[:, index].astype(jnp.float32)[None]  # [1, heads, q, k]
+        # A gather whose gradient sums q·k updates into `buckets` rows: in float32, as the
+        # embedding's (a bf16 working copy made it a serialised bf16 scatter-add on GPUs).
+        rows = look_up_rows(table.T, index)  # [q, k, heads]
+        return rows.astype(jnp.float32).transpose(2, 0, 1)[None]  # [1, heads, q, k]
 
 
 class EncoderLayer(_Module):
