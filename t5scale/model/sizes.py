@@ -91,8 +91,8 @@ class ModelConfig:
     # in place of masks, each device's heads: t5scale/parallel/attention.py) with the kernels'
     # arithmetic as einsums in their place (t5scale/model/attention_reference.py), which is what
     # 'fused' becomes where the step is built for devices the kernels do not compile for (CPUs:
-    # `attention_for`); 'auto', fused on GPUs and dot elsewhere, decided there too
-    # (docs/attention.md; the fused kernel has not yet run on a GPU, 'dot' is one binding away).
+    # `attention_for`); 'auto', fused on GPUs in bf16 and dot elsewhere, decided there too
+    # (docs/attention.md: what one H200 measured of each, 2026-11-27).
     attention: AttentionKind = "auto"
     # The layers as one loop (True: compile time does not grow with depth) or unrolled (False:
     # XLA:GPU then needs a quarter fewer copies and fusions around the layers' GEMMs, at about
@@ -194,10 +194,13 @@ def parameter_breakdown(params_shapes) -> dict[str, int]:
 
 def attention_for(model: ModelConfig, fused_kernels: bool) -> ModelConfig:
     """`model` with its attention named as its compile target runs it: 'auto' is 'fused' where
-    the fused kernels compile (GPUs), 'dot' elsewhere; 'fused' where they do not compile is
-    'fused_reference' (the fused route, with the kernels' arithmetic as einsums)."""
+    the fused kernels compile (GPUs) and the compute is bf16, 'dot' elsewhere (the kernels'
+    fp32, exact where the einsums' is TF32, ran 48× slower on an H200: docs/attention.md);
+    'fused' where they do not compile is 'fused_reference' (the fused route, with the
+    kernels' arithmetic as einsums)."""
     if model.attention == "auto":
-        return dataclasses.replace(model, attention="fused" if fused_kernels else "dot")
+        fused = fused_kernels and model.dtype == "bfloat16"
+        return dataclasses.replace(model, attention="fused" if fused else "dot")
     if model.attention == "fused" and not fused_kernels:
         return dataclasses.replace(model, attention="fused_reference")
     return model
