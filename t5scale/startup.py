@@ -32,11 +32,18 @@ import tempfile
 _STUB_LINES = ("cudart_stub.cc", "All log messages before absl::InitializeLog()")
 
 
+# jax's CUDA plugins, as jax itself looks for them (CUDA 13 first)
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
 def cuda_plugin_installed() -> bool:
-    try:
-        return importlib.util.find_spec("jax_cuda12_plugin") is not None
-    except ValueError:  # imported as None: kept out on purpose
-        return False
+    for name in CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ValueError:  # imported as None: kept out on purpose
+            continue
+    return False
 
 
 def libtpu_installed() -> bool:

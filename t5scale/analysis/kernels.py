@@ -331,7 +331,7 @@ class _Reader:
             if "fmha" in target:
                 flops = _attention_flops(first, attributes, "Backward" in target)
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            if target.endswith("triton") and (named := _T5_ATTENTION.search(attributes)):
+            if "triton" in target and (named := _T5_ATTENTION.search(attributes)):
                 keys = self.type_of(instruction.operands[1])
                 flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
