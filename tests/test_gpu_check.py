@@ -1,0 +1,87 @@
+"""bench/gpu_check.py, the check a GPU runs when one is lent (docs/gpu_check.md), run here as
+its dry run: the whole work list, each item in its own process, on the CPU with mt5_tiny, the
+kernels under Pallas's interpreter and the predictions from the same runs compiled for an H100
+without one. So the check cannot rot between GPUs."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+from t5scale.startup import cuda_plugin_installed
+
+SCRIPT = REPO / "bench" / "gpu_check.py"
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)  # dataclasses ask
+_spec.loader.exec_module(gpu_check)
+
+
+def run_check(out, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags],
+        capture_output=True, text=True, timeout=600, cwd=out.parent,
+    )  # fmt: skip
+
+
+def results(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
+    out = tmp_path / "check"
+    done = run_check(out)
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = results(out)
+    items = gpu_check.work_list(gpu_check.DRY_RUN)
+    assert {line["item"]: line["status"] for line in lines if "status" in line} == {
+        item.name: "done" for item in items
+    }
+    device = next(line for line in lines if "bf16_matmul_flops" in line)
+    assert device["bf16_matmul_flops"] > 0
+    # Three attentions in each dtype, the kernels (interpreted) within the tests' tolerance of
+    # the einsum path in fp32 and never further from exact than it in bf16.
+    kernels = [line for line in lines if "verdict" in line]
+    assert sorted((k["attention"], k["dtype"]) for k in kernels) == sorted(
+        (what, dtype) for what in ("encoder", "decoder", "cross")
+        for dtype in ("bfloat16", "float32")
+    )  # fmt: skip
+    for kernel in kernels:
+        assert (
+            kernel["verdict"] == "ok"
+            if kernel["dtype"] == "float32"
+            else kernel["verdict"] != "WRONG"
+        )
+        assert kernel["ms_fused"] > 0 and kernel["ms_dot"] > 0
+    steps = [line for line in lines if "step_s" in line]
+    assert len(steps) == sum(item.kind == "step" for item in items)
+    for step in steps:
+        assert math.isfinite(step["loss"]) and step["tokens_per_s"] > 0
+        assert len(step["steps_s"]) == gpu_check.DRY_RUN.timed_steps
+    predictions = [line for line in lines if "predicted_step_s" in line]
+    if cuda_plugin_installed():  # the test extra installs it
+        assert len(predictions) == len(steps)
+        assert all(p["predicted_step_s"] > 0 and p["kernels"]["gemm"] > 0 for p in predictions)
+        with zipfile.ZipFile(out / "programs.zip") as programs:  # each program, to read again
+            assert len(programs.namelist()) == len(steps)
+            assert all("HloModule" in programs.read(name).decode()[:200]
+                       for name in programs.namelist())  # fmt: skip
+    table = (out / "gpu_check.md").read_text()
+    assert table.count("| mt5_tiny |") == len(steps) and "| encoder | float32 |" in table
+    # A run cut short keeps what it measured: the tables of its first lines.
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(json.dumps(line) + "\n" for line in lines[:8]))
+    partial = gpu_check.tables(cut)
+    assert "| encoder | bfloat16 |" in partial and "| mt5_tiny |" not in partial
+
+
+def test_items_past_the_budget_are_skipped_and_said_so(tmp_path):
+    out = tmp_path / "check"
+    done = run_check(out, "--budget-s", "0")
+    assert done.returncode == 1
+    statuses = {line["status"] for line in results(out) if "status" in line}
+    assert statuses == {"skipped"}
+    assert "skipped" in (out / "gpu_check.md").read_text()
