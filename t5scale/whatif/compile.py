@@ -81,8 +81,8 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry
-# (10: remat 'none' is now 'dots').
-ANALYSIS_VERSION = 10
+# (11: the relative-position bias's gradient sums in f32, a program of its own).
+ANALYSIS_VERSION = 11
 _CACHE_WRITE = threading.Lock()
 
 
