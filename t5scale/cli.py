@@ -203,13 +203,11 @@ def study_command(call: Invocation) -> None:
     from t5scale import config
     from t5scale.study.report import write_report
     from t5scale.study.runner import run_study
-    from t5scale.whatif.tpu_pod import refuse_tpu_pod
 
     config.parse_gin(call.args.gin_file, call.bindings, call.args.gin_search_paths)
     study, gin_text = config.build_study_config(), config.operative_config()
-    # a cluster file: the compile-only rounds compile for its GPUs (XLA's GPU compiler)
+    # a cluster file: the compile-only rounds compile for its GPUs or TPU slices
     cluster = config.build_cluster_config()
-    refuse_tpu_pod(cluster, "study")
     summary = run_study(study, config.study_runs(study), gin_text, cluster=cluster)
     print("\n".join(summary.lines(study.study_dir)))
     if not summary.completed:

@@ -6,6 +6,7 @@
                                                XLA's GPU compiler makes the program; nothing runs
     Target.compile_only_tpus(TpuTopology(...)) TPU slices that are not here (t5scale/xla_tpu.py):
                                                XLA's TPU compiler (libtpu), deviceless
+    Target.for_topology(topology)              either of the two, as the topology says
 
 A target owns the devices a mesh is laid over, the compiler's options, whether the persistent
 compilation cache may hold its programs, the compiler's name as reports give it, and whether
@@ -50,6 +51,13 @@ class Target:
     def compile_only_tpus(cls, topology: xla_tpu.TpuTopology) -> Target:
         """`topology`'s TPU chips, compiled for by XLA's TPU compiler without them."""
         return cls(tuple(topology.devices()), compile_only=True)
+
+    @classmethod
+    def for_topology(cls, topology: xla_gpu.GpuTopology | xla_tpu.TpuTopology) -> Target:
+        """A topology's devices, compiled for by its own compiler (XLA:GPU or XLA:TPU)."""
+        if isinstance(topology, xla_tpu.TpuTopology):
+            return cls.compile_only_tpus(topology)
+        return cls.compile_only_gpus(topology)
 
     @classmethod
     def of(cls, devices: Sequence[Any] | Target | None) -> Target:

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import REPO, cli_inline
+from conftest import REPO, cli_inline, run_cli
 from test_zero import stage3_expected_bytes
 
 from t5scale.analysis.memory import model_state_bytes
@@ -137,12 +137,42 @@ def test_without_libtpu_a_tpu_plan_is_one_line_naming_the_install():
     ]
 
 
-def test_simulate_and_the_study_refuse_a_tpu_pod_in_one_line(capsys, monkeypatch):
-    for command in ("simulate", "study"):
-        code, _, err = cli_inline([command, *TINY, "--gin_file=gin/clusters/tpu_v5e.gin"],
-                                  capsys, monkeypatch)  # fmt: skip
-        assert code == 2, err
-        assert f"{command} takes GPU clusters only so far" in err
+def test_simulate_refuses_a_tpu_pod_in_one_line(capsys, monkeypatch):
+    code, _, err = cli_inline(["simulate", *TINY, "--gin_file=gin/clusters/tpu_v5e.gin"],
+                              capsys, monkeypatch)  # fmt: skip
+    assert code == 2, err
+    assert "simulate takes GPU clusters only so far" in err
+
+
+def test_the_study_compiles_for_the_pods_chips_and_times_on_the_cpu(tmp_path):
+    """The study's compile-only round on XLA:TPU, for a slice of the pod's generation holding
+    the point's devices (v5e-4, 2x2 chips), its HBM as the budget; the timed round on CPUs."""
+    study_dir = tmp_path / "study"
+    done = run_cli(
+        "study", "--gin_file=gin/clusters/tpu_v5e.gin", "--gin.StudyConfig.models=['mt5_tiny']",
+        "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[4]",
+        "--gin.StudyConfig.input_length=32", "--gin.StudyConfig.target_length=8",
+        "--gin.StudyConfig.max_timed_steps=4", "--gin.StudyConfig.max_timing_s=10",
+        "--gin.StudyConfig.repeats=1", f"--gin.StudyConfig.study_dir={study_dir}",
+        env=_quiet_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compile-only rounds: XLA's TPU compiler for tpu_v5e's chips (v5e, 1 slice), " \
+        "16 GB each" in done.stdout  # fmt: skip
+    lines = [json.loads(line) for line in (study_dir / "results.jsonl").read_text().splitlines()]
+    (compiled,) = [r for r in lines if r.get("kind") == "compile"]
+    timed = [r for r in lines if r.get("kind") == "timed"]
+    assert compiled["analysis"]["compiler"] == "xla:tpu TPU v5 lite, v5e-4 (2x2)"
+    assert compiled["memory_budget_bytes"] == 16e9
+    assert timed and all(r["analysis"]["compiler"] == "xla:cpu" for r in timed)
+    # A device count that is no slice of the generation is one line before any trial.
+    bad = run_cli(
+        "study", "--gin_file=gin/clusters/tpu_v5e.gin", "--gin.StudyConfig.models=['mt5_tiny']",
+        "--gin.StudyConfig.devices=[3]", f"--gin.StudyConfig.study_dir={tmp_path / 'bad'}",
+        env=_quiet_env(), timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and "v5e-3" in bad.stderr
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from t5scale.study.config import Point
 from t5scale.study.evidence import Interval, Measurement, TimingRule
 from t5scale.train.config import RunConfig
 from t5scale.xla_gpu import GpuTopology
+from t5scale.xla_tpu import TpuTopology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +166,14 @@ class TrialSpec(JsonRecord):
     peak_flops_per_s: float = 0.0  # the machine's, for MFU
     tensorboard_dir: str | None = None  # timed trials: one TensorBoard run each
     profile_dir: str | None = None
-    # A compile trial for a cluster's GPUs (XLA's GPU compiler, t5scale/xla_gpu.py) rather
-    # than for the devices at hand.
+    # A compile trial for a cluster's GPUs (XLA's GPU compiler, t5scale/xla_gpu.py) or a TPU
+    # pod's slices (XLA's TPU compiler, t5scale/xla_tpu.py) rather than for the devices at hand.
     compile_for: GpuTopology | None = None
+    compile_for_tpus: TpuTopology | None = None
+
+    @property
+    def compile_only(self) -> GpuTopology | TpuTopology | None:
+        return self.compile_for or self.compile_for_tpus
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,8 @@ from t5scale.study.trial import run_spec, run_trial
 from t5scale.train.config import RunConfig
 from t5scale.whatif.compile import cluster_target
 from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.tpu_pod import TpuPodConfig
+from t5scale.xla_tpu import require_libtpu
 
 
 class Results:
@@ -113,17 +115,21 @@ def run_study(
     runs: Mapping[str, RunConfig] | None = None,
     gin_config: str = "",
     show: Callable[[str], None] = _print,
-    cluster: ClusterConfig | None = None,
+    cluster: ClusterConfig | TpuPodConfig | None = None,
 ) -> StudySummary:
     """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows.
     `runs`: each model's run before its grid point is applied (Point.run), as the CLI reads
     them (t5scale/config.py: its gin file and the study's extra bindings); by default each
     model's size with every other setting at its default. With a `cluster`
     that names its GPU's compile target, the compile-only rounds compile for that many of its
-    GPUs (XLA's GPU compiler, its device memory as the budget); the timed rounds run on the
-    devices at hand."""
-    if cluster is not None:
-        for devices in config.devices:  # whole nodes, a known target, the plugin (ConfigError)
+    GPUs (XLA's GPU compiler, its device memory as the budget); with a TPU pod, for slices of
+    its chips holding that many devices (XLA's TPU compiler, its HBM as the budget). The timed
+    rounds run on the devices at hand."""
+    for devices in config.devices if cluster is not None else ():
+        if isinstance(cluster, TpuPodConfig):  # a slice Cloud TPU has, libtpu (ConfigError)
+            require_libtpu()
+            cluster.topology(devices)
+        else:  # whole nodes, a known target, the plugin (ConfigError)
             cluster_target(cluster, devices, "gpu")
     if runs is None:
         runs = {model: RunConfig(model=ModelConfig(name=model)) for model in config.models}
@@ -145,7 +151,11 @@ def run_study(
     devices = sorted(config.devices)
     progress = Progress(_planned(len(configurations), devices, config), show)
     runner = _TrialRunner(config, runs, study_dir, results, machine, progress, cluster)
-    if cluster is not None:
+    if isinstance(cluster, TpuPodConfig):
+        slices = f"{cluster.slices} slice" + "s" * (cluster.slices > 1)
+        show(f"compile-only rounds: XLA's TPU compiler for {cluster.name}'s chips "
+             f"({cluster.generation}, {slices}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
+    elif cluster is not None:
         show(f"compile-only rounds: XLA's GPU compiler for {cluster.name}'s GPUs "
              f"({cluster.compile_target}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
     found = funnel.search(
@@ -245,6 +255,13 @@ class _TrialRunner:
     def spec(self, point: Point, kind: str, repeat: int = 0) -> TrialSpec:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
+        if kind == "compile" and isinstance(self.cluster, TpuPodConfig):
+            topology = self.cluster.topology(point.devices)
+            return TrialSpec(
+                kind=kind, point=point, run=self.run_of(point, topology.slices),
+                memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
+                compile_for_tpus=topology,
+            )  # fmt: skip
         if kind == "compile" and self.cluster is not None:
             topology = self.cluster.topology(point.devices)
             return TrialSpec(

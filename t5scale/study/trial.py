@@ -136,8 +136,8 @@ def _machine(dtype: str) -> Machine:
 
 def _trial(spec: TrialSpec) -> TrialResult:
     """Compile the point's run; if it fits and the trial is timed, time it."""
-    if spec.compile_for is not None:  # a cluster's GPUs, compile only
-        target = Target.compile_only_gpus(spec.compile_for)
+    if spec.compile_only is not None:  # a cluster's GPUs or a pod's TPU slices, compile only
+        target = Target.for_topology(spec.compile_only)
     elif spec.point.devices > jax.device_count():
         return TrialResult(
             status="crash", error=f"{spec.point.devices} devices asked, {jax.device_count()} here"

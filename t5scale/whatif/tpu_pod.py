@@ -45,8 +45,18 @@ class TpuPodConfig:
         if self.slice:
             self.topology()  # a slice the generation does not have is refused now
 
-    def topology(self) -> TpuTopology:
-        """The slices to compile for."""
+    def topology(self, devices: int | None = None) -> TpuTopology:
+        """The slices to compile for: the pod's own, or (`devices`: the study's device counts)
+        `slices` slices of this generation holding that many devices in all, each in Cloud
+        TPU's shape for its chips (a ConfigError where Cloud TPU has no such slice)."""
+        if devices is not None:
+            spec = GENERATIONS[self.generation]
+            chips, odd = divmod(devices, self.slices * spec.devices_per_chip)
+            if odd or not chips:
+                raise ConfigError(f"{devices} devices are not {self.slices} whole {self.generation} "
+                                  "slices")  # fmt: skip
+            name = f"{self.generation}-{chips * spec.cores_per_chip_in_name}"
+            return TpuTopology(TpuSlice.named(name), self.slices)
         if not self.slice:
             raise ConfigError(f"TpuPodConfig {self.name!r}: no slice chosen (e.g. "
                               f"--gin.TpuPodConfig.slice=\"'{self.generation}-8'\")")  # fmt: skip
@@ -61,6 +71,6 @@ def refuse_tpu_pod(cluster: object, command: str) -> None:
     """A ConfigError where `command` is given a TPU pod it does not model yet."""
     if isinstance(cluster, TpuPodConfig):
         raise ConfigError(
-            f"{command} takes GPU clusters only so far; for a TPU pod, `t5scale plan` compiles "
-            f"its slices ({cluster.name})"
+            f"{command} takes GPU clusters only so far; for a TPU pod, `t5scale plan` and the "
+            f"study's compile-only rounds compile its slices ({cluster.name})"
         )
