@@ -24,6 +24,7 @@ from conftest import (
 
 from t5scale.config import build_run_config, parse_gin
 from t5scale.model.attention_kernels import Blocks, flash_attention
+from t5scale.model.attention_reference import packed_segment_ids
 from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
 from t5scale.parallel.mesh import ParallelConfig
@@ -45,16 +46,6 @@ def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
     logits = logits + jnp.where(allowed, 0.0, NEG_INF)[:, None]
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
-def packed_segments(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
-    """Rows of 3 packed examples of random lengths (segments 1, 2, 3) and a padding tail."""
-    rows = np.zeros((batch, length), np.int32)
-    for row in rows:
-        cuts = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
-        row[:] = np.searchsorted(cuts, np.arange(length), side="right") + 1
-        row[cuts[-1] :] = 0
-    return rows
 
 
 # (what, causal, bias, query length, key length): the encoder's, the decoder's and the cross
@@ -81,8 +72,8 @@ def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len
         jnp.asarray(rng.normal(size=(batch, n, heads, dim)), dtype) for n in (q_len, k_len, k_len)
     )
     bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
-    q_segments = packed_segments(rng, batch, q_len)
-    k_segments = q_segments if q_len == k_len else packed_segments(rng, batch, k_len)
+    q_segments = packed_segment_ids(rng, batch, q_len)
+    k_segments = q_segments if q_len == k_len else packed_segment_ids(rng, batch, k_len)
     valid = jnp.asarray(q_segments > 0)[:, :, None, None]  # padding queries' outputs are unused
     weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Finite: a row with every key masked (a padding query) then gets p = 1 everywhere instead of
 # NaN; its output is never used (nothing attends to padding, and the loss skips it).
@@ -67,3 +68,14 @@ def reference_backward(
     dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
     d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
+
+
+def packed_segment_ids(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """Segment ids of `batch` rows as seqio packs them, to check the kernels on (the tests,
+    bench/gpu_check.py): 3 examples of random lengths (segments 1, 2, 3) and a padding tail."""
+    rows = np.zeros((batch, length), np.int32)
+    for row in rows:
+        cuts = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
+        row[:] = np.searchsorted(cuts, np.arange(length), side="right") + 1
+        row[cuts[-1] :] = 0
+    return rows

@@ -255,19 +255,14 @@ class _TrialRunner:
     def spec(self, point: Point, kind: str, repeat: int = 0) -> TrialSpec:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
-        if kind == "compile" and isinstance(self.cluster, TpuPodConfig):
-            topology = self.cluster.topology(point.devices)
-            return TrialSpec(
-                kind=kind, point=point, run=self.run_of(point, topology.slices),
-                memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
-                compile_for_tpus=topology,
-            )  # fmt: skip
         if kind == "compile" and self.cluster is not None:
             topology = self.cluster.topology(point.devices)
+            on_tpus = isinstance(self.cluster, TpuPodConfig)
+            dcn_granules = topology.slices if on_tpus else topology.nodes
             return TrialSpec(
-                kind=kind, point=point, run=self.run_of(point, topology.nodes),
+                kind=kind, point=point, run=self.run_of(point, dcn_granules),
                 memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
-                compile_for=topology,
+                **{"compile_for_tpus" if on_tpus else "compile_for": topology},
             )  # fmt: skip
         return TrialSpec(
             kind=kind,
