@@ -30,6 +30,7 @@ from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
 from t5scale.whatif.compile import compile_for
+from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_tpu import TpuSlice, TpuTopology
 
@@ -144,13 +145,19 @@ def test_simulate_refuses_a_tpu_pod_in_one_line(capsys, monkeypatch):
     assert "simulate takes GPU clusters only so far" in err
 
 
-def test_the_study_compiles_for_the_pods_chips_and_times_on_the_cpu(tmp_path):
+# tpu_v5e.gin's figures, for a pod built in the test
+V5E = dict(name="tpu_v5e", generation="v5e", chips_per_host=8, device_memory_gb=16,
+           memory_bandwidth=819e9, peak_flops=197e12, ici_link_bandwidth=4.5e10,
+           ici_links_per_chip=4, dcn_bandwidth_per_host=25e9)  # fmt: skip
+
+
+def test_the_study_compiles_for_the_pods_chips_and_times_on_the_cpu(tmp_path, capsys, monkeypatch):
     """The study's compile-only round on XLA:TPU, for a slice of the pod's generation holding
-    the point's devices (v5e-4, 2x2 chips), its HBM as the budget; the timed round on CPUs."""
+    the point's devices (1: v5e-1), its HBM as the budget; the timed round on CPUs."""
     study_dir = tmp_path / "study"
     done = run_cli(
         "study", "--gin_file=gin/clusters/tpu_v5e.gin", "--gin.StudyConfig.models=['mt5_tiny']",
-        "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[4]",
+        "--gin.StudyConfig.stages=[3]", "--gin.StudyConfig.devices=[1]",
         "--gin.StudyConfig.input_length=32", "--gin.StudyConfig.target_length=8",
         "--gin.StudyConfig.max_timed_steps=4", "--gin.StudyConfig.max_timing_s=10",
         "--gin.StudyConfig.repeats=1", f"--gin.StudyConfig.study_dir={study_dir}",
@@ -162,17 +169,20 @@ def test_the_study_compiles_for_the_pods_chips_and_times_on_the_cpu(tmp_path):
     lines = [json.loads(line) for line in (study_dir / "results.jsonl").read_text().splitlines()]
     (compiled,) = [r for r in lines if r.get("kind") == "compile"]
     timed = [r for r in lines if r.get("kind") == "timed"]
-    assert compiled["analysis"]["compiler"] == "xla:tpu TPU v5 lite, v5e-4 (2x2)"
+    assert compiled["analysis"]["compiler"] == "xla:tpu TPU v5 lite, v5e-1 (1x1)"
     assert compiled["memory_budget_bytes"] == 16e9
     assert timed and all(r["analysis"]["compiler"] == "xla:cpu" for r in timed)
-    # A device count that is no slice of the generation is one line before any trial.
-    bad = run_cli(
-        "study", "--gin_file=gin/clusters/tpu_v5e.gin", "--gin.StudyConfig.models=['mt5_tiny']",
-        "--gin.StudyConfig.devices=[3]", f"--gin.StudyConfig.study_dir={tmp_path / 'bad'}",
-        env=_quiet_env(), timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2
-    assert len(bad.stderr.strip().splitlines()) == 1 and "v5e-3" in bad.stderr
+    # A device count that is no slice of the generation (v5e-3), and a pod of two slices
+    # over 4 devices (2 × v5e-2, which Cloud TPU does not have), are one line before any trial.
+    for devices, slices in ((3, 1), (4, 2)):
+        code, _, err = cli_inline([
+            "study", "--gin_file=gin/clusters/tpu_v5e.gin", f"--gin.TpuPodConfig.slices={slices}",
+            "--gin.StudyConfig.models=['mt5_tiny']", f"--gin.StudyConfig.devices=[{devices}]",
+            f"--gin.StudyConfig.study_dir={tmp_path / 'refused'}",
+        ], capsys, monkeypatch)  # fmt: skip
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "v5e-" in err, err
+    assert TpuPodConfig(**V5E).topology(8) == TpuTopology(TpuSlice.named("v5e-8"))
+    assert TpuPodConfig(**V5E, slices=2).topology(16).size == 16
 
 
 @pytest.fixture(scope="module")
