@@ -116,6 +116,17 @@ class TpuSlice:
     def shape_text(self) -> str:
         return "x".join(str(n) for n in self.shape)
 
+    @property
+    def wraparound(self) -> tuple[bool, ...]:
+        """Whether each axis of the torus closes into a ring (the jax-ml scaling book, "How to
+        Think About TPUs"; MaxText's accelerator map agrees): a 3D slice (v4, v5p) wraps on
+        every axis where it is whole 4x4x4 cubes (4x4x4, 4x4x8; not 2x2x4 or 2x4x4); a 2D
+        slice (v5e, v6e) on each axis of the pod's 16 (8x16 on its long axis only)."""
+        if len(self.shape) == 3:
+            cubes = all(n % 4 == 0 for n in self.shape)
+            return (cubes,) * 3
+        return tuple(n == 16 for n in self.shape)
+
 
 def _shapes(spec: Generation) -> dict:
     return _SHAPES_3D if spec.dims == 3 else _SHAPES_2D
