@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, cli_inline, run_cli
 from test_zero import stage3_expected_bytes
 
+from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.memory import model_state_bytes
 from t5scale.cli import IN_CHILD, main
 from t5scale.config import build_run_config, parse_gin, study_runs
@@ -30,6 +31,7 @@ from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
 from t5scale.whatif.compile import compile_for
+from t5scale.whatif.tpu_collectives import TorusAxis, op_seconds, seconds, slice_axes
 from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_tpu import TpuSlice, TpuTopology
@@ -334,3 +336,41 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     # what stays an all-reduce is small: loss sums, norms, the ordering chain (≤ 32 KiB each)
     reduced = [op.bytes for op in analysis.collective_ops if op.kind == "all-reduce"]
     assert max(reduced) < 0.02 * model_state_bytes(params, {}).gradients
+
+
+def test_a_collective_is_timed_over_the_torus_axes_its_group_spans():
+    """op_seconds places a replica group on the chips' coordinates: along a whole axis of a
+    4x4x4 cube it is a ring, along half of it a line; XLA:TPU's reduce-scatter written as an
+    all-reduce and slice costs an all-reduce; a group across slices (DCN) is left out."""
+    cube = TpuSlice.named("v5p-128")
+    devices = TpuTopology(cube).devices()
+    at = {tuple(device.coords): index for index, device in enumerate(devices)}
+    along_x = tuple(at[(x, 0, 0)] for x in range(4))
+    link = 9e10
+
+    def op(kind, group, form=None, count=3):
+        return CollectiveOp(kind, count, 4e6, 1e6, group, "body", form=form)
+
+    ring = [TorusAxis(4, True), TorusAxis(1, True), TorusAxis(1, True)]
+    assert op_seconds(op("all-gather", along_x), devices, cube, link) == 3 * seconds(
+        "all-gather", 4e6, ring, link
+    )
+    half = (at[(0, 0, 0)], at[(1, 0, 0)])
+    assert op_seconds(op("all-gather", half), devices, cube, link) == 3 * seconds(
+        "all-gather", 4e6, [TorusAxis(2, False)], link
+    )
+    scattered = op("reduce-scatter", along_x, form="all-reduce+slice")
+    assert op_seconds(scattered, devices, cube, link) == 3 * seconds("all-reduce", 4e6, ring, link)
+    every = op_seconds(op("all-reduce", None), devices, cube, link)
+    assert every == 3 * seconds("all-reduce", 4e6, slice_axes((4, 4, 4), (True,) * 3), link)
+    two = TpuTopology(TpuSlice.named("v5p-16"), slices=2).devices()
+    assert op_seconds(op("all-reduce", None), two, TpuSlice.named("v5p-16"), link) is None
+    assert op_seconds(op("all-reduce", None, form="dcn"), devices, cube, link) is None
+
+
+def test_the_plan_times_each_stages_collectives_over_the_slices_ici(tpu_plan):
+    plan, _, _ = tpu_plan
+    ici = {stage["stage"]: stage["ici_seconds_per_step"] for stage in plan["stages"]}
+    assert all(seconds > 0 for seconds in ici.values())
+    assert all(stage["ici_left_out"] == 0 for stage in plan["stages"])  # one slice
+    assert ici[3] > ici[0]  # stage 3 gathers every layer's parameters as well

@@ -28,6 +28,7 @@ from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.whatif.compile import cluster_target, compile_for
 from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.tpu_collectives import op_seconds
 from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.weak_scaling import weak_scale
 
@@ -74,6 +75,10 @@ class StagePlan:
     analysis: StepAnalysis
     parameters_per_device: int
     device_memory_bytes: float
+    # On a TPU pod: the program's collectives over the slice's ICI, seconds per step with none
+    # hidden (t5scale/whatif/tpu_collectives.py), and how many it leaves out (between slices)
+    ici_seconds: float | None = None
+    ici_left_out: int = 0
 
     @property
     def fits(self) -> bool:
@@ -110,7 +115,9 @@ class StagePlan:
             "kernels": analysis.kernels.to_json() if analysis.kernels else None,
             "flops_per_step": analysis.flops_per_step.to_json(),
             "compile_time_s": analysis.compile_time_s,
-        }
+            **({"ici_seconds_per_step": self.ici_seconds, "ici_left_out": self.ici_left_out}
+               if self.ici_seconds is not None else {}),
+        }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +149,12 @@ class Plan:
 
 
 def plan_stage(
-    run: RunConfig, plan: PlanConfig, stage: int, target: Target, budget_bytes: float
+    run: RunConfig,
+    plan: PlanConfig,
+    stage: int,
+    target: Target,
+    budget_bytes: float,
+    pod: TpuPodConfig | None = None,
 ) -> StagePlan:
     """The stage compiled with zero over every data-parallel device (replica 1), across the
     nodes too where the target is several nodes' compile-only GPUs."""
@@ -154,13 +166,23 @@ def plan_stage(
         tensor=plan.tensor,
         hosts=target.dcn_granules,
     )
-    return compile_stage_plan(staged, target, budget_bytes)
+    return compile_stage_plan(staged, target, budget_bytes, pod)
 
 
-def compile_stage_plan(run: RunConfig, target: Target, budget_bytes: float) -> StagePlan:
-    """`run` compiled for `target` as it stands (nothing allocated), within `budget_bytes`."""
+def compile_stage_plan(
+    run: RunConfig, target: Target, budget_bytes: float, pod: TpuPodConfig | None = None
+) -> StagePlan:
+    """`run` compiled for `target` as it stands (nothing allocated), within `budget_bytes`;
+    on a TPU `pod`, its collectives timed over the slice's ICI."""
     step = compile_for(run, target, int(budget_bytes))
-    return StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
+    stage = StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
+    if pod is None:
+        return stage
+    devices, torus = list(step.setup.mesh.devices.flat), pod.topology().slice
+    timed = [op_seconds(op, devices, torus, pod.ici_link_bandwidth)
+             for op in step.analysis.collective_ops]  # fmt: skip
+    known = [seconds for seconds in timed if seconds is not None]
+    return dataclasses.replace(stage, ici_seconds=sum(known), ici_left_out=len(timed) - len(known))
 
 
 def run_plan(
@@ -189,14 +211,15 @@ def run_plan(
         target = Target.local(plan.devices)
         budget = plan.device_memory_gb * 1e9
     show(f"compiling for {target.compiler_name}")
+    pod = cluster if isinstance(cluster, TpuPodConfig) else None
     if plan.job:
-        job = compile_stage_plan(run, target, budget)
+        job = compile_stage_plan(run, target, budget, pod)
         show(f"the job (stage {run.parallel.zero_stage}): compiled in "
              f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
         return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
     stages = []
     for stage in plan.stages:
-        stages.append(plan_stage(run, plan, stage, target, budget))
+        stages.append(plan_stage(run, plan, stage, target, budget, pod))
         show(f"stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
     return Plan(run, plan, tuple(stages), target.compiler_name, budget / 1e9)
 
@@ -233,14 +256,23 @@ def _stage_row(stage: StagePlan) -> str:
         f"{formula.optimizer_state / gb:.3g} = {formula.total / gb:.3g} | "
         f"{measured / gb:.3g} | {xla.argument_bytes / gb:.3g}, {xla.temp_bytes / gb:.3g}, "
         f"{xla.peak_estimate_bytes / gb:.3g} | {'yes' if stage.fits else 'no'} | "
-        f"{collectives or 'none'}{program} |"
+        f"{collectives or 'none'}{program} |{_ici_cell(stage)}"
     )
+
+
+def _ici_cell(stage: StagePlan) -> str:
+    """A TPU plan's column: the collectives' ICI time per step, and those left out."""
+    if stage.ici_seconds is None:
+        return ""
+    left_out = f" (+{stage.ici_left_out} between slices)" if stage.ici_left_out else ""
+    return f" {stage.ici_seconds * 1e3:.3g} ms{left_out} |"
 
 
 def format_plan(result: Plan) -> str:
     run, plan = result.run, result.plan
     first = result.stages[0].analysis
     gpu = first.kernels is not None
+    tpu = result.stages[0].ici_seconds is not None
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
         f"{result.device_memory_gb:g} GB each, compiled by {result.compiler}; {run.optimizer.name}, {run.model.dtype} "
@@ -249,8 +281,10 @@ def format_plan(result: Plan) -> str:
         "",
         "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
-        "collectives per step |" + (" GPU kernels per step |" if gpu else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else ""),
+        "collectives per step |"
+        + (" GPU kernels per step |" if gpu else "")
+        + (" ICI time per step, none hidden |" if tpu else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if tpu else ""),
         *(_stage_row(stage) for stage in result.stages),
         "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
@@ -262,6 +296,13 @@ def format_plan(result: Plan) -> str:
             "transposes; attention: fused attention calls; collective: async pairs and "
             "synchronous collectives; `plan --json` adds their bytes)."
             if gpu
+            else ""
+        )
+        + (
+            " ICI time: each collective over the torus axes its replica group spans (rings "
+            "where they wrap), the scaling book's model, none hidden behind compute; transfers "
+            "between slices (DCN) are left out and counted. A lower bound, unvalidated."
+            if tpu
             else ""
         ),
     ]

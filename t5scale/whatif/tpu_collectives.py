@@ -2,6 +2,7 @@
 ("How to Scale Your Model", the sharding chapter: jax-ml.github.io/scaling-book/sharding/).
 
     seconds(kind, bytes, axes, link_bandwidth)   over the torus axes a replica group spans
+    op_seconds(op, devices, slice, link_bandwidth)  one of a compiled program's collectives
 
 An all-gather (or a reduce-scatter: its transpose) of an array of V bytes over N chips moves
 (N − 1)/N · V into (or out of) each chip. Each torus axis it spans carries it both ways round
@@ -22,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+
+from t5scale.analysis.collectives import CollectiveOp
+from t5scale.xla_tpu import TpuSlice
 
 # "T_min … typically around 1us" per hop (the book's sharding chapter).
 HOP_LATENCY_S = 1e-6
@@ -73,3 +77,30 @@ def seconds(
 def slice_axes(shape: Sequence[int], wraparound: Sequence[bool]) -> tuple[TorusAxis, ...]:
     """A slice's torus as axes (`TpuSlice.shape`, `TpuSlice.wraparound`)."""
     return tuple(TorusAxis(size, wraps) for size, wraps in zip(shape, wraparound, strict=True))
+
+
+# XLA:TPU's forms that are all-reduces in the program, whatever collective they stand for
+# (t5scale/analysis/hlo.py): they cost an all-reduce, twice a reduce-scatter or an all-gather.
+ALL_REDUCE_FORMS = ("all-reduce+slice", "all-reduce of a zero-padded part")
+
+
+def op_seconds(
+    op: CollectiveOp, devices: Sequence, torus: TpuSlice, link_bandwidth: float
+) -> float | None:
+    """Seconds per step of one of the program's collectives over the slice's ICI: its replica
+    group (positions in `devices`, the mesh's devices in order) placed on the torus axes it
+    spans, by the chips' coordinates; a group that spans only part of an axis is a line. None
+    where this model has no answer: a transfer between slices (DCN), a kind it does not time."""
+    kind = "all-reduce" if op.form in ALL_REDUCE_FORMS else op.kind
+    if op.form == "dcn" or kind not in KINDS:
+        return None
+    members = [devices[i] for i in op.group] if op.group else list(devices)
+    if len({getattr(device, "slice_index", 0) for device in members}) > 1:
+        return None
+    axes = []
+    for axis, (size, wraps) in enumerate(zip(torus.shape, torus.wraparound, strict=True)):
+        spanned = len({device.coords[axis] for device in members})
+        axes.append(TorusAxis(spanned, wraps and spanned == size))
+    # The whole array: an all-gather's result, a reduce-scatter's or an all-reduce's operand.
+    array_bytes = max(op.bytes, op.operand_bytes)
+    return op.count * seconds(kind, array_bytes, axes, link_bandwidth)
