@@ -31,7 +31,13 @@ from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
 from t5scale.whatif.compile import compile_for
-from t5scale.whatif.tpu_collectives import TorusAxis, op_seconds, seconds, slice_axes
+from t5scale.whatif.tpu_collectives import (
+    TorusAxis,
+    dcn_op_seconds,
+    op_seconds,
+    seconds,
+    slice_axes,
+)
 from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_tpu import TpuSlice, TpuTopology
@@ -372,5 +378,24 @@ def test_the_plan_times_each_stages_collectives_over_the_slices_ici(tpu_plan):
     plan, _, _ = tpu_plan
     ici = {stage["stage"]: stage["ici_seconds_per_step"] for stage in plan["stages"]}
     assert all(seconds > 0 for seconds in ici.values())
-    assert all(stage["ici_left_out"] == 0 for stage in plan["stages"])  # one slice
+    assert all(stage["dcn_seconds_per_step"] == 0 for stage in plan["stages"])  # one slice
     assert ici[3] > ici[0]  # stage 3 gathers every layer's parameters as well
+
+
+def test_transfers_between_slices_take_each_chips_share_of_its_hosts_dcn():
+    """XLA:TPU's collectives between slices (form 'dcn'; the payload each chip hands its
+    megascale runtime): over S slices an all-gather brings S − 1 parts, a reduce-scatter
+    sends (S − 1)/S of the payload, an all-reduce both; ICI collectives are not DCN's."""
+    per_chip = 25e9 / 4  # tpu_v5p.gin: a 4-chip host's 25 GB/s
+
+    def dcn(kind):
+        return CollectiveOp(kind, 2, 1e6, 1e6, None, "body", form="dcn")
+
+    assert dcn_op_seconds(dcn("all-gather"), 4, per_chip) == pytest.approx(2 * 3e6 / per_chip)
+    assert dcn_op_seconds(dcn("reduce-scatter"), 4, per_chip) == pytest.approx(
+        2 * 0.75e6 / per_chip
+    )
+    assert dcn_op_seconds(dcn("all-reduce"), 2, per_chip) == pytest.approx(2 * 1e6 / per_chip)
+    assert (
+        dcn_op_seconds(CollectiveOp("all-reduce", 2, 1e6, 1e6, None, "body"), 2, per_chip) is None
+    )

@@ -3,6 +3,7 @@
 
     seconds(kind, bytes, axes, link_bandwidth)   over the torus axes a replica group spans
     op_seconds(op, devices, slice, link_bandwidth)  one of a compiled program's collectives
+    dcn_op_seconds(op, slices, bandwidth per chip)  one of its transfers between slices
 
 An all-gather (or a reduce-scatter: its transpose) of an array of V bytes over N chips moves
 (N − 1)/N · V into (or out of) each chip. Each torus axis it spans carries it both ways round
@@ -104,3 +105,20 @@ def op_seconds(
     # The whole array: an all-gather's result, a reduce-scatter's or an all-reduce's operand.
     array_bytes = max(op.bytes, op.operand_bytes)
     return op.count * seconds(kind, array_bytes, axes, link_bandwidth)
+
+
+def dcn_op_seconds(op: CollectiveOp, slices: int, dcn_bandwidth_per_chip: float) -> float | None:
+    """Seconds per step of one of XLA:TPU's collectives between slices (form 'dcn': the
+    payload each chip hands its megascale runtime, read from the program), each chip's share of
+    its host's data-centre network at once: an all-gather brings the other slices' parts, a
+    reduce-scatter sends (S − 1)/S of the payload, an all-reduce both. No latency term (no
+    figure found): a lower bound. None for any other collective."""
+    if op.form != "dcn" or slices < 2 or op.kind not in KINDS:
+        return None
+    others = (slices - 1) / slices
+    moved = {
+        "all-gather": (slices - 1) * op.bytes,
+        "reduce-scatter": others * op.bytes,
+        "all-reduce": 2 * others * op.bytes,
+    }[op.kind]
+    return op.count * moved / dcn_bandwidth_per_chip
