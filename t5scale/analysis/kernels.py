@@ -339,7 +339,10 @@ class _Reader:
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
             return Kernel("gemm", 0, flops, read, written, dtype_of(first))
-        if opcode == "fusion":
+        # A fusion XLA:GPU runs asynchronously on the card (fusion-start, then fusion-done):
+        # the same kernel, whose start's result repeats its operands (a scan's whole stack for a
+        # slice of it), so its bytes are read from the fused computation as a fusion's are.
+        if opcode in ("fusion", "fusion-start"):
             body = fused_body(instruction, self.module.computations)
             read, written = self.fusion_bytes(instruction, body)
             if dots := [inner for inner in body if inner.opcode == "dot"]:
