@@ -674,6 +674,11 @@ def main() -> None:
         estimates()
         return
     shapes = DRY_RUN if args.dry_run else GPU
+    names = [item.name for item in work_list(shapes)]
+    if unknown := [name for name in [*args.only, *filter(None, [args.item])] if name not in names]:
+        sys.exit(
+            f"gpu_check: no item {', '.join(map(repr, unknown))}; the list: {', '.join(names)}"
+        )
     if args.item:
         item = next(i for i in work_list(shapes) if i.name == args.item)
         results = Results(args.out / "results.jsonl", item.name)

@@ -85,3 +85,12 @@ def test_items_past_the_budget_are_skipped_and_said_so(tmp_path):
     statuses = {line["status"] for line in results(out) if "status" in line}
     assert statuses == {"skipped"}
     assert "skipped" in (out / "gpu_check.md").read_text()
+
+
+def test_an_item_not_in_the_list_is_one_line(tmp_path):
+    done = run_check(tmp_path / "check", "--only", "step mt5_huge")
+    assert done.returncode == 1 and not (tmp_path / "check").exists()
+    assert done.stderr.strip().splitlines() == [
+        f"gpu_check: no item 'step mt5_huge'; the list: "
+        f"{', '.join(item.name for item in gpu_check.work_list(gpu_check.DRY_RUN))}"
+    ]
