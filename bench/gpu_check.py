@@ -44,6 +44,7 @@ import sys
 import time
 import zipfile
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,16 +95,17 @@ def work_list(shapes: Shapes) -> list[Item]:
         return Item(f"step {model} {remat} {attention} {layers}", estimate, "step", options)
 
     items = [
-        # estimates: the H200's walls of 2026-11-28 where it ran them, else --estimate's
-        Item("device", 13, "device"),
-        Item("kernels bfloat16", 88, "kernels", {"dtype": "bfloat16"}),
-        step("large", "dots", "fused", 32),
-        step("large", "dots", "dot", 50),
-        step("large", "full", "fused", 25),
-        step("large", "full", "dot", 36),
-        step("small", "dots", "fused", 26),
-        step("small", "dots", "dot", 27),
-        step("large", "dots", "fused", 67, unrolled=True),
+        # estimates: the H100's walls of 2026-11-28 (the H200's for the fp32 kernels; the
+        # kernels' item since compiles its fused programs again to count their FLOPs)
+        Item("device", 14, "device"),
+        Item("kernels bfloat16", 95, "kernels", {"dtype": "bfloat16"}),
+        step("large", "dots", "fused", 36),
+        step("large", "dots", "dot", 35),  # compiled only: it does not fit an 80 GB H100
+        step("large", "full", "fused", 36),
+        step("large", "full", "dot", 53),
+        step("small", "dots", "fused", 37),
+        step("small", "dots", "dot", 49),
+        step("large", "dots", "fused", 200, unrolled=True),  # cut at 182 s on the H100
         # last: 'auto' no longer runs the kernels in fp32, and their fp32 takes the longest
         Item("kernels float32", 109, "kernels", {"dtype": "float32"}),
     ]
@@ -280,12 +282,38 @@ def attention_case(
     verdict = "ok" if within else "nearer exact" if nearer else "as dot" if as_dot else "WRONG"
     milliseconds = {name: 1e3 * timed(path, *arrays, repeats=repeats)
                     for name, path in paths.items()}  # fmt: skip
+    from t5scale.analysis.peaks import datasheet_peak
+
+    compiled_fused = with_gradients(partial(flash_attention, interpret=False))
     return dict(
         attention=what, dtype=dtype, causal=causal, bias=with_bias, q=q_len, k=k_len,
         batch=batch, heads=heads, errors=errors, tolerance=TOLERANCE[dtype],
         verdict=verdict,
         ms_fused=milliseconds["fused"], ms_dot=milliseconds["dot"],
+        fused_flops=fused_attention_flops(jax, compiled_fused, arrays),
+        datasheet_flops=datasheet_peak(dtype),
     )  # fmt: skip
+
+
+def fused_attention_flops(jax, function, arrays) -> float | None:
+    """The fused kernels' FLOPs in `function`'s program as the kernel inventory counts them
+    (what ClusterConfig.attention_efficiency is a rate of): the card's own program, or in a dry
+    run the same function compiled for one H100 without one (None without jax's CUDA plugin)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from t5scale.analysis.kernels import gpu_program
+
+    if jax.devices()[0].platform == "gpu":
+        return gpu_program(function.lower(*arrays).compile().as_text()).inventory.attention.flops
+    target = _h100_target()
+    if target is None:
+        return None
+    on_h100 = SingleDeviceSharding(target.devices[0])
+    shapes = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_h100)
+              for a in arrays]  # fmt: skip
+    with target.compiling():
+        compiled = function.lower(*shapes).compile(target.compiler_options)
+    return gpu_program(compiled.as_text()).inventory.attention.flops
 
 
 def _errors(names: list[str], got, want) -> dict[str, float]:
@@ -397,18 +425,25 @@ def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers
     )
 
 
-def _h100_program(run):
-    """The dry run's stand-in for the card's program: the same run compiled for one H100
-    without one (XLA:GPU through jax's CUDA plugin), or None where the plugin is missing."""
+def _h100_target():
+    """One H100 to compile for without one (XLA:GPU through jax's CUDA plugin), or None where
+    the plugin is missing."""
     from t5scale import xla_gpu
     from t5scale.startup import cuda_plugin_installed
     from t5scale.target import Target
-    from t5scale.train.setup import build_setup
 
     if not cuda_plugin_installed():
         return None
-    target = Target.compile_only_gpus(xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1))
-    return build_setup(run, target).compile()
+    return Target.compile_only_gpus(xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1))
+
+
+def _h100_program(run):
+    """The dry run's stand-in for the card's program: the same run compiled for one H100
+    without one, or None where jax's CUDA plugin is missing."""
+    from t5scale.train.setup import build_setup
+
+    target = _h100_target()
+    return None if target is None else build_setup(run, target).compile()
 
 
 def cluster_for(device):
@@ -577,8 +612,8 @@ def tables(path: Path) -> str:
         )
     text += ["", "## Kernels: fused against the einsum path ('dot')", "",
              "| attention | dtype | q × k | out | dq | dk | dv | d_bias | vs exact (fused / dot, "
-             "worst) | verdict | fwd+bwd fused | fwd+bwd dot |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "worst) | verdict | fwd+bwd fused | fwd+bwd dot | fused TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for line in lines:
         if "verdict" not in line:
             continue
@@ -591,8 +626,10 @@ def tables(path: Path) -> str:
             f"| {line['attention']} | {line['dtype']} | {line['q']} × {line['k']} | "
             + " | ".join(cells)
             + f" | {exact[0]:.1e} / {exact[1]:.1e} | {line['verdict']} | "
-            f"{line['ms_fused']:.2f} ms | {line['ms_dot']:.2f} ms |"
+            f"{line['ms_fused']:.2f} ms | {line['ms_dot']:.2f} ms | "
+            f"{_tflops(line.get('fused_flops'), line['ms_fused'])} |"
         )
+    text += _attention_rate(lines)
     text += ["", "## Steps, and the cluster model's prediction for the same program", "",
              "| model | remat | attention | layers | compile | step (median) | tokens/s | "
              "MFU (measured peak) | MFU (datasheet) | XLA peak | allocator peak | predicted "
@@ -615,6 +652,27 @@ def tables(path: Path) -> str:
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")
     return "\n".join(text) + "\n"
+
+
+def _tflops(flops: float | None, milliseconds: float) -> str:
+    return "–" if not flops else f"{flops / milliseconds / 1e9:,.1f}"
+
+
+def _attention_rate(lines: list[dict[str, Any]]) -> list[str]:
+    """The bf16 fused kernels' FLOP-weighted rate over the three attentions, and its share of
+    the datasheet peak: a cluster file's `attention_efficiency` (gin/clusters/h100.gin)."""
+    cases = [line for line in lines
+             if line.get("dtype") == "bfloat16" and line.get("fused_flops")]  # fmt: skip
+    if not cases:
+        return []
+    flops = sum(line["fused_flops"] for line in cases)
+    rate = flops / (1e-3 * sum(line["ms_fused"] for line in cases))
+    text = (f"\nThe bf16 fused kernels, FLOP-weighted (the kernel inventory's count, "
+            f"{flops / 1e9:,.1f} GFLOP): {rate / 1e12:,.1f} TFLOP/s")  # fmt: skip
+    datasheet = cases[0].get("datasheet_flops")
+    if datasheet:
+        text += f", {rate / datasheet:.3f} of the datasheet peak (`attention_efficiency`)"
+    return [text + "."]
 
 
 def _step_row(item: Item, row: dict[str, Any]) -> str:

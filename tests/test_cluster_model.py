@@ -33,7 +33,7 @@ from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
 # they replace the GPU's datasheet figures).
 CLUSTER = ClusterConfig(
     name="round", gpu="NVIDIA A100", gpus_per_node=8, peak_flops=100e12, peak_flops_float32=50e12,
-    gemm_efficiency=1.0, memory_efficiency=1.0, roofline_fraction=1.0, memory_bandwidth=1e12,
+    gemm_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, roofline_fraction=1.0, memory_bandwidth=1e12,
     device_memory_gb=80, nvlink_bus_bandwidth=200e9, network_bus_bandwidth=100e9,
     nvlink_latency_s=1e-6, network_latency_s=10e-6, collective_launch_s=5e-6,
 )  # fmt: skip

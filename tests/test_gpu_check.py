@@ -65,6 +65,14 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
     if cuda_plugin_installed():  # the test extra installs it
         assert len(predictions) == len(steps)
         assert all(p["predicted_step_s"] > 0 and p["kernels"]["gemm"] > 0 for p in predictions)
+        # The kernels' FLOPs as the inventory reads them from the H100 program: the encoder's
+        # are nine products of 2·B·N·T·S·H (two forward, four for dk and dv, three for dq).
+        encoder = next(k for k in kernels if k["attention"] == "encoder")
+        shapes = gpu_check.DRY_RUN
+        product = 2 * shapes.batch * shapes.heads * shapes.input_length**2 * 64
+        assert encoder["fused_flops"] == 9 * product
+        assert all(0 < k["fused_flops"] <= encoder["fused_flops"] for k in kernels)
+        assert "FLOP-weighted" in (out / "gpu_check.md").read_text()
         with zipfile.ZipFile(out / "programs.zip") as programs:  # each program, to read again
             assert len(programs.namelist()) == len(steps)
             assert all("HloModule" in programs.read(name).decode()[:200]

@@ -5,14 +5,16 @@ import dataclasses
 
 import pytest
 
-from t5scale.analysis.kernels import gpu_program
-from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, predict_program
+from t5scale.analysis.kernels import Kernel, gpu_program
+from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, kernel_seconds, predict_program
 from t5scale.whatif.hardware import ClusterConfig
 
-# Round figures: GEMMs at 50 TFLOP/s in bf16 and 25 in f32, memory at 0.5 TB/s.
+# Round figures: GEMMs at 50 TFLOP/s in bf16 and 25 in f32, fused attention at 10 in bf16,
+# memory at 0.5 TB/s.
 CLUSTER = ClusterConfig(
     name="round", gpu="NVIDIA H100", gpus_per_node=8, peak_flops=100e12, peak_flops_float32=50e12,
-    gemm_efficiency=0.5, memory_efficiency=0.5, roofline_fraction=1.0, memory_bandwidth=1e12,
+    gemm_efficiency=0.5, attention_efficiency=0.1, memory_efficiency=0.5, roofline_fraction=1.0,
+    memory_bandwidth=1e12,
     device_memory_gb=80, nvlink_bus_bandwidth=100e9, network_bus_bandwidth=50e9,
     nvlink_latency_s=1e-6, network_latency_s=10e-6, collective_launch_s=5e-6,
 )  # fmt: skip
@@ -96,6 +98,16 @@ def test_synchronous_collective_is_exposed():
     time = predict_program(program, CLUSTER)
     assert time.hidden_s == 0
     assert time.step_s == pytest.approx(by_hand(hidden=False)["step"])
+
+
+def test_fused_attention_runs_at_its_own_rate():
+    # The same FLOPs and bytes: a GEMM at 50 TFLOP/s, an attention kernel at the 10 measured
+    # for attention kernels (ClusterConfig.attention_efficiency).
+    gemm, attention = (
+        Kernel(kind, 1, 1e12, 2**20, 2**20, "bf16") for kind in ("gemm", "attention")
+    )
+    assert kernel_seconds(gemm, CLUSTER) == pytest.approx(0.02 + KERNEL_LAUNCH_S)
+    assert kernel_seconds(attention, CLUSTER) == pytest.approx(0.1 + KERNEL_LAUNCH_S)
 
 
 def test_fit_factor_scales_the_roofline_not_the_launches():

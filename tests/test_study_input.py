@@ -116,6 +116,7 @@ def test_simulate_names_its_own_tensor_against_the_cluster():
 
 def _cluster(**fields) -> ClusterConfig:
     figures = dict(name="test", gpu="NVIDIA A100", gpus_per_node=8, gemm_efficiency=0.8,
+                   attention_efficiency=0.1,
                    memory_bandwidth=2e12, memory_efficiency=0.8, roofline_fraction=0.5,
                    device_memory_gb=80, nvlink_bus_bandwidth=2e11, network_bus_bandwidth=1e11,
                    nvlink_latency_s=1e-6, network_latency_s=5e-6, collective_launch_s=1e-5)  # fmt: skip

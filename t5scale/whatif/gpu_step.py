@@ -3,7 +3,8 @@ GpuProgram): the GPU path, where step_time.py's CPU path has to assume what XLA:
 and overlaps.
 
 - compute: each kernel runs at the slower of its FLOPs at the achieved GEMM rate (peak ×
-  gemm_efficiency; the 16-bit peak, or `peak_flops_float32` for f32 operands) and its bytes
+  gemm_efficiency; the 16-bit peak, or `peak_flops_float32` for f32 operands; fused attention
+  at peak × attention_efficiency, as measured on the card) and its bytes
   read and written at the achieved bandwidth (memory_bandwidth × memory_efficiency), plus one
   launch (KERNEL_LAUNCH_S). `fit_factor`, the share of that roofline a compiled step reaches,
   divides the roofline part, not the launches: 1 for the bare roofline, or a figure fitted on
@@ -64,7 +65,10 @@ def kernel_seconds(
     """One run of `kernel`: the slower of its FLOPs and its bytes, over `fit_factor`, plus its
     launch."""
     peak = cluster.peak_flops_float32 if kernel.dtype in _FLOAT32 else cluster.peak_flops
-    arithmetic = kernel.flops / (peak * cluster.gemm_efficiency)
+    efficiency = (
+        cluster.attention_efficiency if kernel.kind == "attention" else cluster.gemm_efficiency
+    )
+    arithmetic = kernel.flops / (peak * efficiency)
     memory = (kernel.bytes_read + kernel.bytes_written) / (
         cluster.memory_bandwidth * cluster.memory_efficiency
     )

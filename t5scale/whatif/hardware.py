@@ -13,7 +13,7 @@ from t5scale.analysis.peaks import GPU_DATASHEET
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.xla_gpu import GpuTopology, target_names
 
-EFFICIENCIES = ("gemm_efficiency", "memory_efficiency", "roofline_fraction")
+EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "roofline_fraction")
 NAMES = ("name", "gpu", "compile_target")
 PEAKS = {"peak_flops": "bfloat16", "peak_flops_float32": "float32"}
 
@@ -31,6 +31,10 @@ class ClusterConfig:
     gpu: str  # a GPU of t5scale/analysis/peaks.py's GPU_DATASHEET, e.g. 'NVIDIA H100' (SXM)
     gpus_per_node: int
     gemm_efficiency: float  # fraction of the peak that large GEMMs reach
+    # Fraction of the peak that fused attention kernels reach, FLOPs counted as the kernel
+    # inventory counts them (t5scale/analysis/kernels.py): measured on the card by
+    # bench/gpu_check.py's kernel item, about a seventh of the GEMMs' (docs/gpu_check.md).
+    attention_efficiency: float
     memory_bandwidth: float  # HBM, datasheet
     memory_efficiency: float  # fraction of it that streaming kernels reach
     # Fraction of that roofline a compiled t5scale step reaches (launch gaps, layout copies,
