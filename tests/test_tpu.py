@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import REPO, cli_inline, run_cli
-from test_zero import stage3_expected_bytes
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.analysis.memory import model_state_bytes
+from t5scale.analysis.memory import model_state_bytes, zero3_collective_bytes
 from t5scale.cli import IN_CHILD, main
 from t5scale.config import build_run_config, parse_gin, study_runs
 from t5scale.errors import ConfigError
@@ -257,17 +256,17 @@ def test_stage_2_reduce_scatters_the_gradients_whatever_form_xla_tpu_gives_them(
     assert _within(found["all-gather"]["bytes"], state.parameters)
 
 
-def test_stage_3_reduce_scatters_as_the_formula_says_and_gathers_at_least_that(tpu_plan):
+def test_stage_3_reduce_scatters_and_gathers_as_the_formula_says(tpu_plan):
     """Its loops carry no trip count for XLA:TPU (t5scale counts them from the loop); the
-    reduce-scatters match the formula. XLA:TPU splits the layer loops and gathers the layers'
-    parameters again in each part: its all-gathers move more than the formula (docs)."""
+    reduce-scatters and the layers' all-gathers match the formula (they were 1.5x it while one
+    micro-batch ran in a scan of length 1: train/gradients.py, accumulate_gradients)."""
     plan, run, params = tpu_plan
     found = _collectives(plan, 3)
     batch = plan["stages"][3]["batch_size"]
-    gathered, scattered = stage3_expected_bytes(params, run.model, run.data, batch, 1)
+    gathered, scattered = zero3_collective_bytes(params, run.model, run.data, batch, 1)
     assert "unknown_trip_count_loops" not in found
     assert _within(found["reduce-scatter"]["operand_bytes"], scattered)
-    assert found["all-gather"]["bytes"] >= 0.95 * gathered
+    assert _within(found["all-gather"]["bytes"], gathered)
 
 
 def test_a_program_larger_than_the_chip_compiles_for_the_planner_to_say_so():
@@ -337,7 +336,7 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     dcn = [op for op in analysis.collective_ops if op.form == "dcn"]
     assert {"all-gather", "reduce-scatter"} <= {op.kind for op in dcn}
     assert all(op.group is None for op in dcn)  # every slice takes part
-    gathered, _ = stage3_expected_bytes(params, run.model, run.data, staged.train.batch_size, 1)
+    gathered, _ = zero3_collective_bytes(params, run.model, run.data, staged.train.batch_size, 1)
     assert found.by_kind["all-gather"].bytes >= 0.95 * gathered
     # what stays an all-reduce is small: loss sums, norms, the ordering chain (≤ 32 KiB each)
     reduced = [op.bytes for op in analysis.collective_ops if op.kind == "all-reduce"]

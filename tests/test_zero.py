@@ -9,7 +9,7 @@ from conftest import tiny_setup
 from jax.sharding import PartitionSpec as P
 
 from t5scale.analysis.hlo import collective_stats
-from t5scale.analysis.memory import compiled_memory, model_state_bytes
+from t5scale.analysis.memory import compiled_memory, model_state_bytes, zero3_collective_bytes
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
@@ -121,40 +121,10 @@ def test_stage2_reduce_scatters_each_micro_batch_and_gathers_after_the_update(st
     assert found.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * grad_bytes
 
 
-def stage3_expected_bytes(
-    params, model: ModelConfig, data: DataConfig, batch: int, micro_batches: int
-) -> tuple[int, int]:
-    """ZeRO 3's (all-gather result bytes, reduce-scatter operand bytes) per device per step,
-    from the parameters' shapes, as t5scale's step writes its collectives."""
-    layers = model_state_bytes(
-        [params["encoder"]["layers"], params["decoder"]["layers"]], {}
-    ).parameters
-    tables = model_state_bytes([params["embedding"], params["lm_head"]], {}).parameters
-    norms_and_positions = model_state_bytes(params, {}).parameters - layers - tables
-    # The zero group's activations that travel instead of the vocabulary-split tables, per
-    # micro-batch (float32): token ids and targets, the decoder's output, the embedded rows.
-    group = batch // micro_batches
-    lengths = data.input_length + data.target_length
-    ids = group * (lengths + data.target_length) * 4
-    decoded = group * data.target_length * model.d_model * 4
-    rows = group * lengths * model.d_model * 4
-    # Each layer's parameters are gathered in the forward pass and again in the backward pass
-    # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the norms and
-    # position tables out of the micro-batch loop, so those are gathered once per step. The
-    # embedding and output projection are never gathered: the activations are (the rows'
-    # cotangent in the backward pass).
-    gathered = 2 * micro_batches * layers + norms_and_positions
-    gathered += micro_batches * (ids + decoded + rows)
-    # The transpose of every parameter gather is a reduce-scatter of that parameter's gradient;
-    # the tables' gradients are made where they lie: their reduce-scatters carry activations.
-    scattered = micro_batches * (layers + rows + decoded) + norms_and_positions
-    return gathered, scattered
-
-
 def test_stage3_gathers_parameters_before_each_use_and_reduce_scatters_gradients(stages):
     got = stages[3]
     found, params = got["collectives"], got["state"].params
-    gathered, scattered = stage3_expected_bytes(params, MODEL, DATA, BATCH, MICRO_BATCHES)
+    gathered, scattered = zero3_collective_bytes(params, MODEL, DATA, BATCH, MICRO_BATCHES)
     assert 0.95 * gathered <= found["all-gather"]["bytes"] <= 1.05 * gathered
     assert 0.95 * scattered <= found["reduce-scatter"]["operand_bytes"] <= 1.05 * scattered
     layers = model_state_bytes(

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from t5scale.analysis.records import MemoryPerDevice, ZeroFormulaBytes
+from t5scale.data.config import DataConfig
+from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.zero import ZeroStage
 
 CPU_MEMORY_SHARE = 0.8  # of the host's memory, for all emulated devices together
@@ -123,3 +125,33 @@ def compiled_memory(compiled) -> MemoryPerDevice:
         # Donated arguments alias outputs: the live peak is arguments + outputs - aliased + temps.
         peak_estimate_bytes=int(argument + output - alias + temp),
     )  # fmt: skip
+
+
+def zero3_collective_bytes(
+    params: Any, model: ModelConfig, data: DataConfig, batch: int, micro_batches: int
+) -> tuple[int, int]:
+    """ZeRO 3's (all-gather result bytes, reduce-scatter operand bytes) per device per step,
+    from the parameters' shapes, as t5scale's step writes its collectives."""
+    layers = model_state_bytes(
+        [params["encoder"]["layers"], params["decoder"]["layers"]], {}
+    ).parameters
+    tables = model_state_bytes([params["embedding"], params["lm_head"]], {}).parameters
+    norms_and_positions = model_state_bytes(params, {}).parameters - layers - tables
+    # The zero group's activations that travel instead of the vocabulary-split tables, per
+    # micro-batch (float32): token ids and targets, the decoder's output, the embedded rows.
+    group = batch // micro_batches
+    lengths = data.input_length + data.target_length
+    ids = group * (lengths + data.target_length) * 4
+    decoded = group * data.target_length * model.d_model * 4
+    rows = group * lengths * model.d_model * 4
+    # Each layer's parameters are gathered in the forward pass and again in the backward pass
+    # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the norms and
+    # position tables out of the micro-batch loop, so those are gathered once per step. The
+    # embedding and output projection are never gathered: the activations are (the rows'
+    # cotangent in the backward pass).
+    gathered = 2 * micro_batches * layers + norms_and_positions
+    gathered += micro_batches * (ids + decoded + rows)
+    # The transpose of every parameter gather is a reduce-scatter of that parameter's gradient;
+    # the tables' gradients are made where they lie: their reduce-scatters carry activations.
+    scattered = micro_batches * (layers + rows + decoded) + norms_and_positions
+    return gathered, scattered

@@ -298,15 +298,22 @@ def accumulate_gradients(
     loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int, dtype
 ) -> tuple[Any, tuple[jax.Array, jax.Array]]:
     """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums),
-    in a scan."""
+    in a scan; one micro-batch without one.
+
+    Why not a scan of length 1: XLA:TPU's expensive-invariant-code-motion pass hoists the layer
+    loops out of such a loop before the loop is simplified away, and copies of them stay: the
+    compiled mt5_small step ran 1.7x the model's matmul FLOPs on a v5p (docs/cluster_model.md)."""
 
     def accumulate(accumulator, micro_batch: Batch):
         (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
         grads = reduce_scatter_micro_batch(grads, layout)
         return jax.tree.map(jnp.add, accumulator, grads), sums
 
-    micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
     start = layout.map(functools.partial(zero_accumulator, layout, dtype))
+    if micro_batches == 1:
+        grads, sums = accumulate(start, batch)
+        return grads, jax.tree.map(lambda x: x[None], sums)
+    micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
     return lax.scan(accumulate, start, micro)
 
 
