@@ -44,6 +44,8 @@ import math
 import re
 from collections import Counter
 
+import numpy as np
+
 from t5scale.analysis.collectives import CollectiveOp, format_bytes
 from t5scale.analysis.hlo import (
     ARRAY_TYPE,
@@ -83,6 +85,9 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
+_DIM_LABELS = re.compile(r"dim_labels=([^_]+)_([^-]+)->([\w]+)")  # lhs, kernel, output
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_WINDOW_FIELDS = re.compile(r"(stride|pad|lhs_dilate|rhs_dilate)=([\d_x-]+)")
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 # t5scale's attention kernels (t5scale/model/attention_kernels.py) by the name in their metadata,
 # and the products each makes per block pair of scores.
@@ -339,13 +344,17 @@ class _Reader:
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
             return Kernel("gemm", 0, flops, read, written, dtype_of(first))
+        if opcode == "convolution":  # XLA:TPU writes its matmuls so
+            keys = self.type_of(instruction.operands[1])
+            flops = _convolution_flops(first, keys, result, attributes)
+            return Kernel("gemm", 0, flops, read, written, dtype_of(first))
         # A fusion XLA:GPU runs asynchronously on the card (fusion-start, then fusion-done):
         # the same kernel, whose start's result repeats its operands (a scan's whole stack for a
         # slice of it), so its bytes are read from the fused computation as a fusion's are.
         if opcode in ("fusion", "fusion-start"):
             body = fused_body(instruction, self.module.computations)
             read, written = self.fusion_bytes(instruction, body)
-            if dots := [inner for inner in body if inner.opcode == "dot"]:
+            if dots := [inner for inner in body if inner.opcode in ("dot", "convolution")]:
                 flops = sum(self.signature(dot).flops for dot in dots)
                 return Kernel("gemm", 0, flops, read, written, self.signature(dots[0]).dtype)
             # Scalars inside are index arithmetic; a scalar result is a computed value.
@@ -416,6 +425,40 @@ class _Reader:
 
 def _inside_loop(collective: ScheduledCollective, loop: Loop) -> ScheduledCollective:
     return dataclasses.replace(collective, op=inside_loop(collective.op, loop))
+
+
+def _convolution_flops(lhs: str, rhs: str, out: str, attributes: str) -> float:
+    """2 × the output's batch and features × the (output position, window position) pairs that
+    land on the input, per spatial dimension (padding and dilation as the window says) × the
+    kernel's input features (per group, as its shape holds them): XLA:TPU's matmuls, whose
+    contraction may be a window over a spatial dimension."""
+    shapes = _elements(lhs), _elements(rhs), _elements(out)
+    labels = _DIM_LABELS.search(attributes)
+    if not (all(shapes) and labels):
+        return 0.0
+    (_, lhs_dims), (_, rhs_dims), (_, out_dims) = shapes
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    spatial = sorted(label for label in out_labels if label.isdigit())
+    found = _WINDOW.search(attributes)
+    window = {key: [_window_numbers(v) for v in value.split("x")]
+              for key, value in _WINDOW_FIELDS.findall(found.group(1) if found else "")}  # fmt: skip
+    pairs = 1
+    for n, label in enumerate(spatial):
+        size = rhs_dims[rhs_labels.index(label)]
+        inputs = lhs_dims[lhs_labels.index(label)]
+        outputs = out_dims[out_labels.index(label)]
+        stride = window.get("stride", [[1]] * len(spatial))[n][0]
+        low = window.get("pad", [[0, 0]] * len(spatial))[n][0]
+        lhs_dilate = window.get("lhs_dilate", [[1]] * len(spatial))[n][0]
+        rhs_dilate = window.get("rhs_dilate", [[1]] * len(spatial))[n][0]
+        at = (np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - low)
+        pairs *= int(np.sum((at >= 0) & (at <= (inputs - 1) * lhs_dilate) & (at % lhs_dilate == 0)))
+    batch, features = out_dims[out_labels.index("b")], out_dims[out_labels.index("f")]
+    return 2.0 * batch * features * pairs * rhs_dims[rhs_labels.index("i")]
+
+
+def _window_numbers(value: str) -> list[int]:
+    return [int(n) for n in value.split("_")]
 
 
 def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:

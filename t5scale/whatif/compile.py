@@ -81,8 +81,9 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry
-# (11: the relative-position bias's gradient sums in f32, a program of its own).
-ANALYSIS_VERSION = 11
+# (11: the relative-position bias's gradient sums in f32, a program of its own; 12: one
+# micro-batch runs without a scan, train/gradients.py).
+ANALYSIS_VERSION = 12
 _CACHE_WRITE = threading.Lock()
 
 
