@@ -123,7 +123,7 @@ def calibrate(path: str) -> None:
         predicted = predict_on(path, analysis, run.model, cluster)
         fixed = predicted.update_s
         if path == "gpu":
-            fixed = predict_program(analysis.gpu_program, cluster, 1).launch_s
+            fixed = predict_program(analysis.program, cluster, 1).launch_s
         fraction = (predicted.compute_s + predicted.update_s - fixed) / (measured - fixed)
         fractions.append(fraction)
         print(f"{preset} (remat {remat}), {path} path: measured {measured:.3f} s, roofline "

@@ -303,10 +303,10 @@ def fused_attention_flops(jax, function, arrays) -> float | None:
     run the same function compiled for one H100 without one (None without jax's CUDA plugin)."""
     from jax.sharding import SingleDeviceSharding
 
-    from t5scale.analysis.kernels import gpu_program
+    from t5scale.analysis.kernels import read_program
 
     if jax.devices()[0].platform == "gpu":
-        return gpu_program(function.lower(*arrays).compile().as_text()).inventory.attention.flops
+        return read_program(function.lower(*arrays).compile().as_text()).inventory.attention.flops
     target = _h100_target()
     if target is None:
         return None
@@ -315,7 +315,7 @@ def fused_attention_flops(jax, function, arrays) -> float | None:
               for a in arrays]  # fmt: skip
     with target.compiling():
         compiled = function.lower(*shapes).compile(target.compiler_options)
-    return gpu_program(compiled.as_text()).inventory.attention.flops
+    return read_program(compiled.as_text()).inventory.attention.flops
 
 
 def _errors(names: list[str], got, want) -> dict[str, float]:
@@ -398,7 +398,7 @@ def step_item(
 
     analysis, cluster = program.analysis, cluster_for(jax.devices()[0])
     predicted = predict_from_program(analysis, run.model, cluster)
-    timed = predict_program(analysis.gpu_program, cluster, 1)
+    timed = predict_program(analysis.program, cluster, 1)
     results.write(
         predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
         predicted_by_class_s=timed.compute_by_class_s, predicted_launch_s=timed.launch_s,

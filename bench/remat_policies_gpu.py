@@ -61,7 +61,7 @@ def row(model: str, variant: str, remat: str = "dots") -> str:
     cpu_s = time.process_time() - started
     a = step.analysis
     m, k = a.memory_per_device, a.kernels
-    t = predict_program(a.gpu_program, cluster)
+    t = predict_program(a.program, cluster)
     gb = 1e9
     classes = " | ".join(
         f"{getattr(k, c).count:,} / {(getattr(k, c).bytes_read + getattr(k, c).bytes_written) / gb:,.0f}"

@@ -240,13 +240,14 @@ def plan_command(call: Invocation) -> None:
 def simulate_command(call: Invocation) -> None:
     from t5scale.config import build_cluster_config, build_study_config
     from t5scale.whatif import simulate
-    from t5scale.whatif.tpu_pod import refuse_tpu_pod
+    from t5scale.whatif.tpu_pod import TpuPodConfig
 
     run = call.run_config()
     cluster = build_cluster_config(required=True)
-    refuse_tpu_pod(cluster, "simulate")
     config = build_study_config("simulate")
-    show = _emulate_cpu_devices(max(config.nodes) * cluster.gpus_per_node, call.args.json)
+    # a TPU pod compiles for its chips: no CPU devices to emulate beyond one
+    gpus = 1 if isinstance(cluster, TpuPodConfig) else cluster.gpus_per_node
+    show = _emulate_cpu_devices(max(config.nodes) * gpus, call.args.json)
     result = simulate.simulate(run, cluster, config, show)
     print(
         json.dumps(result.to_json(), indent=2)

@@ -1,5 +1,5 @@
 """The one walk of a compiled program's call graph (t5scale/analysis/hlo_walk.py) under both the
-collective count (hlo.collective_ops) and the kernel inventory (kernels.gpu_program): nested
+collective count (hlo.collective_ops) and the kernel inventory (kernels.program): nested
 loops multiply alike in both, and a `while` condition runs as XLA runs it."""
 
 import re
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.analysis.hlo import Instruction, collective_ops, parse_module
 from t5scale.analysis.hlo_walk import Walk, trip_count
-from t5scale.analysis.kernels import gpu_program
+from t5scale.analysis.kernels import read_program
 from t5scale.startup import cuda_plugin_installed, libtpu_installed
 
 OUTER, INNER = 3, 4  # trip counts: a scan with a fori_loop inside
@@ -61,7 +61,7 @@ def test_nested_loops_multiply_alike_for_collectives_and_kernels():
     text = nested_loops(jax.devices()[:8])
     assert text.count(" all-reduce(") == text.count(" all-gather(") == 1  # written once each
     counted, _ = collective_ops(text)
-    program = gpu_program(text)
+    program = read_program(text)
     scheduled = [collective.op for collective in program.collectives]
     for kind in ("all-reduce", "all-gather"):
         (op,) = [op for op in counted if op.kind == kind]
@@ -109,7 +109,7 @@ def test_nested_loops_compiled_for_gpus_count_alike():
     devices = GpuTopology("h100_sxm", 1, 8).devices()
     text = nested_loops(devices, compiler_options(devices))
     counted, totals = collective_ops(text)
-    program = gpu_program(text)
+    program = read_program(text)
     expected = {"all-reduce": OUTER * INNER, "all-gather": OUTER * INNER}
     assert runs_per_kind(counted) == expected
     assert runs_per_kind(c.op for c in program.collectives) == expected
@@ -171,7 +171,7 @@ def test_a_loop_condition_counts_alike_for_collectives_and_kernels(known):
     body and the condition once each, in both, and the loop is noted by both."""
     text = LOOP if known else LOOP.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
     counted, totals = collective_ops(text)
-    program = gpu_program(text)
+    program = read_program(text)
     runs = 3 if known else 1
     expected = {"all-gather": runs} if known else {"all-gather": 1, "all-reduce": 1}
     assert runs_per_kind(counted) == runs_per_kind(c.op for c in program.collectives) == expected

@@ -7,6 +7,7 @@ libtpu comes with the test extra (jax[tpu]); nothing here runs on a TPU."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import pytest
 from conftest import REPO, cli_inline, run_cli
 
 from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.kernels import Kernel, Program, ScheduledCollective
 from t5scale.analysis.memory import model_state_bytes, zero3_collective_bytes
 from t5scale.cli import IN_CHILD, main
 from t5scale.config import build_run_config, parse_gin, study_runs
@@ -29,7 +31,8 @@ from t5scale.parallel.mesh import ParallelConfig, make_mesh
 from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
-from t5scale.whatif.compile import compile_for
+from t5scale.whatif.compile import cached_analysis, compile_for
+from t5scale.whatif.simulate import SimulateConfig, simulate
 from t5scale.whatif.tpu_collectives import (
     TorusAxis,
     dcn_op_seconds,
@@ -38,6 +41,7 @@ from t5scale.whatif.tpu_collectives import (
     slice_axes,
 )
 from t5scale.whatif.tpu_pod import TpuPodConfig
+from t5scale.whatif.tpu_step import collective_seconds, predict_tpu_program
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_tpu import TpuSlice, TpuTopology
 
@@ -143,13 +147,6 @@ def test_without_libtpu_a_tpu_plan_is_one_line_naming_the_install():
         "t5scale: error: compiling for TPUs needs libtpu: pip install 't5scale[tpu]' "
         "(jax[tpu]: libtpu, XLA's TPU compiler; Linux only)"
     ]
-
-
-def test_simulate_refuses_a_tpu_pod_in_one_line(capsys, monkeypatch):
-    code, _, err = cli_inline(["simulate", *TINY, "--gin_file=gin/clusters/tpu_v5e.gin"],
-                              capsys, monkeypatch)  # fmt: skip
-    assert code == 2, err
-    assert "simulate takes GPU clusters only so far" in err
 
 
 # tpu_v5e.gin's figures, for a pod built in the test
@@ -398,3 +395,95 @@ def test_transfers_between_slices_take_each_chips_share_of_its_hosts_dcn():
     assert (
         dcn_op_seconds(CollectiveOp("all-reduce", 2, 1e6, 1e6, None, "body"), 2, per_chip) is None
     )
+
+
+# ---- simulate on a TPU pod: the program's operations, its collectives, its schedule --------------
+
+
+def test_the_tpu_programs_matmuls_are_the_models_flops(tpu_plan):
+    """XLA:TPU writes its matmuls as convolutions (the contraction often a window over a
+    padded dimension); read with their loops' trip counts they add up to the model's FLOPs.
+    Until one micro-batch ran without a scan, XLA:TPU's copies of the layer loops made 1.5x."""
+    plan, _, _ = tpu_plan
+    for stage in plan["stages"]:
+        matmuls = stage["kernels"]["gemm"]["flops"]
+        assert _within(matmuls, stage["flops_per_step"]["model_per_device"], 0.02), stage["stage"]
+
+
+def test_a_tpu_programs_time_is_its_operations_roofline_and_its_exposed_collectives():
+    """predict_tpu_program: each operation at the slower of its FLOPs at the chip's peak and
+    its bytes at HBM's; an async collective hidden behind the operations scheduled up to its
+    done, up to their time; a synchronous one exposed."""
+    pod = TpuPodConfig(**V5E, slice="v5e-8")
+    topology = pod.topology()
+    devices = topology.devices()
+    gemm = Kernel("gemm", runs=10, flops=197e12 * 1e-3, bytes_read=1000, dtype="bf16")  # 1 ms
+    copy = Kernel("copy", runs=4, bytes_read=819e9 * 1e-3 // 2, bytes_written=819e9 * 1e-3 // 2)
+    gather = CollectiveOp("all-gather", 3, 8e6, 1e6, None, "body")
+    run = op_seconds(dataclasses.replace(gather, count=1), devices, topology.slice, 4.5e10)
+    program = Program(8, (gemm, copy), (
+        ScheduledCollective(gather, synchronous=False, overlapped=((1, 1),)),
+        ScheduledCollective(dataclasses.replace(gather, kind="all-reduce"), synchronous=True),
+    ))  # fmt: skip
+    timed = predict_tpu_program(program, pod, topology, devices)
+    assert timed.compute_s == pytest.approx(14e-3)
+    assert timed.compute_by_class_s["gemm"] == pytest.approx(10e-3)
+    reduce_run = op_seconds(
+        CollectiveOp("all-reduce", 1, 8e6, 1e6, None, "body"), devices, topology.slice, 4.5e10
+    )
+    assert timed.communication_s == pytest.approx(3 * run + 3 * reduce_run)
+    hidden = min(run, 1e-3)  # behind one copy's millisecond
+    assert timed.hidden_s == pytest.approx(3 * hidden)
+    assert timed.step_s == pytest.approx(14e-3 + 3 * (run - hidden) + 3 * reduce_run)
+    # between slices: each chip's share of its host's DCN (8 chips on a v5e host)
+    two = TpuTopology(topology.slice, 2)
+    transfer = CollectiveOp("all-reduce", 1, 8e6, 8e6, None, "body", form="dcn")
+    assert collective_seconds(transfer, two.devices(), two, pod) == pytest.approx(
+        dcn_op_seconds(transfer, 2, 25e9 / 8)
+    )
+
+
+# a bf16 run of mt5_tiny on a v5e-8 pod, as simulate is given it
+TPU_SIMULATE = [*TINY, "--gin_file=gin/precision/mixed.gin", "--gin.ModelConfig.dtype='bfloat16'",
+                "--gin_file=gin/clusters/tpu_v5e.gin", "--gin.TpuPodConfig.slice='v5e-8'",
+                "--gin.SimulateConfig.micro_batch_size=2"]  # fmt: skip
+
+
+def test_simulate_times_a_tpu_pod_from_its_program_and_says_it_is_unvalidated(capsys, monkeypatch):
+    """`t5scale simulate` with a TPU pod file: stage 3 compiled by XLA:TPU for 1 and 2 slices,
+    its program's operations and collectives timed over ICI and DCN, overlap from the schedule."""
+    code, out, err = cli_inline(
+        ["simulate", "--json", *TPU_SIMULATE, "--gin.SimulateConfig.nodes=(1, 2)",
+         "--gin.SimulateConfig.stages=(3,)"], capsys, monkeypatch,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "unvalidated" in err
+    result = json.loads(out)
+    assert result["path"] == "tpu" and result["compiler"].startswith("xla:tpu TPU v5 lite")
+    one, two = result["rows"]
+    assert (one["devices"], two["devices"]) == (8, 16)
+    for row in (one, two):
+        assert row["compute_s"] > 0 and 0 < row["exposed_communication_s"] <= row["communication_s"]
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_communication_s"])
+    parse_gin(["gin/models/mt5_tiny.gin"], [flag.removeprefix("--gin.") for flag in TINY[1:]])
+    with pytest.raises(ConfigError, match="bf16"):  # fp32 compute: the chips' peak is bf16's
+        simulate(build_run_config(), TpuPodConfig(**V5E, slice="v5e-8"), SimulateConfig())
+
+
+def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
+    """The TPU program's schedule (kernels.read_program) and its collective count
+    (hlo.collective_ops) read the same collectives, bytes for bytes: XLA:TPU's async start
+    fusions, its synchronous collectives and its transfers between slices. (The program
+    simulate compiled above, from its cache.)"""
+    files = [flag.removeprefix("--gin_file=") for flag in TPU_SIMULATE if "gin_file" in flag]
+    parse_gin(files, [flag.removeprefix("--gin.") for flag in TPU_SIMULATE if "--gin." in flag])
+    run = build_run_config()
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8"), slices=2))
+    staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
+    analysis = cached_analysis(staged, target, int(16e9))
+    counted = sum(op.count * max(op.bytes, op.operand_bytes) for op in analysis.collective_ops)
+    scheduled = analysis.program.collectives
+    found = sum(c.op.count * max(c.op.bytes, c.op.operand_bytes) for c in scheduled)
+    assert found == pytest.approx(counted, rel=1e-6)
+    assert any(not c.synchronous and c.overlapped for c in scheduled)
+    assert any(c.op.form == "dcn" and not c.synchronous for c in scheduled)

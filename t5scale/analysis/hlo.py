@@ -393,23 +393,31 @@ class _Slicing:
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
+def marked_computations(module: Module, target: str) -> set[str]:
+    """The computations holding a custom-call to `target`: XLA:TPU marks the fused computation
+    that starts an async collective with AsyncCollectiveStart, the one that ends it with
+    AsyncCollectiveDone."""
+    return {
+        name
+        for name, body in module.computations.items()
+        if any(
+            i.opcode == "custom-call"
+            and (found := _CUSTOM_TARGET.search(i.attributes))
+            and found.group(1) == target
+            for i in body
+        )
+    }
+
+
 def async_copies(module: Module) -> set[str]:
     """Computations whose collectives are copies of an XLA:TPU async collective already counted:
     an async collective runs as a fusion marked AsyncCollectiveStart (counted there), one marked
     AsyncCollectiveDone, and fusions in between that take the start's results and print the
     collective again ("continuations"); only the start is counted."""
 
-    def marked(computation: str, target: str) -> bool:
-        return any(
-            i.opcode == "custom-call"
-            and (found := _CUSTOM_TARGET.search(i.attributes))
-            and found.group(1) == target
-            for i in module.computations.get(computation, [])
-        )
-
     by_name, callee = module.by_name, fused_name
-    starts = {name for name in module.computations if marked(name, "AsyncCollectiveStart")}
-    copies = {name for name in module.computations if marked(name, "AsyncCollectiveDone")}
+    starts = marked_computations(module, "AsyncCollectiveStart")
+    copies = marked_computations(module, "AsyncCollectiveDone")
     if not starts:
         return copies
     fusions = [i for i in by_name.values() if i.opcode == "fusion" and callee(i) not in starts]
@@ -531,7 +539,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
         reduce-scatter it is in effect where XLA:TPU wrote one as an all-reduce and a slice;
         None (walk what it runs) if it is none."""
         if instruction.opcode == "send":
-            return _over_dcn(instruction, computation)
+            return dcn_transfer(instruction, computation)
         if (op := collective_op(instruction, computation, module, done_types)) is None:
             return None
         if computation in copies:
@@ -564,7 +572,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 
 
-def _over_dcn(send: Instruction, computation: str) -> Counter[CollectiveOp] | None:
+def dcn_transfer(send: Instruction, computation: str) -> Counter[CollectiveOp] | None:
     """XLA:TPU's collectives between slices: a host-transfer `send` to its megascale runtime
     that names the collective (ALL_REDUCE…), its payload the first element of its result;
     the `recv` beside it is the same collective. None for any other send."""

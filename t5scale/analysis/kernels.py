@@ -1,6 +1,6 @@
 """The kernels of a program XLA compiled for GPUs, per executed step, from its scheduled HLO text.
 
-`gpu_program(compiled.as_text())` reads what launches on the GPU and in which order:
+`read_program(compiled.as_text())` reads what launches on the GPU and in which order:
 
 - kernels are the instructions of the ENTRY computation and of the computations it runs (`while`
   bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
@@ -54,15 +54,17 @@ from t5scale.analysis.hlo import (
     async_done_types,
     collective_kind,
     collective_op,
+    dcn_transfer,
     dtype_of,
     inside_loop,
+    marked_computations,
     operand_name,
     operand_type,
     parse_module,
     shape_bytes,
     tuple_elements,
 )
-from t5scale.analysis.hlo_walk import Loop, Walk, fused_body
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name
 from t5scale.jsonform import JsonRecord
 
 KERNEL_CLASSES = ("gemm", "attention", "fusion", "copy", "other")
@@ -71,7 +73,7 @@ CLASSES = (*KERNEL_CLASSES, "collective")
 # Instructions that launch no kernel of their own (control flow runs the computations it calls).
 _LAUNCH_NOTHING = frozenset(
     "parameter get-tuple-element tuple bitcast constant after-all add-dependency opt-barrier "
-    "domain while call conditional async-start async-update async-done".split()
+    "domain while call conditional async-start async-update async-done send recv".split()
 )
 # Instructions that compute nothing, only move data: a fusion of only these, scalars aside, is a
 # copy kernel. Not hlo.py's _SAME_ELEMENTS (through which a value stays the same value): these
@@ -113,7 +115,7 @@ class Kernel(JsonRecord):
 @dataclasses.dataclass(frozen=True)
 class ScheduledCollective(JsonRecord):
     """Collectives alike: `op` (its count: runs per step), whether it runs on the compute stream,
-    and the kernels scheduled between its start and done: (index into GpuProgram.kernels, runs
+    and the kernels scheduled between its start and done: (index into Program.kernels, runs
     per run of the collective)."""
 
     op: CollectiveOp
@@ -169,7 +171,7 @@ class KernelInventory(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuProgram(JsonRecord):
+class Program(JsonRecord):
     """What timing a compiled GPU step needs: its kernels and its collectives, per step."""
 
     devices: int  # the devices the program spans (partitions × replicas)
@@ -196,13 +198,13 @@ class GpuProgram(JsonRecord):
         )
 
 
-def gpu_program(hlo_text: str) -> GpuProgram:
+def read_program(hlo_text: str) -> Program:
     """The kernels and collectives of a compiled XLA:GPU program (module docstring)."""
     module = parse_module(hlo_text)
     header = hlo_text[: hlo_text.find("\n")]
     devices = math.prod(int(count) for _, count in _DEVICES.findall(header))
     if module.entry is None:
-        return GpuProgram(devices, (), ())
+        return Program(devices, (), ())
     reader = _Reader(module)
     runs = reader.kernels.per_run(module.entry)  # first: it numbers the kernels
     kept = [index for index, _ in enumerate(reader.signatures) if runs[index]]
@@ -220,7 +222,7 @@ def gpu_program(hlo_text: str) -> GpuProgram:
         if count
     )
     unknown_loops = reader.kernels.unknown_loops | reader.schedule.unknown_loops
-    return GpuProgram(devices, kernels, collectives, len(unknown_loops))
+    return Program(devices, kernels, collectives, len(unknown_loops))
 
 
 def _elements(type_text: str) -> tuple[str, tuple[int, ...]] | None:
@@ -264,6 +266,29 @@ class _Reader:
             for instruction in body
             if instruction.opcode.endswith("-done") and instruction.operands
         }
+        # XLA:TPU's async collectives: fusions that start and end them (module docstring)
+        self._tpu_starts = marked_computations(module, "AsyncCollectiveStart")
+        self._done_at |= self._tpu_done_at(marked_computations(module, "AsyncCollectiveDone"))
+
+    def _tpu_done_at(self, dones: set[str]) -> dict[str, int]:
+        """{a start fusion's name: the position of its done fusion}: back from each done through
+        its operands (tuple elements, moves, the continuation fusions between) to the start."""
+        by_name, found = self.module.by_name, {}
+        for body in self.module.computations.values():
+            for done in (i for i in body if i.opcode == "fusion" and fused_name(i) in dones):
+                seen, stack = set(), list(done.operands)
+                while stack:
+                    name = operand_name(stack.pop())
+                    value = by_name.get(name)
+                    if name in seen or value is None:
+                        continue
+                    seen.add(name)
+                    if value.opcode == "fusion" and fused_name(value) in self._tpu_starts:
+                        found[name] = self._position[done.name]
+                        break
+                    if value.opcode in ("get-tuple-element", "bitcast", "copy", "fusion"):
+                        stack.extend(value.operands)
+        return found
 
     # -- one instruction ------------------------------------------------------------------
 
@@ -285,6 +310,14 @@ class _Reader:
         """The collective an instruction is, with the kernels scheduled between its start and
         done; nothing for a kernel (the walk does not look inside one); None for the rest (the
         walk then counts the collectives of the computations it runs)."""
+        if instruction.opcode == "send":  # XLA:TPU's transfer between slices, to send-done
+            transfer = dcn_transfer(instruction, computation) or Counter()
+            between = self.between(instruction, computation)
+            return Counter(
+                {ScheduledCollective(op, False, between): n for op, n in transfer.items()}
+            )
+        if instruction.opcode == "fusion" and fused_name(instruction) in self._tpu_starts:
+            return self._tpu_async(instruction, computation)
         op = collective_op(instruction, computation, self.module, self.done_types)
         if op is None:
             return None if self.kernel(instruction) is None else Counter()
@@ -293,6 +326,14 @@ class _Reader:
         )
         between = self.between(instruction, computation)
         return Counter({ScheduledCollective(op, synchronous, between): 1})
+
+    def _tpu_async(self, start: Instruction, computation: str) -> Counter[ScheduledCollective]:
+        """The collective an XLA:TPU start fusion holds, with the kernels up to its done."""
+        callee = fused_name(start)
+        inner = [i for i in self.module.computations[callee] if collective_kind(i.opcode)]
+        ops = [collective_op(i, computation, self.module, self.done_types) for i in inner]
+        between = self.between(start, computation)
+        return Counter({ScheduledCollective(op, False, between): 1 for op in ops if op})
 
     def between(self, start: Instruction, computation: str) -> tuple[tuple[int, int], ...]:
         """(kernel index, runs) of the kernels scheduled between an async collective's start
@@ -451,7 +492,7 @@ def _convolution_flops(lhs: str, rhs: str, out: str, attributes: str) -> float:
         low = window.get("pad", [[0, 0]] * len(spatial))[n][0]
         lhs_dilate = window.get("lhs_dilate", [[1]] * len(spatial))[n][0]
         rhs_dilate = window.get("rhs_dilate", [[1]] * len(spatial))[n][0]
-        at = (np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - low)
+        at = np.arange(outputs)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - low
         pairs *= int(np.sum((at >= 0) & (at <= (inputs - 1) * lhs_dilate) & (at % lhs_dilate == 0)))
     batch, features = out_dims[out_labels.index("b")], out_dims[out_labels.index("f")]
     return 2.0 * batch * features * pairs * rhs_dims[rhs_labels.index("i")]

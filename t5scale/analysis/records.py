@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from t5scale.analysis.collectives import CollectiveOp, Collectives
-from t5scale.analysis.kernels import GpuProgram, KernelInventory
+from t5scale.analysis.kernels import KernelInventory, Program
 from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import RENAMED_REMATS
 
@@ -196,14 +196,15 @@ class StepAnalysis(JsonRecord):
     # ModelConfig.scan_layers as compiled (the layers as a loop, or unrolled); None in files
     # written before it was said.
     scan_layers: bool | None = None
-    # XLA:GPU's program (compile-only GPUs): its kernels and schedule, what the cluster model's
-    # GPU path times (t5scale/whatif/gpu_step.py). None from the CPU compiler.
-    gpu_program: GpuProgram | None = None
+    # XLA:GPU's or XLA:TPU's program (compile-only devices): its kernels and schedule, what the
+    # cluster model's GPU and TPU paths time (t5scale/whatif/gpu_step.py, tpu_step.py). None
+    # from the CPU compiler.
+    program: Program | None = None
 
     @property
     def kernels(self) -> KernelInventory | None:
-        """The GPU program's kernels per step, by class (None from the CPU compiler)."""
-        return self.gpu_program.inventory if self.gpu_program else None
+        """The GPU or TPU program's kernels per step, by class (None from the CPU compiler)."""
+        return self.program.inventory if self.program else None
 
     @property
     def data_parallel(self) -> int:

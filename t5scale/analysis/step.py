@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_ops, mesh_axes
-from t5scale.analysis.kernels import gpu_program
+from t5scale.analysis.kernels import read_program
 from t5scale.analysis.memory import ModelStateBytes, compiled_memory
 from t5scale.analysis.records import (
     FlopsPerStep,
@@ -64,11 +64,6 @@ class StepShape:
     compiler: str  # Target.compiler_name
 
     @property
-    def gpu(self) -> bool:
-        """A GPU program: its kernels and schedule are read too."""
-        return self.platform == "gpu"
-
-    @property
     def tokens_per_step(self) -> int:
         return self.batch_size * sum(self.lengths)
 
@@ -117,7 +112,7 @@ def analyze_step(
         compiler=shape.compiler,
         attention=model.attention,
         scan_layers=model.scan_layers,
-        gpu_program=gpu_program(text) if shape.gpu else None,
+        program=read_program(text) if shape.platform in ("gpu", "tpu") else None,
     )
 
 

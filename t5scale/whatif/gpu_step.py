@@ -1,5 +1,5 @@
 """Seconds per step on a GPU cluster from the program XLA compiled for it (kernels.py's
-GpuProgram): the GPU path, where step_time.py's CPU path has to assume what XLA:GPU combines
+Program): the GPU path, where step_time.py's CPU path has to assume what XLA:GPU combines
 and overlaps.
 
 - compute: each kernel runs at the slower of its FLOPs at the achieved GEMM rate (peak ×
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.analysis.kernels import KERNEL_CLASSES, GpuProgram, Kernel
+from t5scale.analysis.kernels import KERNEL_CLASSES, Kernel, Program
 from t5scale.jsonform import JsonRecord
 from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
 from t5scale.whatif.hardware import ClusterConfig
@@ -82,7 +82,7 @@ def collective_run_seconds(op: CollectiveOp, devices: int, cluster: ClusterConfi
 
 
 def predict_program(
-    program: GpuProgram,
+    program: Program,
     cluster: ClusterConfig,
     devices: int | None = None,
     fit_factor: float = 1.0,

@@ -1,6 +1,14 @@
-"""`t5scale simulate`: seconds per step on a described GPU cluster, from the compiled step.
+"""`t5scale simulate`: seconds per step on a described GPU cluster or TPU pod, from the
+compiled step.
 
     t5scale simulate --gin_file=gin/models/mt5_xxl.gin --gin_file=gin/clusters/a100.gin
+    t5scale simulate --gin_file=gin/models/mt5_xxl.gin --gin_file=gin/precision/mixed.gin \
+        --gin_file=gin/clusters/tpu_v5p.gin --gin.TpuPodConfig.slice="'v5p-128'" \
+        --gin.SimulateConfig.nodes="(1, 2)"
+
+On a TPU pod `nodes` counts slices of the pod's slice, each step is compiled by XLA:TPU for
+their chips and timed by t5scale/whatif/tpu_step.py (unvalidated: no published T5 step time on
+TPUs was found to check it against).
 
 For each ZeRO stage and node count the train step is compiled on as many emulated CPU devices
 as the cluster has GPUs (zero over all of them, or over all but `tensor`) — and, for each H in
@@ -18,18 +26,25 @@ from typing import Any
 
 from t5scale.analysis.records import StepAnalysis
 from t5scale.errors import ConfigError, check_field_types
+from t5scale.parallel.mesh import make_mesh
 from t5scale.parallel.zero import check_stages
+from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.whatif.compile import Compiler, cached_analysis, cluster_target
+from t5scale.whatif.gpu_step import ProgramTime
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.step_time import (
     StepTimePrediction,
     predict,
     predict_from_program,
+    prediction_of,
 )
+from t5scale.whatif.tpu_pod import TpuPodConfig
+from t5scale.whatif.tpu_step import UNVALIDATED, predict_tpu_program
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
+from t5scale.xla_tpu import TpuTopology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +90,7 @@ class SimulatedRow:
     devices: int
     analysis: StepAnalysis
     prediction: StepTimePrediction
+    timed: ProgramTime | None = None  # the TPU path's parts, overlap from the schedule
 
     def to_json(self) -> dict[str, Any]:
         analysis = self.analysis
@@ -95,11 +111,12 @@ class Simulation:
     """`t5scale simulate`'s rows for one model on one cluster."""
 
     run: RunConfig
-    cluster: ClusterConfig
+    cluster: ClusterConfig | TpuPodConfig
     config: SimulateConfig
     rows: tuple[SimulatedRow, ...]
     # 'gpu': the programs XLA:GPU compiled for the cluster, timed kernel by kernel; 'cpu': the
-    # CPU compiler's, with XLA:GPU's combining and overlap assumed (whatif/step_time.py)
+    # CPU compiler's, with XLA:GPU's combining and overlap assumed (whatif/step_time.py);
+    # 'tpu': XLA:TPU's for a pod's slices (whatif/tpu_step.py)
     path: str = "cpu"
 
     def to_json(self) -> dict[str, Any]:
@@ -122,8 +139,10 @@ class Simulation:
 
 
 def simulate(
-    run: RunConfig, cluster: ClusterConfig, config: SimulateConfig, show=print
+    run: RunConfig, cluster: ClusterConfig | TpuPodConfig, config: SimulateConfig, show=print
 ) -> Simulation:
+    if isinstance(cluster, TpuPodConfig):
+        return simulate_tpu_pod(run, cluster, config, show)
     if cluster.gpus_per_node % config.tensor:  # tensor groups live inside a node
         raise ConfigError(f"SimulateConfig.tensor={config.tensor} must divide "
                           f"ClusterConfig.gpus_per_node={cluster.gpus_per_node}")  # fmt: skip
@@ -163,16 +182,58 @@ def _predict(
     return predict(analysis, model, cluster, config.overlap, config.combine_threshold_bytes)
 
 
+def simulate_tpu_pod(
+    run: RunConfig, pod: TpuPodConfig, config: SimulateConfig, show=print
+) -> Simulation:
+    """`simulate` on a TPU pod: for each stage and each count in `config.nodes` of the pod's
+    slice, the step compiled by XLA:TPU for their chips (zero over the chips of each slice,
+    replicas across slices unless ParallelConfig.zero_across_hosts) and timed from its
+    program (t5scale/whatif/tpu_step.py)."""
+    if config.diloco_every:
+        raise ConfigError("SimulateConfig.diloco_every: simulate times DiLoCo on GPU clusters "
+                          "only so far")  # fmt: skip
+    if run.model.dtype != "bfloat16":
+        raise ConfigError("simulate on a TPU pod times bf16 compute (ModelConfig.dtype="
+                          "'bfloat16'; the chips' peak is bf16's)")  # fmt: skip
+    one = pod.topology().slice  # a ConfigError before any compile where none is chosen
+    grid = [(stage, slices) for stage in config.stages for slices in config.nodes]
+    rows = []
+    for done, (stage, slices) in enumerate(grid, 1):
+        target = Target.compile_only_tpus(TpuTopology(one, slices))
+        staged = weak_scale(run, stage, target.size, config.micro_batch_size,
+                            tensor=config.tensor, hosts=target.dcn_granules)  # fmt: skip
+        analysis = cached_analysis(staged, target, int(pod.device_memory_gb * 1e9))
+        devices = list(make_mesh(staged.parallel, list(target.devices)).devices.flat)
+        timed = predict_tpu_program(analysis.program, pod, TpuTopology(one, slices), devices)
+        prediction = _tpu_prediction(analysis, pod, timed, config.overlap)
+        rows.append(SimulatedRow(stage, "every step", slices, target.size, analysis, prediction,
+                                 timed))  # fmt: skip
+        show(f"[{done}/{len(grid)}] stage {stage}, {slices} × {one.name}: "
+             f"{prediction.step_s:.3f} s/step predicted (unvalidated)")  # fmt: skip
+    return Simulation(run, pod, config, tuple(rows), "tpu")
+
+
+def _tpu_prediction(
+    analysis: StepAnalysis, pod: TpuPodConfig, timed: ProgramTime, overlap: bool
+) -> StepTimePrediction:
+    exposed = timed.exposed_communication_s if overlap else timed.communication_s
+    return prediction_of(
+        analysis, pod.peak_flops, pod.device_memory_gb, timed.compute_s, timed.communication_s,
+        exposed, timed.communication_by_kind_s,
+    )  # fmt: skip
+
+
 def with_overlap(result: Simulation, overlap: bool) -> Simulation:
     """The same compiled steps predicted with or without overlap (the bound), compiling nothing."""
     config = dataclasses.replace(result.config, overlap=overlap)
     gpu = result.path == "gpu"
-    rows = tuple(
-        dataclasses.replace(
-            row, prediction=_predict(row.analysis, result.run, result.cluster, config, gpu)
-        )
-        for row in result.rows
-    )
+
+    def again(row: SimulatedRow) -> StepTimePrediction:
+        if row.timed is not None:
+            return _tpu_prediction(row.analysis, result.cluster, row.timed, overlap)
+        return _predict(row.analysis, result.run, result.cluster, config, gpu)
+
+    rows = tuple(dataclasses.replace(row, prediction=again(row)) for row in result.rows)
     return dataclasses.replace(result, config=config, rows=rows)
 
 
@@ -195,6 +256,9 @@ def _row_line(row: SimulatedRow) -> str:
 
 
 PATHS = {
+    "tpu": UNVALIDATED + " Each step as XLA's TPU compiler made it for the pod's chips (no TPU "
+    "here), its collectives over the slices' ICI tori and between slices over DCN, overlap "
+    "from its schedule.",
     "gpu": "GPU path: each step as XLA's GPU compiler made it for the cluster's GPUs (no GPU "
     "here), timed kernel by kernel, its collectives as XLA combined them, overlap from its "
     "schedule.",
@@ -206,6 +270,8 @@ PATHS = {
 def format_simulation(result: Simulation) -> str:
     cluster, config, run = result.cluster, result.config, result.run
     precision = result.rows[0].analysis.precision.mode if result.rows else None
+    if result.path == "tpu":
+        return _format_tpu_simulation(result)
     lines = [
         PATHS[result.path],
         "",
@@ -225,4 +291,36 @@ def format_simulation(result: Simulation) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_row_line(row) for row in result.rows),
     ]
+    return "\n".join(lines)
+
+
+def _format_tpu_simulation(result: Simulation) -> str:
+    pod, config, run = result.cluster, result.config, result.run
+    precision = result.rows[0].analysis.precision.mode if result.rows else None
+    lines = [
+        PATHS["tpu"],
+        "",
+        f"{run.model.name} on {pod.name} ({pod.slice}; {pod.peak_flops / 1e12:g} TFLOP/s bf16 "
+        f"and {pod.memory_bandwidth / 1e9:g} GB/s of HBM a chip; ICI "
+        f"{pod.ici_link_bandwidth / 1e9:g} GB/s a link one way; DCN "
+        f"{pod.dcn_bandwidth_per_host / 1e9:g} GB/s a host; overlap "
+        f"{'from the step' if config.overlap else 'off'}); micro-batch "
+        f"{config.micro_batch_size} per chip, tensor {config.tensor}, lengths "
+        f"{run.data.input_length}/{run.data.target_length}, {precision} precision, remat "
+        f"{run.model.remat}",
+        "",
+        "| stage | ZeRO formula | slices | chips | step s | compute s | communication s "
+        "(exposed) | tokens/s | tokens/s/chip | MFU | fits (XLA GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result.rows:
+        predicted = row.prediction
+        lines.append(
+            f"| {row.stage} | {row.analysis.model_state_per_device.zero_formula} | {row.nodes} | "
+            f"{row.devices} | {predicted.step_s:.3f} | {predicted.compute_s:.3f} | "
+            f"{predicted.communication_s:.3f} ({predicted.exposed_communication_s:.3f}) | "
+            f"{predicted.tokens_per_s:,.0f} | {predicted.tokens_per_s_per_device:,.0f} | "
+            f"{100 * predicted.mfu:.0f}% | {'yes' if predicted.fits else 'no'} "
+            f"({predicted.xla_peak_bytes / 1e9:.0f}) |"
+        )
     return "\n".join(lines)

@@ -262,11 +262,34 @@ def _prediction(
     outer: float,
     every: int,
 ) -> StepTimePrediction:
-    """The step's seconds from its parts, with the throughput, MFU and fit they give."""
+    """The step's seconds from its parts on a GPU cluster (`prediction_of`)."""
+    peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
+    return prediction_of(
+        analysis, peak, cluster.device_memory_gb, compute, communication, exposed, by_kind,
+        update, by_overlap, outer, every,
+    )  # fmt: skip
+
+
+def prediction_of(
+    analysis: StepAnalysis,
+    peak_flops: float,
+    device_memory_gb: float,
+    compute: float,
+    communication: float,
+    exposed: float,
+    by_kind: dict[str, float],
+    update: float = 0.0,
+    by_overlap: dict[str, float] | None = None,
+    outer: float = 0.0,
+    every: int = 1,
+) -> StepTimePrediction:
+    """The step's seconds from its parts, with the throughput, MFU (against `peak_flops` per
+    device) and fit (XLA's peak within `device_memory_gb`) they give."""
     step = compute + update + exposed + outer / every
     tokens, devices = analysis.tokens_per_step, analysis.devices
-    peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
     xla_peak = analysis.memory_per_device.peak_estimate_bytes
+    if by_overlap is None:
+        by_overlap = {"hidden": communication - exposed, "exposed": exposed}
     return StepTimePrediction(
         step_s=step,
         compute_s=compute,
@@ -281,8 +304,8 @@ def _prediction(
         sequences_per_s=analysis.batch_size / step,
         tokens_per_s=tokens / step,
         tokens_per_s_per_device=tokens / step / devices,
-        mfu=mfu(analysis.flops_per_step.model, step, peak, devices),
-        fits=xla_peak <= cluster.device_memory_gb * 1e9,
+        mfu=mfu(analysis.flops_per_step.model, step, peak_flops, devices),
+        fits=xla_peak <= device_memory_gb * 1e9,
         xla_peak_bytes=xla_peak,
     )
 
@@ -291,7 +314,7 @@ def predict_from_program(
     analysis: StepAnalysis, model: ModelConfig, cluster: ClusterConfig, overlap: bool = True
 ) -> StepTimePrediction:
     """`predict`'s record from the GPU path: the step XLA:GPU compiled for the cluster
-    (analysis.gpu_program) timed kernel by kernel (gpu_step.py), its collectives as XLA
+    (analysis.program) timed kernel by kernel (gpu_step.py), its collectives as XLA
     combined them and its overlap from the schedule. The update is among the kernels, so
     update_s is 0; the outer step of local SGD or DiLoCo is timed as in `predict`.
     `overlap=False` exposes every collective (the bound).
@@ -299,9 +322,9 @@ def predict_from_program(
     No figure is fitted: the bare roofline of each kernel plus its launch predicted t5scale's
     three one-H100 steps of 2026-11-23 within 3% (docs/cluster_model.md), so the fraction of
     the roofline the CPU path fits (ClusterConfig.roofline_fraction) is not applied here."""
-    if analysis.gpu_program is None:
-        raise ValueError("the GPU path needs a program compiled for GPUs (analysis.gpu_program)")
-    timed = predict_program(analysis.gpu_program, cluster, analysis.devices)
+    if analysis.program is None:
+        raise ValueError("the GPU path needs a program compiled for GPUs (analysis.program)")
+    timed = predict_program(analysis.program, cluster, analysis.devices)
     communication = timed.communication_s
     exposed = timed.exposed_communication_s if overlap else communication
     outer, every = outer_step_seconds(analysis, cluster)

@@ -65,12 +65,3 @@ class TpuPodConfig:
             raise ConfigError(f"TpuPodConfig.slice {self.slice!r} is not a {self.generation} "
                               f"slice ({self.name})")  # fmt: skip
         return TpuTopology(one, self.slices)
-
-
-def refuse_tpu_pod(cluster: object, command: str) -> None:
-    """A ConfigError where `command` is given a TPU pod it does not model yet."""
-    if isinstance(cluster, TpuPodConfig):
-        raise ConfigError(
-            f"{command} takes GPU clusters only so far; for a TPU pod, `t5scale plan` and the "
-            f"study's compile-only rounds compile its slices ({cluster.name})"
-        )
