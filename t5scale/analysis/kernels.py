@@ -1,6 +1,8 @@
-"""The kernels of a program XLA compiled for GPUs, per executed step, from its scheduled HLO text.
+"""The kernels of a program XLA compiled for GPUs or TPUs, per executed step, from its scheduled
+HLO text.
 
-`read_program(compiled.as_text())` reads what launches on the GPU and in which order:
+`read_program(compiled.as_text())` reads what launches on the GPU (or runs on the TPU: an
+operation is a "kernel" here) and in which order:
 
 - kernels are the instructions of the ENTRY computation and of the computations it runs (`while`
   bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
@@ -31,7 +33,14 @@
   kernels scheduled between the two in the same computation: those it can hide behind. A pair
   the scheduler left nothing between is marked `is_sync` by XLA and runs on the compute stream,
   like a synchronous collective. XLA keeps both halves in one computation (its collective
-  pipeliner moves whole pairs out of loops), so a window never spans two iterations.
+  pipeliner moves whole pairs out of loops), so a window never spans two iterations;
+- XLA:TPU: a matmul is a `convolution` whose contraction may be a window over a padded spatial
+  dimension (FLOPs: 2 × output batch × output features × the (output, window) position pairs
+  that land on the input × input features); an async collective is a fusion whose computation
+  is marked AsyncCollectiveStart, ended by one marked AsyncCollectiveDone, with continuation
+  fusions between that compute and carry it (kernels; their printed copies of the collective
+  are not counted); a transfer between slices is a `send` to the megascale runtime, ended by
+  its `send-done`.
 
 Kernels of equal class, dtype, FLOPs and bytes are one `Kernel` record with the runs of all of
 them, so a program's JSON form stays small; collectives likewise.
