@@ -1,0 +1,153 @@
+"""The seed study's question on TPU pods, by the TPU path of `t5scale simulate`: mT5 small,
+large, xl and xxl, ZeRO stages 0-3, on 1, 2 and 4 slices of a v5p and of a v5e pod.
+
+    python bench/tpu_seed_study.py --generation v5p [--plot docs/tpu_seed_study_v5p.png]
+
+Does stage 2 beat stage 3 across slices (over DCN) as the seed study found across nodes, and
+which stage fits where? Mixed precision, remat full, 4 sequences of 1024/229 per chip (weak
+scaling), as bench/seed_study_predicted.py has the GPU clusters. Each step is compiled by
+XLA:TPU for the slices' chips (the `tpu` extra; analyses cached, so a second run compiles
+nothing) and timed from its program (t5scale/whatif/tpu_step.py: unvalidated, a roofline lower
+bound). A stage whose ZeRO formula alone exceeds the chip's HBM is not compiled ("–").
+Results go to runs/tpu_seed_study_<generation>.json as each model finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from t5scale.startup import start_jax  # first: JAX on the CPU, quietly, with libtpu here
+
+start_jax()
+
+from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
+from t5scale.target import Target  # noqa: E402
+from t5scale.train.setup import build_setup  # noqa: E402
+from t5scale.whatif.simulate import SimulateConfig, simulate_tpu_pod  # noqa: E402
+from t5scale.whatif.tpu_pod import TpuPodConfig  # noqa: E402
+from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
+from t5scale.xla_tpu import TpuTopology  # noqa: E402
+
+MODELS = ("mt5_small", "mt5_large", "mt5_xl", "mt5_xxl")
+SLICES = {"v5p": "v5p-128", "v5e": "v5e-64"}  # 64 chips each: a 4x4x4 cube, an 8x8 torus
+COUNTS = (1, 2, 4)
+
+
+def predict(generation: str, model: str) -> list[dict]:
+    """One row per stage and slice count: the prediction, or why there is none."""
+    parse_gin([f"gin/models/{model}.gin", "gin/precision/mixed.gin",
+               f"gin/clusters/tpu_{generation}.gin"],
+              ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'", "DATA_SOURCE='synthetic'",
+               f"TpuPodConfig.slice='{SLICES[generation]}'"])  # fmt: skip
+    run, pod = build_run_config(), build_cluster_config(required=True)
+    rows = []
+    for stage in range(4):
+        for count in COUNTS:
+            config = SimulateConfig(nodes=(count,), stages=(stage,), micro_batch_size=4)
+            started = time.perf_counter()
+            if (state := model_state_per_chip(run, pod, stage, count)) > pod.device_memory_gb * 1e9:
+                rows.append({"model": model, "stage": stage, "slices": count, "refused": state})
+                print(f"{model} stage {stage} × {count}: not compiled (ZeRO formula "
+                      f"{state / 1e9:.0f} GB a chip)", flush=True)  # fmt: skip
+                continue
+            row = simulate_tpu_pod(run, pod, config, show=lambda _: None).rows[0]
+            predicted = row.prediction
+            rows.append({"model": model, "stage": stage, "slices": count, "chips": row.devices,
+                         **dataclasses.asdict(predicted)})  # fmt: skip
+            print(f"{model} stage {stage} × {count}: {predicted.step_s:.3f} s "
+                  f"({'fits' if predicted.fits else 'does not fit'}; "
+                  f"{time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+    return rows
+
+
+def model_state_per_chip(run, pod: TpuPodConfig, stage: int, slices: int) -> float:
+    """The ZeRO formula's bytes a chip, as simulate would lay the run (no compile)."""
+    target = Target.compile_only_tpus(TpuTopology(pod.topology().slice, slices))
+    form = build_setup(
+        weak_scale(run, stage, target.size, 4, hosts=target.dcn_granules), target
+    ).form
+    return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size).total
+
+
+def table(rows: list[dict], generation: str) -> str:
+    """Seconds per step by model and stage (rows) and slice count (columns); * marks a step
+    whose XLA peak exceeds the chip's HBM, – one not compiled (its ZeRO formula alone does)."""
+    lines = [f"| model | stage | {' | '.join(f'{SLICES[generation]} ×{n}' for n in COUNTS)} |",
+             "|---|---|" + "---|" * len(COUNTS)]  # fmt: skip
+    for model in MODELS:
+        for stage in range(4):
+            cells = []
+            for count in COUNTS:
+                found = [
+                    r
+                    for r in rows
+                    if (r["model"], r["stage"], r["slices"]) == (model, stage, count)
+                ]
+                if not found:
+                    cells.append("")
+                elif "refused" in found[0]:
+                    cells.append("–")
+                else:
+                    cells.append(f"{found[0]['step_s']:.3f}{'' if found[0]['fits'] else '*'}")
+            lines.append(f"| {model} | {stage} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], generation: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(MODELS), figsize=(15, 3.8))
+    for ax, model in zip(axes, MODELS, strict=True):
+        for stage in range(4):
+            mine = [
+                r for r in rows if r["model"] == model and r["stage"] == stage and "step_s" in r
+            ]
+            if not mine:
+                continue
+            line = ax.plot([r["slices"] for r in mine], [r["step_s"] for r in mine], marker="o",
+                           label=f"ZeRO {stage}")  # fmt: skip
+            for r in mine:
+                if not r["fits"]:
+                    ax.plot(r["slices"], r["step_s"], "o", color="white", markersize=4)
+            del line
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(COUNTS), [str(n) for n in COUNTS])
+        ax.set_title(f"{model}, {SLICES[generation]} slices", fontsize=10)
+        ax.set_xlabel("slices (over DCN)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, title="○: does not fit", title_fontsize=7)
+    axes[0].set_ylabel("seconds per step (TPU path, unvalidated)")
+    figure.suptitle(f"t5scale simulate on TPU {generation}: mixed precision, remat full, 4 × "
+                    "1024/229 sequences per chip (weak scaling)")  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--generation", choices=sorted(SLICES), default="v5p")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--plot", help="a PNG of seconds per step against slices, per model")
+    args = parser.parse_args()
+    out = Path(f"runs/tpu_seed_study_{args.generation}.json")
+    out.parent.mkdir(exist_ok=True)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    started = time.perf_counter()
+    for model in args.models.split(","):
+        rows = [r for r in rows if r["model"] != model] + predict(args.generation, model)
+        out.write_text(json.dumps(rows, indent=1))
+    print("\n" + table(rows, args.generation))
+    if args.plot:
+        plot(rows, args.generation, args.plot)
+    print(f"\n{out}; {time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
