@@ -234,3 +234,39 @@ ENTRY %main (stack: bf16[24,1024,64], i: s32[]) -> bf16[1,1024,64] {
     layer = 1024 * 64 * 2
     assert inventory.copy.count == 1 and inventory.other.count == 0
     assert (inventory.copy.bytes_read, inventory.copy.bytes_written) == (layer + 4, layer)
+
+
+def test_a_tpu_matmul_reads_the_layer_its_nested_fusion_slices_from_the_stack():
+    """XLA:TPU writes a layer's matmul as a convolution in a fusion whose nested fusion
+    dynamic-slices the layer's weight out of the scan's stacked weights: the weight read is
+    that layer's, not the stack's (read whole, mT5-XXL's 24 layers put its matmuls 24x over
+    the HBM they touch); the contraction, a window over a padded dimension, counts as a
+    matmul's FLOPs."""
+    text = """HloModule m, is_scheduled=true
+
+%slice_layer (param_0: bf16[24,512,64], param_1: s32[]) -> bf16[512,64] {
+  %param_0 = bf16[24,512,64]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %dynamic-slice = bf16[1,512,64]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,512,64}
+  ROOT %bitcast = bf16[512,64]{1,0} bitcast(%dynamic-slice)
+}
+
+%layer_matmul (param_0: bf16[8,512], param_1: bf16[24,512,64], param_2: s32[]) -> bf16[8,64] {
+  %param_0 = bf16[8,512]{1,0} parameter(0)
+  %param_1 = bf16[24,512,64]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %weight = bf16[512,64]{1,0} fusion(%param_1, %param_2), kind=kLoop, calls=%slice_layer
+  ROOT %convolution = bf16[8,64]{1,0} convolution(%param_0, %weight), dim_labels=bf_io->bf
+}
+
+ENTRY %main (x: bf16[8,512], stack: bf16[24,512,64], i: s32[]) -> bf16[8,64] {
+  %x = bf16[8,512]{1,0} parameter(0)
+  %stack = bf16[24,512,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %fusion = bf16[8,64]{1,0} fusion(%x, %stack, %i), kind=kOutput, calls=%layer_matmul
+}
+"""
+    (gemm,) = read_program(text).kernels
+    assert gemm.kind == "gemm" and gemm.flops == 2.0 * 8 * 64 * 512
+    assert gemm.bytes_read == 8 * 512 * 2 + 512 * 64 * 2 + 4

@@ -426,30 +426,12 @@ class _Reader:
         return Kernel("other", 0, 0.0, read, written)
 
     def fusion_bytes(self, fusion: Instruction, body: list[Instruction]) -> tuple[int, int]:
-        """Bytes a fusion reads and writes, partial reads and in-place updates as such."""
-        users: dict[str, list[tuple[Instruction, int]]] = {}
-        for inner in body:
-            for position, operand in enumerate(inner.operands):
-                users.setdefault(operand_name(operand), []).append((inner, position))
-
-        def touched(name: str) -> int | None:
-            """Bytes read of a value that is only sliced or updated in place; None: all."""
-            total = 0
-            for user, position in users.get(name, []):
-                if user.opcode == "bitcast" and (through := touched(user.name)) is not None:
-                    total += through
-                elif user.opcode in ("slice", "dynamic-slice") and position == 0:
-                    total += shape_bytes(user.result_type)
-                elif not (user.opcode == "dynamic-update-slice" and position == 0):
-                    return None
-            return total
-
-        parameters = {i.operands[0]: i for i in body if i.opcode == "parameter" and i.operands}
+        """Bytes a fusion reads and writes, partial reads and in-place updates as such (also
+        through the fusions XLA:TPU nests inside one, which slice a layer of a stack)."""
         read = 0
         for position, operand in enumerate(fusion.operands):
             full = shape_bytes(self.type_of(operand))
-            parameter = parameters.get(str(position))
-            part = touched(parameter.name) if parameter is not None else None
+            part = _touched(body, position, self.module.computations)
             read += full if part is None else min(full, part)
         if not body:
             return read, shape_bytes(fusion.result_type)
@@ -471,6 +453,44 @@ class _Reader:
             else:
                 written += shape_bytes(output.result_type)
         return read, written
+
+
+def _touched(body: list[Instruction], position: int, computations, depth: int = 0) -> int | None:
+    """Bytes a fused computation reads of its parameter `position` where it only slices it or
+    updates it in place (through bitcasts and nested fusions); None: all of it."""
+    parameter = next(
+        (i for i in body if i.opcode == "parameter" and i.operands[:1] == (str(position),)), None
+    )
+    if parameter is None:
+        return None
+    users: dict[str, list[tuple[Instruction, int]]] = {}
+    for inner in body:
+        for at, operand in enumerate(inner.operands):
+            users.setdefault(operand_name(operand), []).append((inner, at))
+
+    def touched(name: str) -> int | None:
+        total = 0
+        for user, at in users.get(name, []):
+            if user.opcode == "bitcast" and (through := touched(user.name)) is not None:
+                total += through
+            elif user.opcode in ("slice", "dynamic-slice") and at == 0:
+                total += shape_bytes(user.result_type)
+            elif (
+                user.opcode == "fusion"
+                and depth < 4
+                and (
+                    nested := _touched(
+                        computations.get(fused_name(user), []), at, computations, depth + 1
+                    )  # fmt: skip
+                )
+                is not None
+            ):
+                total += nested
+            elif not (user.opcode == "dynamic-update-slice" and at == 0):
+                return None
+        return total
+
+    return touched(parameter.name)
 
 
 def _inside_loop(collective: ScheduledCollective, loop: Loop) -> ScheduledCollective:

@@ -82,8 +82,9 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry
 # (11: the relative-position bias's gradient sums in f32, a program of its own; 12: one
-# micro-batch runs without a scan, train/gradients.py).
-ANALYSIS_VERSION = 12
+# micro-batch runs without a scan, train/gradients.py; 13: a fusion's bytes through the fusions
+# XLA:TPU nests in it).
+ANALYSIS_VERSION = 13
 _CACHE_WRITE = threading.Lock()
 
 
