@@ -1,8 +1,10 @@
 """T5's attention on one TPU v5p chip, compile-only: the einsum route ('dot') against jax's TPU
-flash attention (jax.experimental.pallas.ops.tpu.flash_attention), forward and backward with
-the position bias's gradient, at mt5_large's shapes (batch 32, 16 heads of 64, 1024/229).
+flash attention (jax.experimental.pallas.ops.tpu.flash_attention) and t5scale's own TPU kernels
+(t5scale/model/attention_tpu.py), forward and backward with the position bias's gradient, at
+mt5_large's shapes (batch 32, 16 heads of 64, 1024/229).
 
     python bench/tpu_attention.py [--batch 32]
+    python bench/tpu_attention.py --step     # mt5_large's whole train step, 'dot' and 'fused'
 
 For each attention of the model (encoder self-attention 1024×1024 with the bias, the causal
 decoder's 229×229 with the bias, cross-attention 229×1024 without) and each route: XLA:TPU's
@@ -27,6 +29,7 @@ from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa
 
 from t5scale.analysis.memory import compiled_memory  # noqa: E402
 from t5scale.model.attention_reference import reference_attention  # noqa: E402
+from t5scale.model.attention_tpu import tpu_flash_attention  # noqa: E402
 from t5scale.target import Target  # noqa: E402
 from t5scale.xla_tpu import COMPILER_OPTIONS, TpuSlice, TpuTopology  # noqa: E402
 
@@ -71,6 +74,12 @@ def flash_loss(q, k, v, bias, q_segments, k_segments, causal):
     return jnp.sum(out[:, :, :q_len].astype(jnp.float32))
 
 
+def t5scale_loss(q, k, v, bias, q_segments, k_segments, causal):
+    """t5scale's own kernels for TPUs (t5scale/model/attention_tpu.py): the bias by head."""
+    out = tpu_flash_attention(q, k, v, bias, q_segments, k_segments, causal)
+    return jnp.sum(out.astype(jnp.float32))
+
+
 def batch_sized(hlo: str, batch: int, q: int, k: int) -> list[str]:
     """The distinct [batch, heads, q, k] array types in the program (either length order,
     either length padded to 128 as the flash route pads it)."""
@@ -87,11 +96,39 @@ def batch_sized(hlo: str, batch: int, q: int, k: int) -> list[str]:
     return sorted(found)
 
 
+def whole_step(chip, batch: int) -> None:
+    """mt5_large's train step on the one chip (ZeRO 0, mixed precision, remat 'dots', which
+    keeps every matmul's output) with attention 'dot' and 'fused' (the TPU kernels)."""
+    from t5scale.config import build_run_config, parse_gin
+    from t5scale.train.setup import build_setup
+
+    print(f"mt5_large's train step on one {chip.device_kind} chip, batch {batch} of 1024/229, "
+          "mixed precision, remat dots\n")  # fmt: skip
+    print("| attention | arguments GB | temporaries GB | peak GB | [batch, heads, q, k] arrays |")
+    print("|---|---|---|---|---|")
+    for attention in ("dot", "fused"):
+        parse_gin(["gin/models/mt5_large.gin", "gin/precision/mixed.gin"],
+                  ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='dots'", "DATA_SOURCE='synthetic'",
+                   f"TrainConfig.batch_size={batch}", f"ModelConfig.attention='{attention}'"])  # fmt: skip
+        step = build_setup(build_run_config(), [chip]).compile()
+        memory = compiled_memory(step.compiled)
+        text = step.compiled.as_text()
+        arrays = sorted({*batch_sized(text, batch, 1024, 1024), *batch_sized(text, batch, 229, 229),
+                         *batch_sized(text, batch, 229, 1024)})  # fmt: skip
+        print(f"| {step.setup.run.model.attention} | {memory.argument_bytes / 1e9:.2f} | "
+              f"{memory.temp_bytes / 1e9:.2f} | {memory.peak_estimate_bytes / 1e9:.2f} | "
+              f"{len(arrays)} types: {', '.join(arrays[:4]) or 'none'} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--step", action="store_true", help="mt5_large's whole train step")
     args = parser.parse_args()
     chip = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-8"))).devices[0]
+    if args.step:
+        whole_step(chip, args.batch)
+        return
     sharding = jax.sharding.SingleDeviceSharding(chip)
     print(f"one {chip.device_kind} chip (of a v5p-8), batch {args.batch}, {HEADS} heads of {DIM}, "
           "bf16, forward and backward (q, k, v and the bias)\n")  # fmt: skip
@@ -104,7 +141,8 @@ def main() -> None:
         ]
         bias = jax.ShapeDtypeStruct((HEADS, q_len, k_len), jnp.float32) if has_bias else None
         segments = [jax.ShapeDtypeStruct((b, n), jnp.int32) for n in (q_len, k_len)]
-        for route, loss in (("dot", dot_loss), ("jax TPU flash", flash_loss)):
+        routes = (("dot", dot_loss), ("jax TPU flash", flash_loss), ("t5scale TPU", t5scale_loss))
+        for route, loss in routes:
             differentiated = (0, 1, 2, 3) if has_bias else (0, 1, 2)
             step = jax.jit(jax.grad(loss, argnums=differentiated), static_argnums=6,
                            in_shardings=sharding, out_shardings=sharding)  # fmt: skip

@@ -102,8 +102,9 @@ class Target:
 
     @property
     def fused_kernels(self) -> bool:
-        """Whether t5scale's Pallas attention kernels compile for it (Triton: GPUs only)."""
-        return self.is_gpu
+        """Whether t5scale's Pallas attention kernels compile for it (Triton on GPUs, Mosaic
+        on TPUs)."""
+        return self.is_gpu or self.is_tpu
 
     @property
     def compiler_name(self) -> str:

@@ -28,7 +28,7 @@ from t5scale.model.attention_reference import packed_segment_ids
 from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.startup import cuda_plugin_installed
+from t5scale.startup import cuda_plugin_installed, libtpu_installed
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.setup import build_setup
 from t5scale.whatif.weak_scaling import weak_scale
@@ -250,3 +250,77 @@ def test_the_kernels_are_priced_as_attention(causal):
     per_product = 2 * 2 * 4 * 128 * 128 * 64
     assert attention.count == 3
     assert attention.flops == pytest.approx(per_product * 9 * (3 / 4 if causal else 1))
+
+
+# ---- the TPU kernels (t5scale/model/attention_tpu.py: Mosaic) ------------------------------------
+
+# (what, causal, bias, query length, key length): lengths padded to one block, and to two
+TPU_CASES = [
+    ("encoder", False, True, 37, 37),
+    ("decoder, 2 blocks", True, True, 200, 200),
+    ("cross, 2 key blocks", False, False, 13, 150),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "causal", "with_bias", "q_len", "k_len"),
+    [pytest.param(*TPU_CASES[0], marks=pytest.mark.slow), *TPU_CASES[1:]],
+)
+def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k_len):
+    """Under Pallas's TPU interpreter on the CPU, fp32: outputs and the gradients of q, k, v and
+    the bias within 1e-5 of the einsum path's, packed segments with padding."""
+    from t5scale.model.attention_tpu import tpu_flash_attention
+
+    rng = np.random.default_rng(len(what))
+    batch, heads, dim = 2, 3, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, n, heads, dim)), jnp.float32)
+               for n in (q_len, k_len, k_len))  # fmt: skip
+    bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
+    q_segments = packed_segment_ids(rng, batch, q_len)
+    k_segments = q_segments if q_len == k_len else packed_segment_ids(rng, batch, k_len)
+    valid = jnp.asarray(q_segments > 0)[:, :, None, None]  # padding queries' outputs are unused
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
+
+    def fused(*arguments):
+        return tpu_flash_attention(*arguments, q_segments, k_segments, causal, True)
+
+    def einsum(*arguments):
+        return einsum_attention(*arguments, q_segments, k_segments, causal)
+
+    def loss(attend, *arguments):
+        return jnp.sum(attend(*arguments) * weights)
+
+    wrt = (0, 1, 2, 3) if with_bias else (0, 1, 2)
+    got = jax.grad(lambda *a: loss(fused, *a), argnums=wrt)(q, k, v, bias)
+    want = jax.grad(lambda *a: loss(einsum, *a), argnums=wrt)(q, k, v, bias)
+
+    def relative(a, b):
+        return np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b)))
+
+    out = fused(q, k, v, bias)
+    assert out.shape == q.shape
+    assert relative(out * valid, einsum(q, k, v, bias) * valid) <= 1e-5
+    for name, a, b in zip(["dq", "dk", "dv", "d_bias"], got, want, strict=False):
+        assert relative(a, b) <= 1e-5, name
+
+
+@pytest.mark.skipif(not libtpu_installed(), reason="needs libtpu (the tpu extra)")
+def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor():
+    """mt5_tiny at ZeRO 3 on a v5e-8 slice (compile-only), bf16: 'auto' is the fused step,
+    Mosaic's kernels for every attention, forward and backward, counted as attention by the
+    inventory, and no [batch, heads, q, k] array (bench/tpu_attention.py: the einsum step's)."""
+    from t5scale.target import Target
+    from t5scale.xla_tpu import TpuSlice, TpuTopology
+
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8")))
+    parse_gin(["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
+              ["INPUT_LENGTH=64", "TARGET_LENGTH=15", "ModelConfig.dtype='bfloat16'"], [])  # fmt: skip
+    run = weak_scale(build_run_config(), 3, target.size, 3, hosts=target.dcn_granules)
+    step = build_setup(run, target).compile()
+    assert step.analysis.attention == "fused"
+    fused = step.compiled.as_text()
+    kernels = set(re.findall(r"t5_attention_(?:forward|backward_dkv|backward_dq)", fused))
+    assert kernels == {"t5_attention_forward", "t5_attention_backward_dkv",
+                       "t5_attention_backward_dq"}  # fmt: skip
+    assert step.analysis.kernels.attention.count > 0
+    assert not re.search(r"\[3,4,(64|15|128),(64|15|128)\]", fused)  # 3 examples, 4 heads a chip

@@ -390,6 +390,10 @@ class _Reader:
                 keys = self.type_of(instruction.operands[1])
                 flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
+            if target == "tpu_custom_call" and (named := _T5_ATTENTION.search(instruction.name)):
+                keys = self.type_of(instruction.operands[1])
+                flops = _t5_attention_flops_tpu(named, first, keys)
+                return Kernel("attention", 0, flops, read, written, dtype_of(first))
             return Kernel("other", 0, 0.0, read, written)
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
@@ -552,6 +556,21 @@ def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match
     flops = 2.0 * batch * heads * q_len * k_len * dim * _T5_ATTENTION_PRODUCTS[named.group(1)]
     if named.group(2) and grid_x:
         blocks = int(grid_x.group(1))
+        flops *= (blocks + 1) / (2 * blocks)
+    return flops
+
+
+def _t5_attention_flops_tpu(named: re.Match, query: str, keys: str) -> float:
+    """t5scale's TPU kernels (model/attention_tpu.py): as `_t5_attention_flops`, from q [B, N,
+    T, H] and k [B, N, S, H] at their padded lengths (what the kernels run), causal ones over
+    the blocks up to the diagonal: (n + 1) / 2n of them, n the blocks of 128 along T."""
+    q_shape, k_shape = _elements(query), _elements(keys)
+    if not (q_shape and k_shape) or len(q_shape[1]) != 4:
+        return 0.0
+    (batch, heads, q_len, dim), k_len = q_shape[1], k_shape[1][2]
+    flops = 2.0 * batch * heads * q_len * k_len * dim * _T5_ATTENTION_PRODUCTS[named.group(1)]
+    if named.group(2):
+        blocks = max(1, q_len // 128)
         flops *= (blocks + 1) / (2 * blocks)
     return flops
 

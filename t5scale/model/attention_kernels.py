@@ -443,5 +443,10 @@ def attend_locally(
     if not kernels:
         return reference_attention(q, k, v, bias, q_segments, k_segments, causal)
     # Asked at trace time, of the devices at hand: without a mesh the program runs on them.
-    interpret = not Target.local().fused_kernels
+    here = Target.local()
+    if here.is_tpu:
+        from t5scale.model.attention_tpu import tpu_flash_attention
+
+        return tpu_flash_attention(q, k, v, bias, q_segments, k_segments, causal)
+    interpret = not here.fused_kernels
     return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)

@@ -86,12 +86,13 @@ class ModelConfig:
     loss_chunk_tokens: int | None = None
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
-    # (t5scale/model/attention_kernels.py, compiled by Triton; Pallas's interpreter of the same
-    # kernels without a mesh on other devices); 'fused_reference', the fused route (segment ids
+    # (t5scale/model/attention_kernels.py, by Triton on GPUs; attention_tpu.py, by Mosaic on
+    # TPUs; Pallas's interpreter of the Triton kernels without a mesh on other devices);
+    # 'fused_reference', the fused route (segment ids
     # in place of masks, each device's heads: t5scale/parallel/attention.py) with the kernels'
     # arithmetic as einsums in their place (t5scale/model/attention_reference.py), which is what
     # 'fused' becomes where the step is built for devices the kernels do not compile for (CPUs:
-    # `attention_for`); 'auto', fused on GPUs in bf16 and dot elsewhere, decided there too
+    # `attention_for`); 'auto', fused on GPUs and TPUs in bf16, dot elsewhere, decided there too
     # (docs/attention.md: what one H200 measured of each, 2026-11-27).
     attention: AttentionKind = "auto"
     # The layers as one loop (True: compile time does not grow with depth) or unrolled (False:
@@ -194,7 +195,7 @@ def parameter_breakdown(params_shapes) -> dict[str, int]:
 
 def attention_for(model: ModelConfig, fused_kernels: bool) -> ModelConfig:
     """`model` with its attention named as its compile target runs it: 'auto' is 'fused' where
-    the fused kernels compile (GPUs) and the compute is bf16, 'dot' elsewhere (the kernels'
+    the fused kernels compile (GPUs, TPUs) and the compute is bf16, 'dot' elsewhere (the kernels'
     fp32, exact where the einsums' is TF32, ran 48× slower on an H200: docs/attention.md);
     'fused' where they do not compile is 'fused_reference' (the fused route, with the
     kernels' arithmetic as einsums)."""

@@ -5,7 +5,8 @@ axis XLA still partitions there. The kernels (t5scale/model/attention_kernels.py
 XLA's partitioner, so they must be given whole heads.
 
 What runs in that shard_map follows the model's resolved attention (ModelConfig.attention,
-t5scale/model/sizes.py): 'fused', the kernels, compiled by Triton; 'fused_reference', the
+t5scale/model/sizes.py): 'fused', the kernels, compiled by Triton on GPUs and by Mosaic on TPUs
+(t5scale/model/attention_tpu.py, whose custom_vjp is its own); 'fused_reference', the
 kernels' arithmetic as einsums (t5scale/model/attention_reference.py) given exactly what the
 kernels would be given: the arguments padded as the kernels take them, the segments, the bias
 [heads, q, k], the same shard_map and custom_vjp. That is the fused route on devices the
@@ -25,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from t5scale.model import attention_tpu
 from t5scale.model.attention_kernels import (
     Blocks,
     backward_pass,
@@ -69,17 +71,19 @@ def _specs_of(bias, *more) -> tuple:
 # custom_vjp sits outside the shard_maps. The reference's backward pass is its closed form,
 # recomputing the probabilities, as the kernels do.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels):
+def _attention_on_heads(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kind):
     arguments = (q, k, v, bias, q_segments, k_segments)
-    return _attention_on_heads_forward(*arguments, mesh, causal, blocks, kernels)[0]
+    return _attention_on_heads_forward(*arguments, mesh, causal, blocks, kind)[0]
 
 
-def _attention_on_heads_forward(
-    q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kernels
-):
+def _attention_on_heads_forward(q, k, v, bias, q_segments, k_segments, mesh, causal, blocks, kind):
+    """`kind`: 'triton' (GPUs), 'mosaic' (TPUs) or 'reference' (their arithmetic as einsums)."""
+
     def forward(q, k, v, bias, q_segments, k_segments):
-        if kernels:
+        if kind == "triton":
             return forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, False)
+        if kind == "mosaic":
+            return attention_tpu.forward(q, k, v, bias, q_segments, k_segments, causal)
         out = reference_attention(q, k, v, bias, q_segments, k_segments, causal)
         # the reference keeps no log-sum-exp: a stand-in of its shape [batch, heads, q]
         return out, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2], jnp.float32)
@@ -90,13 +94,17 @@ def _attention_on_heads_forward(
     return out, (q, k, v, bias, q_segments, k_segments, out, lse)
 
 
-def _attention_on_heads_backward(mesh, causal, blocks, kernels, residuals, d_out):
+def _attention_on_heads_backward(mesh, causal, blocks, kind, residuals, d_out):
     q, k, v, bias, q_segments, k_segments, out, lse = residuals
 
     def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
-        if kernels:
+        if kind == "triton":
             return backward_pass(
                 q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, False
+            )
+        if kind == "mosaic":
+            return attention_tpu.backward(
+                q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal
             )
         return reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal)
 
@@ -133,8 +141,13 @@ def attend_on_mesh(
     [batch, k, heads, dim], with the position bias [heads, q, k] or None and the segment ids,
     on each device's heads; with the kernels ('fused') or, `kernels=False`
     ('fused_reference'), their arithmetic as einsums."""
+    tpu = mesh.devices.flat[0].platform == "tpu"  # Mosaic's kernels: model/attention_tpu.py
     inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
     mesh = mesh if inside.empty else inside
+    kind = ("mosaic" if tpu else "triton") if kernels else "reference"
+    if kind == "mosaic":  # they take the arguments as they are (and pad lengths themselves)
+        segments = (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
+        return _attention_on_heads(q, k, v, bias, *segments, mesh, causal, Blocks(), kind)
     arguments, blocks = kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, Blocks())
-    out = _attention_on_heads(*arguments, mesh, causal, blocks, kernels)
+    out = _attention_on_heads(*arguments, mesh, causal, blocks, kind)
     return without_head_padding(out, q.shape[3])
