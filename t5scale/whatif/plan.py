@@ -273,7 +273,7 @@ def _ici_cell(stage: StagePlan) -> str:
 def format_plan(result: Plan) -> str:
     run, plan = result.run, result.plan
     first = result.stages[0].analysis
-    gpu = first.kernels is not None
+    read = first.kernels is not None  # a GPU or TPU program's operations
     tpu = result.stages[0].ici_seconds is not None
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
@@ -284,9 +284,9 @@ def format_plan(result: Plan) -> str:
         "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
         "collectives per step |"
-        + (" GPU kernels per step |" if gpu else "")
+        + (f" {'TPU operations' if tpu else 'GPU kernels'} per step |" if read else "")
         + (" collectives' time per step, none hidden |" if tpu else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if tpu else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if read else "") + ("---|" if tpu else ""),
         *(_stage_row(stage) for stage in result.stages),
         "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
@@ -294,10 +294,10 @@ def format_plan(result: Plan) -> str:
         "optimizer state) plus the gradients' bytes under their sharding. Collective bytes are "
         "each collective's result size per device, summed over the step."
         + (
-            " GPU kernels: launches per step, loops multiplied out (copy: copies and "
-            "transposes; attention: fused attention calls; collective: async pairs and "
-            "synchronous collectives; `plan --json` adds their bytes)."
-            if gpu
+            f" {'TPU operations' if tpu else 'GPU kernels'}: launches per step, loops multiplied "
+            "out (copy: copies and transposes; attention: fused attention calls; collective: "
+            "async pairs and synchronous collectives; `plan --json` adds their bytes)."
+            if read
             else ""
         )
         + (
