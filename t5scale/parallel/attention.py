@@ -36,6 +36,7 @@ from t5scale.model.attention_kernels import (
 )
 from t5scale.model.attention_reference import reference_attention, reference_backward
 from t5scale.parallel.rules import TENSOR_RULES, activation_spec
+from t5scale.target import Target
 
 HEADS_AXIS = TENSOR_RULES["heads"]  # the mesh axis the heads are split over
 _HEADS = activation_spec(("batch", "length", "heads", "kv"))  # q, k, v, out and their gradients
@@ -141,7 +142,7 @@ def attend_on_mesh(
     [batch, k, heads, dim], with the position bias [heads, q, k] or None and the segment ids,
     on each device's heads; with the kernels ('fused') or, `kernels=False`
     ('fused_reference'), their arithmetic as einsums."""
-    tpu = mesh.devices.flat[0].platform == "tpu"  # Mosaic's kernels: model/attention_tpu.py
+    tpu = Target.of(list(mesh.devices.flat)).is_tpu  # Mosaic's kernels: model/attention_tpu.py
     inside = jax.sharding.get_abstract_mesh()  # the data-parallel shard_map's, if inside one
     mesh = mesh if inside.empty else inside
     kind = ("mosaic" if tpu else "triton") if kernels else "reference"
