@@ -24,6 +24,7 @@ one launch per kernel.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.kernels import KERNEL_CLASSES, Kernel, Program
@@ -94,6 +95,22 @@ def predict_program(
         raise ValueError(f"fit_factor must be > 0, got {fit_factor!r}")
     devices = program.devices if devices is None else devices
     each = [kernel_seconds(kernel, cluster, fit_factor, launch_s) for kernel in program.kernels]
+    launches = sum(kernel.runs for kernel in program.kernels)
+    return timed_program(
+        program, each, lambda op: collective_run_seconds(op, devices, cluster), launches * launch_s
+    )
+
+
+def timed_program(
+    program: Program,
+    each: Sequence[float],
+    run_seconds: Callable[[CollectiveOp], float],
+    launch_s: float = 0.0,
+) -> ProgramTime:
+    """A program's step from one run of each of its kernels (`each`, in program.kernels'
+    order) and of each collective (`run_seconds`): all the kernels, every collective, and the
+    part of each asynchronous one that the kernels scheduled inside its window hide (GPU and
+    TPU paths alike). `launch_s`: the launches' share of the kernels' seconds."""
     by_class = dict.fromkeys(KERNEL_CLASSES, 0.0)
     for kernel, seconds in zip(program.kernels, each, strict=True):
         by_class[kernel.kind] += kernel.runs * seconds
@@ -101,7 +118,7 @@ def predict_program(
     exposed_by_kind: dict[str, float] = {}
     for collective in program.collectives:
         op = collective.op
-        run = collective_run_seconds(op, devices, cluster)
+        run = run_seconds(op)
         hidden = 0.0
         if not collective.synchronous:
             behind = sum(each[index] * count for index, count in collective.overlapped)
@@ -110,16 +127,15 @@ def predict_program(
         exposed_by_kind[op.kind] = exposed_by_kind.get(op.kind, 0.0) + op.count * (run - hidden)
     compute, communication = sum(by_class.values()), sum(by_kind.values())
     exposed = sum(exposed_by_kind.values())
-    launches = sum(kernel.runs for kernel in program.kernels)
     return ProgramTime(
         step_s=compute + exposed,
         compute_s=compute,
-        launch_s=launches * launch_s,
+        launch_s=launch_s,
         compute_by_class_s=by_class,
         communication_s=communication,
         exposed_communication_s=exposed,
         hidden_s=communication - exposed,
         communication_by_kind_s=by_kind,
         exposed_by_kind_s=exposed_by_kind,
-        kernels=launches,
+        kernels=sum(kernel.runs for kernel in program.kernels),
     )

@@ -24,8 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.analysis.kernels import KERNEL_CLASSES, Kernel, Program
-from t5scale.whatif.gpu_step import ProgramTime
+from t5scale.analysis.kernels import Kernel, Program
+from t5scale.whatif.gpu_step import ProgramTime, timed_program
 from t5scale.whatif.tpu_collectives import dcn_op_seconds, op_seconds
 from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.xla_tpu import TpuTopology
@@ -63,30 +63,4 @@ def predict_tpu_program(
     """Seconds per step of `program` on the pod's slices (module docstring). `devices`: the
     mesh's devices in order (their torus coordinates place each replica group)."""
     each = [operation_seconds(kernel, pod) for kernel in program.kernels]
-    by_class = dict.fromkeys(KERNEL_CLASSES, 0.0)
-    for kernel, seconds in zip(program.kernels, each, strict=True):
-        by_class[kernel.kind] += kernel.runs * seconds
-    by_kind: dict[str, float] = {}
-    exposed_by_kind: dict[str, float] = {}
-    for collective in program.collectives:
-        op = collective.op
-        run = collective_seconds(op, devices, topology, pod)
-        hidden = 0.0
-        if not collective.synchronous:
-            hidden = min(run, sum(each[index] * count for index, count in collective.overlapped))
-        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.count * run
-        exposed_by_kind[op.kind] = exposed_by_kind.get(op.kind, 0.0) + op.count * (run - hidden)
-    compute, communication = sum(by_class.values()), sum(by_kind.values())
-    exposed = sum(exposed_by_kind.values())
-    return ProgramTime(
-        step_s=compute + exposed,
-        compute_s=compute,
-        launch_s=0.0,
-        compute_by_class_s=by_class,
-        communication_s=communication,
-        exposed_communication_s=exposed,
-        hidden_s=communication - exposed,
-        communication_by_kind_s=by_kind,
-        exposed_by_kind_s=exposed_by_kind,
-        kernels=sum(kernel.runs for kernel in program.kernels),
-    )
+    return timed_program(program, each, lambda op: collective_seconds(op, devices, topology, pod))
