@@ -24,6 +24,8 @@ from t5scale.startup import start_jax  # first: JAX on the CPU, quietly, with li
 
 start_jax()
 
+import jax  # noqa: E402
+
 from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
 from t5scale.target import Target  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
@@ -54,7 +56,13 @@ def predict(generation: str, model: str) -> list[dict]:
                 print(f"{model} stage {stage} × {count}: not compiled (ZeRO formula "
                       f"{state / 1e9:.0f} GB a chip)", flush=True)  # fmt: skip
                 continue
-            row = simulate_tpu_pod(run, pod, config, show=lambda _: None).rows[0]
+            try:
+                row = simulate_tpu_pod(run, pod, config, show=lambda _: None).rows[0]
+            except jax.errors.JaxRuntimeError as error:  # XLA:TPU refused the program
+                failed = str(error).splitlines()[0]
+                rows.append({"model": model, "stage": stage, "slices": count, "failed": failed})
+                print(f"{model} stage {stage} × {count}: XLA:TPU failed: {failed}", flush=True)
+                continue
             predicted = row.prediction
             rows.append({"model": model, "stage": stage, "slices": count, "chips": row.devices,
                          **dataclasses.asdict(predicted)})  # fmt: skip
@@ -75,7 +83,8 @@ def model_state_per_chip(run, pod: TpuPodConfig, stage: int, slices: int) -> flo
 
 def table(rows: list[dict], generation: str) -> str:
     """Seconds per step by model and stage (rows) and slice count (columns); * marks a step
-    whose XLA peak exceeds the chip's HBM, – one not compiled (its ZeRO formula alone does)."""
+    whose XLA peak exceeds the chip's HBM, – one not compiled (its ZeRO formula alone does),
+    "failed" one XLA:TPU refused to compile."""
     lines = [f"| model | stage | {' | '.join(f'{SLICES[generation]} ×{n}' for n in COUNTS)} |",
              "|---|---|" + "---|" * len(COUNTS)]  # fmt: skip
     for model in MODELS:
@@ -91,6 +100,8 @@ def table(rows: list[dict], generation: str) -> str:
                     cells.append("")
                 elif "refused" in found[0]:
                     cells.append("–")
+                elif "failed" in found[0]:
+                    cells.append("failed")
                 else:
                     cells.append(f"{found[0]['step_s']:.3f}{'' if found[0]['fits'] else '*'}")
             lines.append(f"| {model} | {stage} | {' | '.join(cells)} |")
@@ -111,18 +122,18 @@ def plot(rows: list[dict], generation: str, path: str) -> None:
             ]
             if not mine:
                 continue
-            line = ax.plot([r["slices"] for r in mine], [r["step_s"] for r in mine], marker="o",
-                           label=f"ZeRO {stage}")  # fmt: skip
+            ax.plot([r["slices"] for r in mine], [r["step_s"] for r in mine], marker="o",
+                    label=f"ZeRO {stage}")  # fmt: skip
             for r in mine:
                 if not r["fits"]:
                     ax.plot(r["slices"], r["step_s"], "o", color="white", markersize=4)
-            del line
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(COUNTS), [str(n) for n in COUNTS])
         ax.set_title(f"{model}, {SLICES[generation]} slices", fontsize=10)
         ax.set_xlabel("slices (over DCN)")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, title="○: does not fit", title_fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7, title="○: does not fit", title_fontsize=7)
     axes[0].set_ylabel("seconds per step (TPU path, unvalidated)")
     figure.suptitle(f"t5scale simulate on TPU {generation}: mixed precision, remat full, 4 × "
                     "1024/229 sequences per chip (weak scaling)")  # fmt: skip
