@@ -123,7 +123,7 @@ def plot(rows: list[dict], generation: str, path: str) -> None:
             if not mine:
                 continue
             ax.plot([r["slices"] for r in mine], [r["step_s"] for r in mine], marker="o",
-                    label=f"ZeRO {stage}")  # fmt: skip
+                    color=f"C{stage}", label=f"ZeRO {stage}")  # fmt: skip
             for r in mine:
                 if not r["fits"]:
                     ax.plot(r["slices"], r["step_s"], "o", color="white", markersize=4)
