@@ -102,9 +102,11 @@ class Target:
 
     @property
     def fused_kernels(self) -> bool:
-        """Whether t5scale's Pallas attention kernels compile for it (Triton on GPUs, Mosaic
-        on TPUs)."""
-        return self.is_gpu or self.is_tpu
+        """Whether t5scale's Pallas attention kernels compile for it: Triton on GPUs, Mosaic on
+        TPUs from v4 (Mosaic refuses a v2's bf16 matmuls: "Unsupported matmul RHS type")."""
+        if self.is_tpu:
+            return self.devices[0].device_kind not in _MOSAIC_REFUSES
+        return self.is_gpu
 
     @property
     def compiler_name(self) -> str:
@@ -141,6 +143,10 @@ class Target:
             return
         with _not_written_to_the_persistent_cache():
             yield
+
+
+# TPU chips (device_kind) for which Mosaic does not compile t5scale's attention kernels
+_MOSAIC_REFUSES = frozenset({"TPU v2", "TPU v3"})
 
 
 @contextlib.contextmanager
