@@ -199,12 +199,13 @@ def simulate_tpu_pod(
     grid = [(stage, slices) for stage in config.stages for slices in config.nodes]
     rows = []
     for done, (stage, slices) in enumerate(grid, 1):
-        target = Target.compile_only_tpus(TpuTopology(one, slices))
+        topology = TpuTopology(one, slices)
+        target = Target.compile_only_tpus(topology)
         staged = weak_scale(run, stage, target.size, config.micro_batch_size,
                             tensor=config.tensor, hosts=target.dcn_granules)  # fmt: skip
         analysis = cached_analysis(staged, target, int(pod.device_memory_gb * 1e9))
         devices = list(make_mesh(staged.parallel, list(target.devices)).devices.flat)
-        timed = predict_tpu_program(analysis.program, pod, TpuTopology(one, slices), devices)
+        timed = predict_tpu_program(analysis.program, pod, topology, devices)
         prediction = _tpu_prediction(analysis, pod, timed, config.overlap)
         rows.append(SimulatedRow(stage, "every step", slices, target.size, analysis, prediction,
                                  timed))  # fmt: skip
