@@ -321,6 +321,52 @@ def _mask_to_bias(mask: jax.Array) -> jax.Array:
     return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)[:, None]  # [batch, 1, q, k]
 
 
+def encoder_attention_bias(
+    cfg: ModelConfig, position_bias: jax.Array, segment_ids: jax.Array
+) -> AttentionBias:
+    """What each encoder layer's attention takes besides its inputs (Attention.__call__)."""
+    if cfg.fused_route:  # the kernel masks by segment: no [b, q, k] mask
+        return (position_bias[0], segment_ids, segment_ids)
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+
+
+def decoder_attention_biases(
+    cfg: ModelConfig,
+    position_bias: jax.Array,
+    segment_ids: jax.Array,
+    encoder_segment_ids: jax.Array,
+) -> tuple[AttentionBias, AttentionBias]:
+    """(self-attention's, cross-attention's) biases of each decoder layer."""
+    if cfg.fused_route:  # the kernel masks by segment and position
+        cross = (None, segment_ids, encoder_segment_ids)
+        return (position_bias[0], segment_ids, segment_ids), cross
+    length = segment_ids.shape[1]
+    causal = np.tril(np.ones((length, length), dtype=bool))[None]
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    self_bias = _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+    cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
+        encoder_segment_ids[:, None, :] > 0
+    )
+    return self_bias, _mask_to_bias(cross_mask)
+
+
+class LayerStack(_Module):
+    """`num_layers` layers of the encoder (or the decoder) alone, with the parameters
+    {"layers": ...} of Encoder's (Decoder's): a pipeline stage's share of a stack
+    (t5scale/train/pipeline.py)."""
+
+    decoder: bool = False
+    num_layers: int = 1
+
+    @nn.compact
+    def __call__(self, *inputs) -> jax.Array:
+        layer, broadcast = (DecoderLayer, 3) if self.decoder else (EncoderLayer, 1)
+        layers = _stack(layer, self, self.num_layers, broadcast)
+        out, _ = layers(self.cfg, self.hooks, name="layers")(*inputs)
+        return out
+
+
 class Encoder(_Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -328,11 +374,7 @@ class Encoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(
             length, length
         )
-        if self.cfg.fused_route:  # the kernel masks by segment: no [b, q, k] mask
-            bias = (position_bias[0], segment_ids, segment_ids)
-        else:
-            same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-            bias = _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
+        bias = encoder_attention_bias(self.cfg, position_bias, segment_ids)
         layers = _stack(EncoderLayer, self, self.cfg.num_encoder_layers, 1)
         x, _ = layers(self.cfg, self.hooks, name="layers")(x, bias)
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(x)
@@ -351,19 +393,9 @@ class Decoder(_Module):
         position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(
             length, length
         )
-        if self.cfg.fused_route:  # the kernel masks by segment and position
-            self_bias = (position_bias[0], segment_ids, segment_ids)
-            cross_bias = (None, segment_ids, encoder_segment_ids)
-        else:
-            causal = np.tril(np.ones((length, length), dtype=bool))[None]
-            same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-            self_bias = (
-                _mask_to_bias(causal & same_segment & (segment_ids[:, None, :] > 0)) + position_bias
-            )
-            cross_mask = (segment_ids[:, :, None] == encoder_segment_ids[:, None, :]) & (
-                encoder_segment_ids[:, None, :] > 0
-            )
-            cross_bias = _mask_to_bias(cross_mask)
+        self_bias, cross_bias = decoder_attention_biases(
+            self.cfg, position_bias, segment_ids, encoder_segment_ids
+        )
         layers = _stack(DecoderLayer, self, self.cfg.num_decoder_layers, 3)
         y, _ = layers(self.cfg, self.hooks, name="layers")(y, encoded, self_bias, cross_bias)
         return RMSNorm(self.cfg, self.hooks, name="final_norm")(y)

@@ -44,6 +44,8 @@ class LeafLayout:
     shape: tuple[int, ...]
     zero_dim: int | None
     padded: tuple[int, ...]  # the shape with zero_dim padded; `shape` where nothing is padded
+    # The stacked `layers` dimension where a pipeline splits it into stages, else None.
+    pipeline_dim: int | None = None
 
     @property
     def is_padded(self) -> bool:
@@ -79,14 +81,24 @@ class LeafLayout:
         if sharded and self.over_zero:
             shared = entries[self.zero_dim]  # `tensor` on a vocabulary: zero-major, tensor-minor
             entries[self.zero_dim] = ("zero", shared) if shared else "zero"
+        if self.pipelined:
+            entries[self.pipeline_dim] = "pipeline"
         return P(*entries)
 
     def manual_spec(self, sharded: bool) -> P:
-        """The spec over the data-parallel (manual) axes only, for shard_map's in/out specs."""
+        """The spec over the manual axes only (data-parallel, and `pipeline`), for shard_map's
+        in/out specs."""
         entries: list[str | None] = [None] * len(self.shape)
         if sharded and self.over_zero:
             entries[self.zero_dim] = "zero"
+        if self.pipelined:
+            entries[self.pipeline_dim] = "pipeline"
         return P(*entries)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether this leaf is a layer stack split over the pipeline's stages."""
+        return self.pipeline_dim is not None
 
     @property
     def split_by_vocabulary(self) -> bool:
@@ -122,6 +134,16 @@ class StateLayout:
         """The size of the mesh's `replica` axis (hosts, slices or DiLoCo replicas)."""
         return self.mesh.shape["replica"]
 
+    @property
+    def pipeline_stages(self) -> int:
+        """The size of the mesh's `pipeline` axis (1: no pipeline)."""
+        return self.mesh.shape["pipeline"]
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The axes the gradient's shard_map is manual over (t5scale/train/gradients.py)."""
+        return (*DATA_AXES, "pipeline") if self.pipeline_stages > 1 else DATA_AXES
+
     def map(self, fn) -> Any:
         """fn(LeafLayout) for every parameter, as a tree shaped like the parameters."""
         return jax.tree.map(fn, self.leaves, is_leaf=is_leaf_layout)
@@ -146,7 +168,7 @@ class StateLayout:
                 if name not in rules.TENSOR_RULES and leaf.shape[dim] % zero_size == 0
             ]
             dim = max(dims, key=lambda d: leaf.shape[d]) if dims else None
-            return LeafLayout(leaf.axes, leaf.shape, dim, leaf.shape)
+            return dataclasses.replace(leaf, zero_dim=dim, padded=leaf.shape)
 
         return dataclasses.replace(self, leaves=self.map(in_model_shape))
 
@@ -232,6 +254,7 @@ def make_layout(parallel: ParallelConfig, mesh: Mesh, boxed_abstract_params: Any
     shapes = nn.meta.unbox(boxed_abstract_params)
     zero_size = mesh.shape["zero"]
     tensor_size = mesh.shape["tensor"]
+    stages = mesh.shape["pipeline"]
 
     def leaf_layout(path, spec: P, leaf: jax.ShapeDtypeStruct) -> LeafLayout:
         axes, shape = tuple(spec), tuple(leaf.shape)
@@ -240,6 +263,13 @@ def make_layout(parallel: ParallelConfig, mesh: Mesh, boxed_abstract_params: Any
                 raise MeshError(
                     f"tensor={tensor_size} does not divide the {name!r} dimension ({size}) of the model"
                 )
+        pipeline_dim = axes.index("layers") if stages > 1 and "layers" in axes else None
+        if pipeline_dim is not None and shape[pipeline_dim] % stages:
+            stack = jax.tree_util.keystr(path[:1])
+            raise MeshError(
+                f"pipeline={stages} does not divide the {shape[pipeline_dim]} layers of the "
+                f"{stack} stack: every stage must hold as many layers"
+            )
         dim = rules.zero_dim(axes, shape, zero_size, tensor_size)
         if dim is None and zero_size > 1:
             raise MeshError(
@@ -250,7 +280,7 @@ def make_layout(parallel: ParallelConfig, mesh: Mesh, boxed_abstract_params: Any
         if dim is not None:
             multiple = rules.zero_multiple(axes, dim, zero_size, tensor_size)
             padded[dim] = -(-shape[dim] // multiple) * multiple
-        return LeafLayout(axes, shape, dim, tuple(padded))
+        return LeafLayout(axes, shape, dim, tuple(padded), pipeline_dim)
 
     leaves = jax.tree_util.tree_map_with_path(
         leaf_layout, logical, shapes, is_leaf=lambda x: isinstance(x, P)

@@ -1,4 +1,5 @@
-"""The device mesh: `replica` × `zero` × `tensor`, every axis Auto (see docs/concepts.md).
+"""The device mesh: `replica` × `pipeline` × `zero` × `tensor`, every axis Auto (see
+docs/concepts.md).
 
 On several processes (hosts) the mesh is hybrid, as in ZeRO inside a node and replication
 across nodes: `tensor` and `zero` stay inside a process and `replica` spans the processes, so
@@ -11,6 +12,11 @@ On TPUs the slow network joins slices, not hosts: a slice's hosts share its ICI 
 whole slice is one group (`zero` and `tensor` over ICI, laid along the torus by mesh_utils) and
 `replica` (or, with zero_across_hosts, `zero`) spans the slices over DCN, as MaxText lays its
 ICI and DCN axes.
+
+`pipeline` splits the encoder's and the decoder's layer stacks into stages
+(t5scale/train/pipeline.py); it is a model axis, so the batch is not split over it. Across hosts
+it comes after `replica`: where the hosts outnumber the replicas, the rest of them are pipeline
+stages (TP inside a node, PP across nodes, as NeMo and Megatron lay out T5).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from t5scale.errors import MeshError, check_field_types
 from t5scale.parallel.zero import check_stages
 from t5scale.target import Target
 
-AXES = ("replica", "zero", "tensor")
+AXES = ("replica", "pipeline", "zero", "tensor")
 # The batch is split over both data-parallel axes; model state is only ever sharded over `zero`.
 DATA_AXES = ("replica", "zero")
 
@@ -37,7 +43,8 @@ class ParallelConfig:
     """How training is spread: the ZeRO stage and the mesh shape.
 
     -1 for one axis: all remaining devices. replica=None: one replica per process (host) when
-    replica is the axis across hosts, else 1.
+    replica is the axis across hosts, else 1. pipeline > 1: the layer stacks split into that
+    many stages, TrainConfig.micro_batches of them in flight (t5scale/train/pipeline.py).
     """
 
     zero_stage: int = 0
@@ -45,6 +52,7 @@ class ParallelConfig:
     zero: int = -1
     tensor: int = 1
     zero_across_hosts: bool = False
+    pipeline: int = 1
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -54,22 +62,34 @@ class ParallelConfig:
             raise MeshError(
                 f"mesh axes must be positive, with at most one -1; got {self.shape_str()}"
             )
+        if self.pipeline < 1:
+            raise MeshError(f"ParallelConfig.pipeline must be >= 1, got {self.pipeline}")
+        if self.pipeline > 1 and self.zero_stage > 1:
+            # DeepSpeed's pipeline engine refuses stages 2 and 3 for the same reasons.
+            raise MeshError(
+                f"ZeRO stage {self.zero_stage} with pipeline={self.pipeline}: a pipeline "
+                "accumulates each stage's gradients over every micro-batch inside its schedule, "
+                "so stage 2 could not keep them scattered and stage 3 would gather every layer "
+                "again for each micro-batch; use zero_stage 0 or 1 with a pipeline"
+            )
 
     def shape_str(self) -> str:
         replica = "auto" if self.replica is None else self.replica
-        return f"replica={replica} zero={self.zero} tensor={self.tensor}"
+        pipeline = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
+        return f"replica={replica}{pipeline} zero={self.zero} tensor={self.tensor}"
 
     @property
     def axis_across_hosts(self) -> str:
         return "zero" if self.zero_across_hosts else "replica"
 
-    def resolve(self, num_devices: int, hosts: int = 1) -> tuple[int, int, int]:
-        """The concrete (replica, zero, tensor) for `num_devices` over `hosts` groups that only
-        the slow network joins (dcn_granules), or a MeshError that says why."""
+    def resolve(self, num_devices: int, hosts: int = 1) -> tuple[int, int, int, int]:
+        """The concrete (replica, pipeline, zero, tensor) for `num_devices` over `hosts` groups
+        that only the slow network joins (dcn_granules), or a MeshError that says why."""
         replica = self.replica
         if replica is None:
-            replica = hosts if self.axis_across_hosts == "replica" else 1
-        sizes = [replica, self.zero, self.tensor]
+            pipelined_hosts = hosts // math.gcd(hosts, self.pipeline)
+            replica = pipelined_hosts if self.axis_across_hosts == "replica" else 1
+        sizes = [replica, self.pipeline, self.zero, self.tensor]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
@@ -82,24 +102,42 @@ class ParallelConfig:
             raise MeshError(
                 f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} are there"
             )
-        replica, zero, tensor = sizes
-        if tensor > 1 and replica * zero == 1:
+        replica, pipeline, zero, tensor = sizes
+        if tensor > 1 and replica * zero == 1 and pipeline == 1:
             # XLA's SPMD partitioner rejects the step's gradient all-reduce over data axes of
             # one device for a tensor-split leaf ("Cross-partition allreduce must be in (partial)
-            # manual partitioning mode", JAX 0.10.2): say so before it is compiled.
+            # manual partitioning mode", JAX 0.10.2): say so before it is compiled. With a
+            # `pipeline` axis of 2 or more it compiles (TP × PP: tests/test_pipeline.py).
             raise MeshError(
                 f"mesh {self.shape_str()}: tensor={tensor} over all {num_devices} devices leaves "
                 "no data-parallel axis, which t5scale's step cannot compile (XLA's SPMD "
                 "partitioner); give zero or replica at least 2 of the devices"
             )
-        across = sizes[AXES.index(self.axis_across_hosts)]
-        if across % hosts:
+        try:
+            self.hosts_per_axis(tuple(sizes), hosts)
+        except MeshError:
+            across = sizes[AXES.index(self.axis_across_hosts)]
+            also = " times pipeline" if self.axis_across_hosts == "replica" else ""
             raise MeshError(
-                f"{self.axis_across_hosts}={across} spans the hosts and must be a multiple of the "
-                f"{hosts} processes (TPU slices, on a pod) "
+                f"{self.axis_across_hosts}={across}{also} spans the hosts and must be a multiple "
+                f"of the {hosts} processes (TPU slices, on a pod) "
                 f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
-            )
+            ) from None
         return tuple(sizes)
+
+    def hosts_per_axis(self, sizes: tuple[int, ...], hosts: int) -> tuple[int, ...]:
+        """How many of the `hosts` each axis of a mesh of `sizes` spans: the axis across hosts
+        first and, where it is `replica` and has fewer than the hosts, `pipeline` the rest."""
+        spans = [1] * len(AXES)
+        left = hosts
+        order = ["replica", "pipeline"] if self.axis_across_hosts == "replica" else ["zero"]
+        for axis in order:
+            index = AXES.index(axis)
+            take = math.gcd(left, sizes[index])
+            spans[index], left = take, left // take
+        if left != 1:
+            raise MeshError(f"mesh {sizes} cannot span {hosts} hosts")
+        return tuple(spans)
 
 
 def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
@@ -111,8 +149,7 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     shape = config.resolve(len(devices), granules)
     auto = (AxisType.Auto,) * len(AXES)
     if granules > 1:
-        across = AXES.index(config.axis_across_hosts)
-        dcn = tuple(granules if i == across else 1 for i in range(len(AXES)))
+        dcn = config.hosts_per_axis(shape, granules)
         inside = tuple(s // d for s, d in zip(shape, dcn, strict=True))
         grid = mesh_utils.create_hybrid_device_mesh(
             inside, dcn, devices, process_is_granule=not tpu, allow_split_physical_axes=tpu

@@ -51,6 +51,7 @@ from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.attention import attend_on_mesh
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
+from t5scale.train import pipeline
 from t5scale.train.metrics import LossSums
 from t5scale.train.precision import Precision
 from t5scale.train.replicas import specs_over_replicas
@@ -60,10 +61,10 @@ def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
     return lax.with_sharding_constraint(x, rules.activation_spec(axes))
 
 
-def _to_varying(x: jax.Array) -> jax.Array:
-    """Mark a value as differing across data-parallel devices, so that its gradient stays local
-    and every gradient collective is one this module writes."""
-    missing = tuple(a for a in DATA_AXES if a not in jax.typeof(x).manual_axis_type.varying)
+def _to_varying(x: jax.Array, axes: tuple[str, ...] = DATA_AXES) -> jax.Array:
+    """Mark a value as differing across data-parallel devices (and pipeline stages), so that
+    its gradient stays local and every gradient collective is one this module writes."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -244,6 +245,25 @@ def micro_batch_loss(
     return loss / total_weight, (cross_entropy, z_term)
 
 
+def pipelined_loss(
+    model: ModelConfig,
+    layout: StateLayout,
+    precision: Precision,
+    z_loss: float,
+    total_weight: jax.Array,
+    micro_batches: int,
+    params: Any,
+    batch: Batch,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """(this stage's share of the step's mean loss, its (cross-entropy, z-loss) sums): every
+    micro-batch through the pipeline's stages (t5scale/train/pipeline.py)."""
+    loss, cross_entropy, z_term = pipeline.pipelined_loss_sums(
+        model, model_hooks(layout, precision), params, batch, z_loss, micro_batches,
+        layout.pipeline_stages, layout.manual_axes,
+    )  # fmt: skip
+    return loss / total_weight, (cross_entropy, z_term)
+
+
 # ---- accumulation and reduction -------------------------------------------------------------
 
 
@@ -289,6 +309,8 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
             axes = tuple(a for a in layout.data_axes if a != "zero")
         else:
             axes = layout.data_axes
+        if layout.pipeline_stages > 1 and not layouts[index].pipelined:
+            axes = (*axes, "pipeline")  # used by every stage: each holds a part of its gradient
         return lax.psum(g, axes) if axes else g
 
     return jax.tree.unflatten(treedef, collectives.in_order(values, all_reduce))
@@ -334,15 +356,29 @@ def _local_gradients(
     # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
     # an fp32 view of the bf16 working copy when mixed precision reduces in fp32 (the model
     # casts each weight to its compute dtype where it is used; stage 3 gathers it in bf16).
-    params = jax.tree.map(lambda leaf: _to_varying(leaf.astype(precision.grad_dtype)), params)
-    loss_fn = functools.partial(micro_batch_loss, model, layout, precision, z_loss, total_weight)
-    grads, (cross_entropy, z_term) = accumulate_gradients(
-        loss_fn, params, batch, layout, micro_batches, precision.grad_dtype
+    manual = layout.manual_axes
+    params = jax.tree.map(
+        lambda leaf: _to_varying(leaf.astype(precision.grad_dtype), manual), params
     )
+    if layout.pipeline_stages > 1:
+        loss_fn = functools.partial(
+            pipelined_loss, model, layout, precision, z_loss, total_weight, micro_batches
+        )
+        (_, (cross_entropy, z_term)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch
+        )
+    else:
+        loss_fn = functools.partial(
+            micro_batch_loss, model, layout, precision, z_loss, total_weight
+        )
+        grads, (cross_entropy, z_term) = accumulate_gradients(
+            loss_fn, params, batch, layout, micro_batches, precision.grad_dtype
+        )
     grads = all_reduce_gradients(grads, layout)
     # Ordered after the gradients: see t5scale/parallel/collectives.py.
     sums = jnp.stack([jnp.sum(cross_entropy), jnp.sum(z_term)])
-    sums = lax.psum(collectives.ordered_after(sums, grads), layout.data_axes)
+    over = (*layout.data_axes, "pipeline") if layout.pipeline_stages > 1 else layout.data_axes
+    sums = lax.psum(collectives.ordered_after(sums, grads), over)
     return grads, LossSums(cross_entropy=sums[0], z_loss=sums[1], target_tokens=total_weight)
 
 
@@ -360,7 +396,7 @@ def gradient_fn(
     if layout.sync_replicas:
         return jax.shard_map(
             local, mesh=layout.mesh, in_specs=(param_specs, P(DATA_AXES)),
-            out_specs=(grad_specs, P()), axis_names=set(DATA_AXES),
+            out_specs=(grad_specs, P()), axis_names=set(layout.manual_axes),
         )  # fmt: skip
 
     def one_replica(params, batch):

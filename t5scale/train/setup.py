@@ -48,8 +48,19 @@ from t5scale.train.step import (
 def check_batch(run: RunConfig, mesh: Mesh) -> None:
     """A ConfigError unless the global batch splits over the data-parallel devices and the
     micro-batches."""
+    stages, micro_batches = run.parallel.pipeline, run.train.micro_batches
+    if stages > 1 and micro_batches % stages:
+        raise ConfigError(
+            f"pipeline={stages} needs micro_batches a multiple of it (each stage computes the "
+            f"loss of micro_batches/pipeline of them), got micro_batches={micro_batches}"
+        )
+    if stages > 1 and run.sync.local:
+        raise ConfigError(
+            f"pipeline={stages} with ReplicaSyncConfig.mode={run.sync.mode!r}: replicas that "
+            "step on their own are not pipelined; use mode 'every_step'"
+        )
     data_parallel = data_parallel_size(mesh)
-    needed = data_parallel * run.train.micro_batches
+    needed = data_parallel * micro_batches
     if run.train.batch_size % needed:
         raise ConfigError(
             f"global batch {run.train.batch_size} is not divisible by data-parallel size "

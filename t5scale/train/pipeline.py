@@ -1,0 +1,208 @@
+"""Pipeline parallelism for the encoder-decoder: the loss of a step's micro-batches, run through
+the `pipeline` mesh axis as a GPipe schedule inside the gradient's shard_map.
+
+**The layout.** Each stage holds 1/PP of the encoder's layers and 1/PP of the decoder's (the
+stacked `layers` dimension split over `pipeline`: t5scale/parallel/layout.py), so every stage
+works in both phases. NeMo's split instead puts the encoder on the first stages and the decoder
+on the rest (`pipeline_model_parallel_split_rank`), and each half idles while the other phase
+runs. Everything outside the stacks (the embedding, the position tables, the final norms, the
+output projection) is replicated over `pipeline`; its gradients are summed over it.
+
+**The schedule** is GPipe, run once per phase: the encoder's M micro-batches pass stage 0 → 1
+→ … → PP−1 in M + PP − 1 ticks, then the decoder's the same way. In tick t stage s works on
+micro-batch t − s, and where that is not one of the M (the fill and the drain) it computes on
+what it holds and nothing keeps the result: the idle fraction is (PP − 1) / (M + PP − 1), in
+both phases. Activations move only by collective permutes around the ring of stages, one per
+tick: the last stage's output wraps round to stage 0, which keeps the encoder's output of each
+micro-batch for the decoder phase; there the encoder's output travels beside the decoder's
+activations (as in Megatron's T5), so that every stage's cross-attention has it. A circular
+schedule (each stage holding several non-adjacent chunks of layers) would shrink the bubble by
+its number of repeats, but needs M ≥ PP per repeat and stores the stacks out of their order;
+see docs/concepts.md for why GPipe came first.
+
+**The head.** After the decoder phase stage 0 holds every micro-batch's output; it sends M/PP
+of them to each other stage (collective permutes again), so that the output projection and the
+loss, which cost as much as several layers at mT5's 250k vocabulary, are split over the stages
+instead of computed PP times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from t5scale.data.batch import Batch
+from t5scale.model.head import model_loss_sums
+from t5scale.model.mt5 import (
+    EMBEDDING,
+    LM_HEAD,
+    LayerStack,
+    RelativePositionBias,
+    RMSNorm,
+    ShardingHooks,
+    decoder_attention_biases,
+    encoder_attention_bias,
+)
+from t5scale.model.sizes import ModelConfig
+
+AXIS = "pipeline"
+
+
+def bubble_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """The share of ticks a stage idles in a GPipe (repeats = 1) or circular schedule."""
+    return (stages - 1) / (repeats * micro_batches + stages - 1)
+
+
+def ticks(stages: int, micro_batches: int) -> int:
+    """Ticks of one phase of the GPipe schedule: every micro-batch through every stage."""
+    return micro_batches + stages - 1
+
+
+def _ring(stages: int) -> list[tuple[int, int]]:
+    return [(stage, (stage + 1) % stages) for stage in range(stages)]
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """x marked as differing across `axes` (a scan's carry must keep one type)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def run_schedule(
+    block: Callable[[Any, jax.Array], Any],
+    inputs: Any,
+    stages: int,
+    manual_axes: tuple[str, ...],
+    keep: Callable[[Any], Any] = lambda out: out,
+) -> Any:
+    """GPipe over `pipeline`: each of the M micro-batches of `inputs` (a tree of [M, ...]
+    arrays, read on stage 0) through `block(stage's input, micro-batch index)` on every stage
+    in turn. Returns `keep(output)` of every micro-batch, [M, ...], on stage 0 (what other
+    stages return is not used)."""
+    micro_batches = jax.tree.leaves(inputs)[0].shape[0]
+    stage = lax.axis_index(AXIS)
+    first = stage == 0
+
+    def at(tree: Any, index: jax.Array) -> Any:
+        return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
+
+    def tick(carry, t):
+        held, outputs = carry
+        index = jnp.clip(t - stage, 0, micro_batches - 1)
+        fresh = at(inputs, jnp.clip(t, 0, micro_batches - 1))
+        taken = jax.tree.map(lambda a, b: jnp.where(first, a, b), fresh, held)
+        passed = lax.ppermute(block(taken, index), AXIS, _ring(stages))
+        # Stage 0 now holds what the last stage finished in this tick (micro-batch t − PP + 1).
+        done = t - (stages - 1)
+        slot = jnp.clip(done, 0, micro_batches - 1)
+        store = first & (done >= 0)
+        outputs = jax.tree.map(
+            lambda buffer, new: lax.dynamic_update_index_in_dim(
+                buffer, jnp.where(store, new, buffer[slot]), slot, 0
+            ),
+            outputs,
+            keep(passed),
+        )
+        return (passed, outputs), None
+
+    held = jax.tree.map(lambda x: _varying(jnp.zeros_like(x[0]), manual_axes), inputs)
+    kept = jax.eval_shape(keep, held)
+    outputs = jax.tree.map(
+        lambda s: _varying(jnp.zeros((micro_batches, *s.shape), s.dtype), manual_axes), kept
+    )
+    (_, outputs), _ = lax.scan(tick, (held, outputs), jnp.arange(ticks(stages, micro_batches)))
+    return outputs
+
+
+def spread_from_first(x: jax.Array, stages: int) -> jax.Array:
+    """[M, ...] on stage 0 → stage s's M/PP of them ([M/PP, ...]), by collective permutes."""
+    share = x.shape[0] // stages
+    stage = lax.axis_index(AXIS)
+    mine = jnp.where(stage == 0, x[:share], jnp.zeros_like(x[:share]))
+    for other in range(1, stages):
+        part = lax.slice_in_dim(x, other * share, (other + 1) * share)
+        mine = mine + lax.ppermute(part, AXIS, [(0, other)])
+    return mine
+
+
+def pipelined_loss_sums(
+    model: ModelConfig,
+    hooks: ShardingHooks,
+    params: Any,
+    batch: Batch,
+    z_loss: float,
+    micro_batches: int,
+    stages: int,
+    manual_axes: tuple[str, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss, cross-entropy sum, z-loss sum) of this stage's share of the local batch's
+    micro-batches, the model run as a pipeline; summed over `pipeline` they are the batch's.
+    `params`: this stage's layers of each stack, and the rest whole."""
+    micro = batch.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]))
+    input_length = micro.encoder_input_tokens.shape[-1]
+    target_length = micro.decoder_input_tokens.shape[-1]
+
+    # Every stage looks the tokens up (a gather; stage 0's rows are the ones used).
+    tokens = jnp.concatenate([micro.encoder_input_tokens, micro.decoder_input_tokens], axis=-1)
+    rows = hooks.embed(params[EMBEDDING], tokens, model.dtype)
+    encoder_rows, decoder_rows = rows[..., :input_length, :], rows[..., input_length:, :]
+
+    def apply(module, tree: Any, *args):
+        return module.apply({"params": tree}, *args)
+
+    encoder, decoder = params["encoder"], params["decoder"]
+    encoder_position = apply(
+        RelativePositionBias(model, hooks, True), encoder["relpos_bias"], input_length,
+        input_length,
+    )  # fmt: skip
+    decoder_position = apply(
+        RelativePositionBias(model, hooks, False), decoder["relpos_bias"], target_length,
+        target_length,
+    )  # fmt: skip
+    encoder_layers = LayerStack(model, hooks, False, model.num_encoder_layers // stages)
+    decoder_layers = LayerStack(model, hooks, True, model.num_decoder_layers // stages)
+
+    def encoder_block(x: jax.Array, index: jax.Array) -> jax.Array:
+        segments = lax.dynamic_index_in_dim(micro.encoder_segment_ids, index, keepdims=False)
+        bias = encoder_attention_bias(model, encoder_position, segments)
+        return apply(encoder_layers, {"layers": encoder["layers"]}, x, bias)
+
+    def decoder_block(carried: tuple[jax.Array, jax.Array], index: jax.Array):
+        y, encoded = carried
+        segments, encoder_segments = (
+            lax.dynamic_index_in_dim(ids, index, keepdims=False)
+            for ids in (micro.decoder_segment_ids, micro.encoder_segment_ids)
+        )
+        self_bias, cross_bias = decoder_attention_biases(
+            model, decoder_position, segments, encoder_segments
+        )
+        y = apply(decoder_layers, {"layers": decoder["layers"]}, y, encoded, self_bias, cross_bias)
+        return y, encoded
+
+    encoded = run_schedule(encoder_block, encoder_rows, stages, manual_axes)
+    encoded = apply(RMSNorm(model, hooks), encoder["final_norm"], encoded)
+    decoded = run_schedule(
+        decoder_block, (decoder_rows, encoded), stages, manual_axes, keep=lambda out: out[0]
+    )
+    decoded = apply(RMSNorm(model, hooks), decoder["final_norm"], decoded)
+
+    mine = spread_from_first(decoded, stages)
+    share = micro_batches // stages
+    start = lax.axis_index(AXIS) * share
+
+    def my_share(x: jax.Array) -> jax.Array:
+        return lax.dynamic_slice_in_dim(x, start, share)
+
+    return model_loss_sums(
+        model,
+        mine.reshape(-1, *mine.shape[2:]),
+        params[LM_HEAD],
+        my_share(micro.decoder_target_tokens).reshape(-1, target_length),
+        my_share(micro.decoder_loss_weights).reshape(-1, target_length),
+        z_loss,
+        constrain=hooks.constrain,
+    )
