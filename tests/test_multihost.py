@@ -152,7 +152,7 @@ def test_pipeline_stages_span_the_hosts_the_replicas_leave():
     # Two replicas over 8 nodes: each replica's 4 stages span 4 of them.
     two = ParallelConfig(replica=2, pipeline=4, tensor=8)
     assert two.hosts_per_axis(two.resolve(64, hosts=8), 8) == (2, 4, 1, 1)
-    with pytest.raises(MeshError, match="times pipeline spans the hosts"):
+    with pytest.raises(MeshError, match="times pipeline=3 spans the hosts"):
         ParallelConfig(replica=1, pipeline=3, tensor=8).resolve(24 * 2, hosts=4)
 
 

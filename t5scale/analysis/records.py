@@ -216,5 +216,10 @@ class StepAnalysis(JsonRecord):
         return self.mesh.get("zero", 1)
 
     @property
+    def pipeline(self) -> int:
+        """Pipeline stages (1 in files written before t5scale had them)."""
+        return self.mesh.get("pipeline", 1)
+
+    @property
     def tensor(self) -> int:
         return self.mesh.get("tensor", 1)

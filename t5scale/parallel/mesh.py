@@ -15,8 +15,8 @@ ICI and DCN axes.
 
 `pipeline` splits the encoder's and the decoder's layer stacks into stages
 (t5scale/train/pipeline.py); it is a model axis, so the batch is not split over it. Across hosts
-it comes after `replica`: where the hosts outnumber the replicas, the rest of them are pipeline
-stages (TP inside a node, PP across nodes, as NeMo and Megatron lay out T5).
+it comes first: the stages span the hosts, and the axis across hosts the rest of them (TP
+inside a node, PP across nodes, as NeMo and Megatron lay out T5).
 """
 
 from __future__ import annotations
@@ -117,21 +117,20 @@ class ParallelConfig:
             self.hosts_per_axis(tuple(sizes), hosts)
         except MeshError:
             across = sizes[AXES.index(self.axis_across_hosts)]
-            also = " times pipeline" if self.axis_across_hosts == "replica" else ""
             raise MeshError(
-                f"{self.axis_across_hosts}={across}{also} spans the hosts and must be a multiple "
+                f"{self.axis_across_hosts}={across} times pipeline={pipeline} spans the hosts and must be a multiple "
                 f"of the {hosts} processes (TPU slices, on a pod) "
                 f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
             ) from None
         return tuple(sizes)
 
     def hosts_per_axis(self, sizes: tuple[int, ...], hosts: int) -> tuple[int, ...]:
-        """How many of the `hosts` each axis of a mesh of `sizes` spans: the axis across hosts
-        first and, where it is `replica` and has fewer than the hosts, `pipeline` the rest."""
+        """How many of the `hosts` each axis of a mesh of `sizes` spans: `pipeline` first (its
+        permutes carry one micro-batch's activations, far less than a gradient reduction, as
+        Megatron puts pipeline stages outermost), then the axis across hosts."""
         spans = [1] * len(AXES)
         left = hosts
-        order = ["replica", "pipeline"] if self.axis_across_hosts == "replica" else ["zero"]
-        for axis in order:
+        for axis in ("pipeline", self.axis_across_hosts):
             index = AXES.index(axis)
             take = math.gcd(left, sizes[index])
             spans[index], left = take, left // take

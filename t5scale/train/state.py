@@ -118,13 +118,24 @@ class StateForm:
     def model_state_bytes(self) -> ModelStateBytes:
         """Global bytes of parameters, gradients and optimizer state (with the fp32 master when
         mixed), in the model's shapes: what the ZeRO formula divides. With local SGD or DiLoCo,
-        one replica's (each holds its own; the outer state is counted apart)."""
+        one replica's (each holds its own; the outer state is counted apart). With a pipeline,
+        one stage's: its share of the layer stacks and everything else (Ψ is then a stage's
+        parameters, as Megatron's memory formulas count them)."""
         params, opt_state = self.canonical.params, self.canonical.opt_state
         if self.outer_tx is not None:
             params, opt_state = self.canonical.outer.anchor, _bare(opt_state, 1)
         precision = self.precision
-        return model_state_bytes(
+        whole = model_state_bytes(
             params, opt_state, precision.param_dtype, precision.grad_dtype, master=precision.mixed
+        )
+        stages = self.layout.pipeline_stages
+        if stages == 1:
+            return whole
+        stacked = sum(x.size for x in jax.tree.leaves([params["encoder"]["layers"],
+                                                       params["decoder"]["layers"]]))  # fmt: skip
+        count = whole.count - stacked + stacked // stages
+        return ModelStateBytes(
+            *(round(size * count / whole.count) for size in dataclasses.astuple(whole)[:3]), count
         )
 
     # The jitted conversions are made once per form: a fresh jit per call would trace and

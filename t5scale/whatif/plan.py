@@ -46,6 +46,9 @@ class PlanConfig:
     stages: tuple[int, ...] = (0, 1, 2, 3)
     micro_batch_size: int = 1
     tensor: int = 1
+    # Pipeline degrees to plan (t5scale/train/pipeline.py): each with every stage it allows
+    # (0 and 1), MICRO_BATCHES micro-batches a step.
+    pipelines: tuple[int, ...] = (1,)
     # A job's compile check: the run exactly as its gin files give it (its own stage, mesh,
     # batch and micro-batches) rather than each of `stages` weak-scaled.
     job: bool = False
@@ -53,6 +56,14 @@ class PlanConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         object.__setattr__(self, "stages", tuple(self.stages))  # gin gives lists
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        if not self.pipelines or min(self.pipelines) < 1:
+            raise ConfigError(f"PlanConfig.pipelines must be >= 1, got {self.pipelines}")
+        if any(self.devices % (self.tensor * p) for p in self.pipelines):
+            raise ConfigError(
+                f"PlanConfig.devices={self.devices} must be a multiple of tensor={self.tensor} "
+                f"times each pipeline degree of {self.pipelines}"
+            )
         if self.tensor < 1:  # before the `%` below
             raise ConfigError(f"PlanConfig.tensor must be >= 1, got {self.tensor}")
         if self.devices < 1 or self.devices % self.tensor:
@@ -96,6 +107,7 @@ class StagePlan:
         state = analysis.model_state_per_device
         return {
             "stage": analysis.zero_stage,
+            "pipeline": analysis.pipeline,
             "remat": analysis.remat.to_json(),
             "mesh": analysis.mesh,
             "batch_size": analysis.batch_size,
@@ -155,9 +167,10 @@ def plan_stage(
     target: Target,
     budget_bytes: float,
     pod: TpuPodConfig | None = None,
+    pipeline: int = 1,
 ) -> StagePlan:
     """The stage compiled with zero over every data-parallel device (replica 1), across the
-    nodes too where the target is several nodes' compile-only GPUs."""
+    nodes too where the target is several nodes' compile-only GPUs; `pipeline` stages."""
     staged = weak_scale(
         run,
         stage,
@@ -165,6 +178,7 @@ def plan_stage(
         plan.micro_batch_size,
         tensor=plan.tensor,
         hosts=target.dcn_granules,
+        pipeline=pipeline,
     )
     return compile_stage_plan(staged, target, budget_bytes, pod)
 
@@ -220,9 +234,24 @@ def run_plan(
              f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
         return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
     stages = []
-    for stage in plan.stages:
-        stages.append(plan_stage(run, plan, stage, target, budget, pod))
-        show(f"stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
+    for pipeline in plan.pipelines:
+        if pipeline > 1 and run.train.micro_batches % pipeline:
+            raise ConfigError(
+                f"pipeline={pipeline} needs MICRO_BATCHES a multiple of it, got "
+                f"{run.train.micro_batches}"
+            )
+        allowed = [stage for stage in plan.stages if pipeline == 1 or stage <= 1]
+        if len(allowed) < len(plan.stages):
+            show(f"pipeline {pipeline}: ZeRO stages 0 and 1 only (a pipeline accumulates each "
+                 "stage's gradients inside its schedule, as DeepSpeed's refuses 2 and 3)")  # fmt: skip
+        for stage in allowed:
+            stages.append(plan_stage(run, plan, stage, target, budget, pod, pipeline))
+            where = f"pipeline {pipeline}, " if pipeline > 1 else ""
+            show(f"{where}stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
+    if not stages:
+        raise ConfigError(
+            f"nothing to plan: a pipeline takes ZeRO stages 0 and 1, not {plan.stages}"
+        )
     return Plan(run, plan, tuple(stages), target.compiler_name, budget / 1e9)
 
 
@@ -235,7 +264,7 @@ def _precision_words(precision: StatePrecision) -> str:
     return "fp32 parameters, gradients and optimizer state"
 
 
-def _stage_row(stage: StagePlan) -> str:
+def _stage_row(stage: StagePlan, pipelines: bool = False) -> str:
     """The stage's row of format_plan's table."""
     gb, analysis = 1e9, stage.analysis
     state, xla = analysis.model_state_per_device, analysis.memory_per_device
@@ -252,8 +281,9 @@ def _stage_row(stage: StagePlan) -> str:
         " | " + ", ".join(f"{kind} {getattr(kernels, kind).count:,}" for kind in KERNEL_COLUMNS)
         if kernels else ""
     )  # fmt: skip
+    pipeline = f"| {analysis.pipeline} (batch {analysis.batch_size}) " if pipelines else ""
     return (
-        f"| {analysis.zero_stage}{remat} | {stage.parameters_per_device:,} | {state.zero_formula} | "
+        f"{pipeline}| {analysis.zero_stage}{remat} | {stage.parameters_per_device:,} | {state.zero_formula} | "
         f"{formula.parameters / gb:.3g} + {formula.gradients / gb:.3g} + "
         f"{formula.optimizer_state / gb:.3g} = {formula.total / gb:.3g} | "
         f"{measured / gb:.3g} | {xla.argument_bytes / gb:.3g}, {xla.temp_bytes / gb:.3g}, "
@@ -275,19 +305,24 @@ def format_plan(result: Plan) -> str:
     first = result.stages[0].analysis
     read = first.kernels is not None  # a GPU or TPU program's operations
     tpu = result.stages[0].ici_seconds is not None
+    pipelined = plan.pipelines != (1,)
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
         f"{result.device_memory_gb:g} GB each, compiled by {result.compiler}; {run.optimizer.name}, {run.model.dtype} "
         f"compute, {_precision_words(first.precision)}, remat {run.model.remat}, lengths "
         f"{run.data.input_length}/{run.data.target_length}, batch {first.batch_size}",
         "",
-        "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
+        ("| pipeline " if pipelined else "")
+        + "| stage | params/device | ZeRO formula | formula GB (params + grads + optimizer) | "
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
         "collectives per step |"
         + (f" {'TPU operations' if tpu else 'GPU kernels'} per step |" if read else "")
         + (" collectives' time per step, none hidden |" if tpu else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if read else "") + ("---|" if tpu else ""),
-        *(_stage_row(stage) for stage in result.stages),
+        ("|---" if pipelined else "")
+        + "|---|---|---|---|---|---|---|---|"
+        + ("---|" if read else "")
+        + ("---|" if tpu else ""),
+        *(_stage_row(stage, pipelined) for stage in result.stages),
         "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
         "memory. Model state from XLA: the step's arguments less the batch (parameters and "
