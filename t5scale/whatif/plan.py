@@ -46,9 +46,9 @@ class PlanConfig:
     stages: tuple[int, ...] = (0, 1, 2, 3)
     micro_batch_size: int = 1
     tensor: int = 1
-    # Pipeline degrees to plan (t5scale/train/pipeline.py): each with every stage it allows
-    # (0 and 1), MICRO_BATCHES micro-batches a step.
-    pipelines: tuple[int, ...] = (1,)
+    # Pipeline degrees to plan (t5scale/train/pipeline.py), each with every stage it allows
+    # (0 and 1) and MICRO_BATCHES micro-batches a step; None: the run's ParallelConfig.pipeline.
+    pipelines: tuple[int, ...] | None = None
     # A job's compile check: the run exactly as its gin files give it (its own stage, mesh,
     # batch and micro-batches) rather than each of `stages` weak-scaled.
     job: bool = False
@@ -56,14 +56,6 @@ class PlanConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         object.__setattr__(self, "stages", tuple(self.stages))  # gin gives lists
-        object.__setattr__(self, "pipelines", tuple(self.pipelines))
-        if not self.pipelines or min(self.pipelines) < 1:
-            raise ConfigError(f"PlanConfig.pipelines must be >= 1, got {self.pipelines}")
-        if any(self.devices % (self.tensor * p) for p in self.pipelines):
-            raise ConfigError(
-                f"PlanConfig.devices={self.devices} must be a multiple of tensor={self.tensor} "
-                f"times each pipeline degree of {self.pipelines}"
-            )
         if self.tensor < 1:  # before the `%` below
             raise ConfigError(f"PlanConfig.tensor must be >= 1, got {self.tensor}")
         if self.devices < 1 or self.devices % self.tensor:
@@ -76,6 +68,16 @@ class PlanConfig:
         check_stages(self.stages, "PlanConfig.stages")
         if not self.stages:
             raise ConfigError("PlanConfig.stages is empty")
+        if self.pipelines is None:
+            return
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        if not self.pipelines or min(self.pipelines) < 1:
+            raise ConfigError(f"PlanConfig.pipelines must be >= 1, got {self.pipelines}")
+        if any(self.devices % (self.tensor * p) for p in self.pipelines):
+            raise ConfigError(
+                f"PlanConfig.devices={self.devices} must be a multiple of tensor={self.tensor} "
+                f"times each pipeline degree of {self.pipelines}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +236,7 @@ def run_plan(
              f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
         return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
     stages = []
-    for pipeline in plan.pipelines:
+    for pipeline in plan.pipelines or (run.parallel.pipeline,):
         if pipeline > 1 and run.train.micro_batches % pipeline:
             raise ConfigError(
                 f"pipeline={pipeline} needs MICRO_BATCHES a multiple of it, got "
@@ -305,7 +307,7 @@ def format_plan(result: Plan) -> str:
     first = result.stages[0].analysis
     read = first.kernels is not None  # a GPU or TPU program's operations
     tpu = result.stages[0].ici_seconds is not None
-    pipelined = plan.pipelines != (1,)
+    pipelined = any(stage.analysis.pipeline > 1 for stage in result.stages)
     lines = [
         f"{run.model.name} on {plan.devices} devices (tensor {plan.tensor}), "
         f"{result.device_memory_gb:g} GB each, compiled by {result.compiler}; {run.optimizer.name}, {run.model.dtype} "
