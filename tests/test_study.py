@@ -194,7 +194,7 @@ def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     assert run.parallel.replica == 2 and run.sync.every == 2
     result = run_trial(_spec(point, "timed"), tmp_path, "diloco", 240)
     assert result["status"] == "ok", result
-    assert result["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
+    assert result["analysis"]["mesh"] == {"replica": 2, "pipeline": 1, "zero": 2, "tensor": 1}
     assert result["analysis"]["replica_sync"]["inner_step"]["bytes_over_replica"] == 0
     timing = result["step_time_s"]  # each sample a round of 2 steps with its outer step
     assert timing["statistic"] == "median of periods' mean step times"
@@ -373,7 +373,7 @@ def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_p
     assert set(on_four) == {"every_step", "diloco/4"}
     sync, diloco = on_four["every_step"], on_four["diloco/4"]
     assert sync["tokens_seen"] == diloco["tokens_seen"] >= 2000
-    assert diloco["analysis"]["mesh"] == {"replica": 2, "zero": 2, "tensor": 1}
+    assert diloco["analysis"]["mesh"] == {"replica": 2, "pipeline": 1, "zero": 2, "tensor": 1}
     assert diloco["step_time_s"]["statistic"] == "median of periods' mean step times"
     winner = (study_dir / "funnel.md").read_text().split("## Winner")[1]
     best = min((sync, diloco), key=lambda r: r["final_loss"])

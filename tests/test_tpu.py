@@ -94,13 +94,13 @@ def _slice_of(device) -> int:
 def test_the_mesh_puts_replicas_across_slices_and_zero_inside_them():
     devices = list(TpuTopology(TpuSlice.named("v5p-16"), slices=2).devices())
     mesh = make_mesh(ParallelConfig(zero_stage=1), devices)
-    assert dict(mesh.shape) == {"replica": 2, "zero": 8, "tensor": 1}  # a replica per slice
+    assert dict(mesh.shape) == {"replica": 2, "pipeline": 1, "zero": 8, "tensor": 1}  # a replica per slice
     for replica in range(2):  # each replica's zero group is one slice (ICI), over its 2 hosts
         assert len({_slice_of(d) for d in mesh.devices[replica].flat}) == 1
         assert len({d.process_index for d in mesh.devices[replica].flat}) == 2
     # zero_across_hosts: ZeRO spans both slices (over DCN), one replica
     across = make_mesh(ParallelConfig(zero_stage=3, zero_across_hosts=True), devices)
-    assert dict(across.shape) == {"replica": 1, "zero": 16, "tensor": 1}
+    assert dict(across.shape) == {"replica": 1, "pipeline": 1, "zero": 16, "tensor": 1}
     assert len({_slice_of(d) for d in across.devices.flat}) == 2
 
 
@@ -109,7 +109,7 @@ def test_tensor_takes_part_of_a_torus_dimension():
     dimension; the two chips of a tensor group are ICI neighbours."""
     devices = list(TpuTopology(TpuSlice.named("v5p-128")).devices())
     mesh = make_mesh(ParallelConfig(zero_stage=3, tensor=2), devices)
-    assert dict(mesh.shape) == {"replica": 1, "zero": 32, "tensor": 2}
+    assert dict(mesh.shape) == {"replica": 1, "pipeline": 1, "zero": 32, "tensor": 2}
     for pair in mesh.devices.reshape(-1, 2):
         a, b = (d.coords for d in pair)
         assert sum(abs(x - y) for x, y in zip(a, b, strict=True)) == 1
@@ -212,7 +212,7 @@ def test_plan_compiles_every_stage_for_the_slice_with_xla_tpu(tpu_plan):
     assert plan["devices"] == 8 and plan["device_memory_gb"] == 16
     assert [s["stage"] for s in plan["stages"]] == [0, 1, 2, 3]
     for stage in plan["stages"]:
-        assert stage["mesh"] == {"replica": 1, "zero": 8, "tensor": 1}
+        assert stage["mesh"] == {"replica": 1, "pipeline": 1, "zero": 8, "tensor": 1}
         assert stage["fits"] and stage["xla_memory_per_device"]["peak_estimate_bytes"] > 0
     state = [s["xla_model_state_per_device"]["xla_parameters_and_optimizer_bytes"]
              for s in plan["stages"]]  # fmt: skip
@@ -326,7 +326,7 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
     analysis = compile_for(staged, target).analysis
     found = analysis.collectives
-    assert analysis.mesh == {"replica": 1, "zero": 128, "tensor": 1}  # ZeRO over both slices
+    assert analysis.mesh == {"replica": 1, "pipeline": 1, "zero": 128, "tensor": 1}  # ZeRO over both slices
     assert found.all_gathers_as_all_reduce_of_padded_parts > 0
     padded = [op for op in analysis.collective_ops if op.form == "all-reduce of a zero-padded part"]
     assert {op.kind for op in padded} == {"all-gather"}

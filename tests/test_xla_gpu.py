@@ -175,7 +175,7 @@ def test_plan_with_a_cluster_file_compiles_for_its_gpus(capsys, monkeypatch):
     assert plan["device_memory_gb"] == 80
     (three,) = plan["stages"]
     assert three["stage"] == 3 and three["xla_memory_per_device"]["temp_bytes"] > 0
-    assert three["mesh"] == {"replica": 1, "zero": 16, "tensor": 1}
+    assert three["mesh"] == {"replica": 1, "pipeline": 1, "zero": 16, "tensor": 1}
 
 
 def test_a_compile_only_program_is_not_written_to_the_persistent_cache(tmp_path):
@@ -320,7 +320,7 @@ def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch)
     (only,) = json.loads(out)["stages"]
     # The job's own stage, batch and mesh: a replica per node, ZeRO inside it.
     assert only["stage"] == 2 and only["batch_size"] == 32
-    assert only["mesh"] == {"replica": 2, "zero": 8, "tensor": 1}
+    assert only["mesh"] == {"replica": 2, "pipeline": 1, "zero": 8, "tensor": 1}
     assert only["fits"] and only["kernels"]["gemm"]["count"] > 0
     code, _, err = cli_inline([*job, "--gin.TrainConfig.batch_size=24"], capsys, monkeypatch)
     assert code == 2

@@ -168,7 +168,9 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 def describe_mesh(mesh: Mesh, config: ParallelConfig) -> str:
     """One line: the shape, which axis spans processes, and what this process holds."""
-    shape = " × ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    shape = " × ".join(
+        f"{axis}={size}" for axis, size in mesh.shape.items() if axis != "pipeline" or size > 1
+    )
     processes = len({d.process_index for d in mesh.devices.flat})
     if processes == 1:
         return f"mesh {shape} over {mesh.devices.size} devices"

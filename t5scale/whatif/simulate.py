@@ -22,6 +22,7 @@ analyses are cached on disk, so a second run over the same grid compiles nothing
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from t5scale.analysis.records import StepAnalysis
@@ -53,6 +54,11 @@ class SimulateConfig:
     stages: tuple[int, ...] = (1, 2, 3)
     micro_batch_size: int = 4  # per data-parallel rank; global batch grows with the GPUs
     tensor: int = 1  # tensor parallelism inside each node
+    # Pipeline degrees (t5scale/train/pipeline.py), each with the stages it allows (0, 1); the
+    # stages span nodes first. micro_batches: per step (default: the run's MICRO_BATCHES), each
+    # of micro_batch_size sequences per data-parallel rank; a pipeline needs a multiple of it.
+    pipelines: tuple[int, ...] = (1,)
+    micro_batches: int | None = None
     overlap: bool = True  # communication hides behind compute where the structure allows
     # XLA's GPU combine thresholds, as launch/xla_gpu_flags.sh sets them
     combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES
@@ -69,6 +75,13 @@ class SimulateConfig:
         object.__setattr__(self, "nodes", tuple(self.nodes))  # gin gives lists
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "diloco_every", tuple(self.diloco_every))
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        if not self.pipelines or min(self.pipelines) < 1:
+            raise ConfigError(f"SimulateConfig.pipelines must be >= 1, got {self.pipelines}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ConfigError(
+                f"SimulateConfig.micro_batches must be >= 1, got {self.micro_batches}"
+            )
         if any(every < 1 for every in self.diloco_every):
             raise ConfigError("SimulateConfig.diloco_every: each H must be >= 1")
         if min((*self.nodes, self.micro_batch_size, self.tensor, self.combine_threshold_bytes),
@@ -92,10 +105,17 @@ class SimulatedRow:
     prediction: StepTimePrediction
     timed: ProgramTime | None = None  # the TPU path's parts, overlap from the schedule
 
+    @property
+    def pipeline(self) -> int:
+        return self.analysis.pipeline
+
     def to_json(self) -> dict[str, Any]:
         analysis = self.analysis
         return {
             "stage": self.stage,
+            "pipeline": self.pipeline,
+            "tensor": self.analysis.tensor,
+            "micro_batches": self.analysis.micro_batches,
             "sync": self.sync,
             "nodes": self.nodes,
             "devices": self.devices,
@@ -153,22 +173,33 @@ def simulate(
         (dataclasses.replace(run.sync, mode="diloco", every=every), f"DiLoCo H={every}")
         for every in config.diloco_every
     ]
-    grid = [(s, n, sync) for s in config.stages for sync in syncs for n in config.nodes]
+    grid = [
+        (stage, pipeline, nodes, sync)
+        for pipeline in config.pipelines for stage in _stages(config, pipeline)
+        for sync in (syncs if pipeline == 1 else syncs[:1]) for nodes in config.nodes
+    ]  # fmt: skip
     rows = []
-    for done, (stage, nodes, (sync, sync_name)) in enumerate(grid, 1):
+    for done, (stage, pipeline, nodes, (sync, sync_name)) in enumerate(grid, 1):
         devices = nodes * cluster.gpus_per_node
         target = cluster_target(cluster, devices, "gpu" if gpu else "cpu")
         staged = weak_scale(
             dataclasses.replace(run, sync=sync), stage, devices, config.micro_batch_size,
-            tensor=config.tensor, replicas=nodes if sync.local else 1, hosts=target.dcn_granules,
+            micro_batches=config.micro_batches, tensor=config.tensor,
+            replicas=nodes if sync.local else 1, hosts=target.dcn_granules, pipeline=pipeline,
         )  # fmt: skip
         budget = int(cluster.device_memory_gb * 1e9)
         analysis = cached_analysis(staged, target, budget)
         prediction = _predict(analysis, run, cluster, config, gpu)
         rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
-        show(f"[{done}/{len(grid)}] stage {stage}, {sync_name}, {nodes} "
+        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
+        show(f"[{done}/{len(grid)}] {piped}stage {stage}, {sync_name}, {nodes} "
              f"node{'s' if nodes > 1 else ''}: {prediction.step_s:.3f} s/step predicted")  # fmt: skip
     return Simulation(run, cluster, config, tuple(rows), "gpu" if gpu else "cpu")
+
+
+def _stages(config: SimulateConfig, pipeline: int) -> tuple[int, ...]:
+    """The stages of `config` that `pipeline` stages allow (0 and 1 with a pipeline)."""
+    return config.stages if pipeline == 1 else tuple(s for s in config.stages if s <= 1)
 
 
 def _predict(
@@ -196,20 +227,26 @@ def simulate_tpu_pod(
         raise ConfigError("simulate on a TPU pod times bf16 compute (ModelConfig.dtype="
                           "'bfloat16'; the chips' peak is bf16's)")  # fmt: skip
     one = pod.topology().slice  # a ConfigError before any compile where none is chosen
-    grid = [(stage, slices) for stage in config.stages for slices in config.nodes]
+    grid = [
+        (stage, pipeline, slices)
+        for pipeline in config.pipelines for stage in _stages(config, pipeline)
+        for slices in config.nodes
+    ]  # fmt: skip
     rows = []
-    for done, (stage, slices) in enumerate(grid, 1):
+    for done, (stage, pipeline, slices) in enumerate(grid, 1):
         topology = TpuTopology(one, slices)
         target = Target.compile_only_tpus(topology)
         staged = weak_scale(run, stage, target.size, config.micro_batch_size,
-                            tensor=config.tensor, hosts=target.dcn_granules)  # fmt: skip
+                            micro_batches=config.micro_batches, tensor=config.tensor,
+                            hosts=target.dcn_granules, pipeline=pipeline)  # fmt: skip
         analysis = cached_analysis(staged, target, int(pod.device_memory_gb * 1e9))
         devices = list(make_mesh(staged.parallel, list(target.devices)).devices.flat)
         timed = predict_tpu_program(analysis.program, pod, topology, devices)
         prediction = _tpu_prediction(analysis, pod, timed, config.overlap)
         rows.append(SimulatedRow(stage, "every step", slices, target.size, analysis, prediction,
                                  timed))  # fmt: skip
-        show(f"[{done}/{len(grid)}] stage {stage}, {slices} × {one.name}: "
+        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
+        show(f"[{done}/{len(grid)}] {piped}stage {stage}, {slices} × {one.name}: "
              f"{prediction.step_s:.3f} s/step predicted (unvalidated)")  # fmt: skip
     return Simulation(run, pod, config, tuple(rows), "tpu")
 
@@ -238,7 +275,19 @@ def with_overlap(result: Simulation, overlap: bool) -> Simulation:
     return dataclasses.replace(result, config=config, rows=rows)
 
 
-def _row_line(row: SimulatedRow) -> str:
+def _pipeline_cell(row: SimulatedRow, pipelined: bool) -> str:
+    """A table's first cell where some rows are pipelined: stages (micro-batches a step)."""
+    return f"| {row.pipeline} ({row.analysis.micro_batches}) " if pipelined else ""
+
+
+def _pipeline_header(rows: Sequence[SimulatedRow]) -> tuple[str, str]:
+    """(header cell, rule cell) where some of `rows` are pipelined, else empty."""
+    if any(row.pipeline > 1 for row in rows):
+        return "| pipeline (micro-batches) ", "|---"
+    return "", ""
+
+
+def _row_line(row: SimulatedRow, pipelined: bool = False) -> str:
     """The row of format_simulation's table."""
     predicted = row.prediction
     outer = (
@@ -246,6 +295,7 @@ def _row_line(row: SimulatedRow) -> str:
         if predicted.sync_every else "–"
     )  # fmt: skip
     return (
+        f"{_pipeline_cell(row, pipelined)}"
         f"| {row.stage} | {row.sync} | {row.analysis.model_state_per_device.zero_formula} | "
         f"{row.nodes} | {row.devices} | "
         f"{predicted.step_s:.3f} | {predicted.compute_s:.3f} | {predicted.update_s:.3f} | "
@@ -273,6 +323,7 @@ def format_simulation(result: Simulation) -> str:
     precision = result.rows[0].analysis.precision.mode if result.rows else None
     if result.path == "tpu":
         return _format_tpu_simulation(result)
+    header, rule = _pipeline_header(result.rows)
     lines = [
         PATHS[result.path],
         "",
@@ -286,17 +337,19 @@ def format_simulation(result: Simulation) -> str:
         f"{run.data.input_length}/{run.data.target_length}, {run.model.dtype} compute, "
         f"{precision} precision, remat {run.model.remat}",
         "",
-        "| stage | replicas sync | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
+        header
+        + "| stage | replicas sync | ZeRO formula | nodes | GPUs | step s | compute s | update s | "
         "communication s (exposed) | outer step s (per step) | tokens/s | tokens/s/GPU | MFU | "
         "fits (XLA GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(_row_line(row) for row in result.rows),
+        rule + "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(_row_line(row, bool(header)) for row in result.rows),
     ]
     return "\n".join(lines)
 
 
 def _format_tpu_simulation(result: Simulation) -> str:
     pod, config, run = result.cluster, result.config, result.run
+    header, rule = _pipeline_header(result.rows)
     precision = result.rows[0].analysis.precision.mode if result.rows else None
     lines = [
         PATHS["tpu"],
@@ -310,14 +363,14 @@ def _format_tpu_simulation(result: Simulation) -> str:
         f"{run.data.input_length}/{run.data.target_length}, {precision} precision, remat "
         f"{run.model.remat}",
         "",
-        "| stage | ZeRO formula | slices | chips | step s | compute s | communication s "
+        header + "| stage | ZeRO formula | slices | chips | step s | compute s | communication s "
         "(exposed) | tokens/s | tokens/s/chip | MFU | fits (XLA GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        rule + "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result.rows:
         predicted = row.prediction
         lines.append(
-            f"| {row.stage} | {row.analysis.model_state_per_device.zero_formula} | {row.nodes} | "
+            f"{_pipeline_cell(row, bool(header))}| {row.stage} | {row.analysis.model_state_per_device.zero_formula} | {row.nodes} | "
             f"{row.devices} | {predicted.step_s:.3f} | {predicted.compute_s:.3f} | "
             f"{predicted.communication_s:.3f} ({predicted.exposed_communication_s:.3f}) | "
             f"{predicted.tokens_per_s:,.0f} | {predicted.tokens_per_s_per_device:,.0f} | "
