@@ -379,3 +379,28 @@ def test_the_study_sweeps_synchronisation_beside_stages_on_the_same_tokens(tmp_p
     best = min((sync, diloco), key=lambda r: r["final_loss"])
     words = {id(sync): "synchronised every step", id(diloco): "diloco every 4 steps over 2"}
     assert words[id(best)] in winner
+
+
+def test_the_grid_gains_pipelines_with_the_stages_they_allow():
+    study = StudyConfig(stages=(0, 1, 2, 3), pipelines=(1, 2), micro_batches=2)
+    grid = {(c.stage, c.pipeline) for c in study.configurations()}
+    assert grid == {(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)}
+    point = study.point(next(c for c in study.configurations() if c.pipeline == 2), 8)
+    run = point.run(study_runs(study)["mt5_tiny"])
+    assert run.parallel.pipeline == 2 and run.train.micro_batches == 2
+    assert point.batch_size == run.train.batch_size == 1 * 4 * 2  # 4 data-parallel devices
+    assert "_pp2/" in point.run_name() and "pipeline" not in Point.from_json(
+        {**point.as_dict(), "pipeline": 1}
+    ).key("timed")
+    with pytest.raises(ConfigError, match="divide micro_batches=1"):
+        StudyConfig(pipelines=(1, 2))
+
+
+def test_a_pipelined_point_is_compiled_and_timed_in_a_trial(tmp_path):
+    point = Point("mt5_tiny", 1, 1, "dots", 1e-3, devices=4, pipeline=2, micro_batches=2,
+                  input_length=32, target_length=8)  # fmt: skip
+    result = run_trial(_spec(point, "timed"), tmp_path, "pipeline", 240)
+    assert result["status"] == "ok", result
+    assert result["analysis"]["mesh"] == {"replica": 1, "pipeline": 2, "zero": 2, "tensor": 1}
+    assert result["analysis"]["collectives"]["collective-permute"]["count"] > 0
+    assert np.isfinite(result["final_loss"])

@@ -94,7 +94,12 @@ def _slice_of(device) -> int:
 def test_the_mesh_puts_replicas_across_slices_and_zero_inside_them():
     devices = list(TpuTopology(TpuSlice.named("v5p-16"), slices=2).devices())
     mesh = make_mesh(ParallelConfig(zero_stage=1), devices)
-    assert dict(mesh.shape) == {"replica": 2, "pipeline": 1, "zero": 8, "tensor": 1}  # a replica per slice
+    assert dict(mesh.shape) == {
+        "replica": 2,
+        "pipeline": 1,
+        "zero": 8,
+        "tensor": 1,
+    }  # a replica per slice
     for replica in range(2):  # each replica's zero group is one slice (ICI), over its 2 hosts
         assert len({_slice_of(d) for d in mesh.devices[replica].flat}) == 1
         assert len({d.process_index for d in mesh.devices[replica].flat}) == 2
@@ -326,7 +331,12 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
     analysis = compile_for(staged, target).analysis
     found = analysis.collectives
-    assert analysis.mesh == {"replica": 1, "pipeline": 1, "zero": 128, "tensor": 1}  # ZeRO over both slices
+    assert analysis.mesh == {
+        "replica": 1,
+        "pipeline": 1,
+        "zero": 128,
+        "tensor": 1,
+    }  # ZeRO over both slices
     assert found.all_gathers_as_all_reduce_of_padded_parts > 0
     padded = [op for op in analysis.collective_ops if op.form == "all-reduce of a zero-padded part"]
     assert {op.kind for op in padded} == {"all-gather"}

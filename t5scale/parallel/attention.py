@@ -54,11 +54,15 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _on_heads(mesh, function, arguments, in_specs, out_specs):
-    """`function` on each device's heads: a shard_map over the heads' axis. It does not check
+    """`function` on each device's heads: a shard_map over the heads' axis (and any other axis
+    of one device that is not manual yet, such as `pipeline` without a pipeline: Mosaic's
+    kernels refuse to be partitioned automatically even over one device). It does not check
     which values vary over the manual axes: Triton's kernels are opaque to that check."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+    single = {axis for axis, size in mesh.shape.items() if size == 1 and axis not in manual}
     return jax.shard_map(
-        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={HEADS_AXIS},
-        check_vma=False,
+        function, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+        axis_names={HEADS_AXIS} | single, check_vma=False,
     )(*arguments)  # fmt: skip
 
 

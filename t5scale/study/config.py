@@ -62,6 +62,9 @@ class StudyConfig:
     remats: tuple[str, ...] = ("dots",)
     learning_rates: tuple[float, ...] = (1e-3,)
     replica_syncs: tuple[str, ...] = ("every_step",)
+    # Pipeline degrees (t5scale/train/pipeline.py): each with stages 0 and 1 only, on the
+    # device counts that tensor × pipeline divides; micro_batches must be a multiple of each.
+    pipelines: tuple[int, ...] = (1,)
     replicas: int = 2
     tensor: int = 1
     micro_batches: int = 1
@@ -98,7 +101,7 @@ class StudyConfig:
     def __post_init__(self) -> None:
         check_field_types(self)  # first: a bare word would otherwise split into characters
         for field in ("models", "stages", "devices", "micro_batch_sizes", "remats",
-                      "learning_rates", "replica_syncs", "extra_bindings"):  # fmt: skip
+                      "learning_rates", "replica_syncs", "pipelines", "extra_bindings"):  # fmt: skip
             object.__setattr__(self, field, tuple(getattr(self, field)))  # gin gives lists
         self._check_grid()
         self._check_trial_settings()
@@ -108,9 +111,17 @@ class StudyConfig:
     def _check_grid(self) -> None:
         """Every axis non-empty and each value one a trial can run."""
         for axis in ("models", "stages", "devices", "micro_batch_sizes", "remats",
-                     "learning_rates", "replica_syncs"):  # fmt: skip
+                     "learning_rates", "replica_syncs", "pipelines"):  # fmt: skip
             if not getattr(self, axis):
                 raise ConfigError(f"StudyConfig.{axis} is empty")
+        if bad := [p for p in self.pipelines if p < 1 or self.micro_batches % p]:
+            raise ConfigError(
+                f"StudyConfig.pipelines {bad}: each must be >= 1 and divide "
+                f"micro_batches={self.micro_batches} (a pipeline's micro-batches)"
+            )
+        if max(self.pipelines) > 1 and min(self.stages) > 1:
+            raise ConfigError("StudyConfig.pipelines: a pipeline takes ZeRO stages 0 and 1, and "
+                              f"StudyConfig.stages has only {list(self.stages)}")  # fmt: skip
         if bad := [m for m in self.models if not _is_model(m)]:
             raise ConfigError(
                 f"StudyConfig.models {bad}: each must be a size ({', '.join(SIZES)}) or have "
@@ -228,8 +239,14 @@ class StudyConfig:
     def configurations(self) -> list[Configuration]:
         """Every configuration of the grid, device count aside (the funnel's unit)."""
         axes = (self.models, self.stages, self.micro_batch_sizes, self.remats, self.learning_rates,
-                self.replica_syncs)  # fmt: skip
-        return [Configuration(*values) for values in itertools.product(*axes)]
+                self.replica_syncs, self.pipelines)  # fmt: skip
+        return [
+            Configuration(*values)
+            for values in itertools.product(*axes)
+            # a pipeline with ZeRO 2 or 3 is refused (t5scale/parallel/mesh.py), as
+            # DeepSpeed's is: not a point of the grid
+            if values[-1] == 1 or values[1] <= 1
+        ]
 
     def point(self, configuration: Configuration, devices: int) -> Point:
         """The configuration on `devices`, with this study's settings for every trial."""
@@ -244,6 +261,7 @@ _BINDING = re.compile(r"[A-Za-z_][\w.]*\s*=\s*\S.*")  # a gin NAME=VALUE
 GRID_SETTINGS = {
     "ParallelConfig.zero_stage": "stages", "ParallelConfig.zero": "devices",
     "ParallelConfig.replica": "replica_syncs", "ParallelConfig.tensor": "tensor",
+    "ParallelConfig.pipeline": "pipelines",
     "ParallelConfig.zero_across_hosts": "replica_syncs", "ReplicaSyncConfig.mode": "replica_syncs",
     "ReplicaSyncConfig.every": "replica_syncs", "TrainConfig.batch_size": "micro_batch_sizes",
     "BATCH_SIZE": "micro_batch_sizes", "TrainConfig.micro_batches": "micro_batches",
@@ -290,12 +308,14 @@ class Configuration:
     remat: str
     learning_rate: float
     sync: str = "every_step"
+    pipeline: int = 1
 
     def label(self) -> str:
         sync = "" if self.sync == "every_step" else f" {self.sync}"
+        pipeline = f" pipeline {self.pipeline}" if self.pipeline > 1 else ""
         return (
             f"{self.model} stage {self.stage} mb {self.micro_batch_size} remat {self.remat}"
-            f" lr {self.learning_rate:g}{sync}"
+            f" lr {self.learning_rate:g}{sync}{pipeline}"
         )
 
 
@@ -321,6 +341,7 @@ class Point:
     learning_rate: float
     devices: int
     sync: str = "every_step"
+    pipeline: int = 1
     replicas: int = 2  # for local SGD and DiLoCo
     tensor: int = 1
     micro_batches: int = 1
@@ -343,7 +364,8 @@ class Point:
 
     @property
     def batch_size(self) -> int:
-        return self.micro_batch_size * (self.devices // self.tensor) * self.micro_batches
+        data_parallel = self.devices // (self.tensor * self.pipeline)
+        return self.micro_batch_size * data_parallel * self.micro_batches
 
     def run(self, base: RunConfig, hosts: int = 1) -> RunConfig:
         """The run this point is: `base` (its model's gin file and the study's extra bindings,
@@ -353,7 +375,7 @@ class Point:
         run = weak_scale(
             base, self.stage, self.devices, self.micro_batch_size,
             micro_batches=self.micro_batches, tensor=self.tensor,
-            replicas=self.replicas_synced_locally, hosts=hosts,
+            replicas=self.replicas_synced_locally, hosts=hosts, pipeline=self.pipeline,
         )  # fmt: skip
         # ZeRO across hosts as DeepSpeed's stages, or a replica per host with ZeRO inside each
         parallel = dataclasses.replace(run.parallel, zero_across_hosts=self.sync == "every_step")
@@ -377,14 +399,17 @@ class Point:
     def run_name(self) -> str:
         """A path that names the point, e.g. mt5_tiny/stage2_mb1_dots_lr0.001/4dev."""
         sync = "" if self.sync == "every_step" else "_" + self.sync.replace("/", "")
+        pipeline = f"_pp{self.pipeline}" if self.pipeline > 1 else ""
         return (
             f"{self.model}/stage{self.stage}_mb{self.micro_batch_size}_{self.remat}"
-            f"_lr{self.learning_rate:g}{sync}/{self.devices}dev"
+            f"_lr{self.learning_rate:g}{sync}{pipeline}/{self.devices}dev"
         )
 
     def key(self, kind: str) -> str:
         """Identifies a finished trial in results.jsonl, so a restarted study skips it."""
-        fields = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(self).items()))
+        # pipeline=1 left out: the keys of studies from before t5scale had pipelines stay valid
+        items = {k: v for k, v in dataclasses.asdict(self).items() if (k, v) != ("pipeline", 1)}
+        fields = ",".join(f"{k}={v}" for k, v in sorted(items.items()))
         return f"{kind}:{fields}"
 
     def as_dict(self) -> dict[str, Any]:
