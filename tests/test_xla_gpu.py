@@ -348,3 +348,22 @@ def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
     loop, unrolled = kernels[True], kernels[False]
     assert unrolled.gemm.flops == loop.gemm.flops
     assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count
+
+
+def test_simulate_times_a_pipeline_across_nodes_from_its_program():
+    from t5scale.whatif.collectives import placement
+    from t5scale.whatif.simulate import SimulateConfig, format_simulation, simulate
+
+    parse_gin(["gin/models/mt5_tiny.gin", "gin/clusters/h100.gin"], SHORT, [])
+    run, cluster = build_run_config(), build_cluster_config()
+    config = SimulateConfig(nodes=(2,), stages=(1, 3), micro_batch_size=2, compiler="gpu",
+                            pipelines=(2,), micro_batches=4)  # fmt: skip
+    result = simulate(run, cluster, config, show=lambda _: None)
+    (row,) = result.rows  # stage 3 is not pipelined
+    assert (row.stage, row.pipeline, row.analysis.micro_batches) == (1, 2, 4)
+    assert row.analysis.mesh == {"replica": 1, "pipeline": 2, "zero": 8, "tensor": 1}
+    # The stages span the nodes: each permute of the schedule crosses the network.
+    permutes = [c.op for c in row.analysis.program.collectives if c.op.kind == "collective-permute"]
+    assert permutes and all(placement(op.group, 16, 8).nodes == 2 for op in permutes)
+    assert row.prediction.communication_by_kind_s["collective-permute"] > 0
+    assert "| pipeline (micro-batches) |" in format_simulation(result)
