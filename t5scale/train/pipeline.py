@@ -82,40 +82,29 @@ def run_schedule(
     """GPipe over `pipeline`: each of the M micro-batches of `inputs` (a tree of [M, ...]
     arrays, read on stage 0) through `block(stage's input, micro-batch index)` on every stage
     in turn. Returns `keep(output)` of every micro-batch, [M, ...], on stage 0 (what other
-    stages return is not used)."""
+    stages return is not used).
+
+    The micro-batches go in as the scan's inputs and come out as its outputs, never in its
+    carry: a [M, ...] buffer in the carry was copied whole in every tick of XLA:GPU's program
+    (mt5_xl, 64 micro-batches: 129 GiB of copies a step)."""
     micro_batches = jax.tree.leaves(inputs)[0].shape[0]
     stage = lax.axis_index(AXIS)
     first = stage == 0
 
-    def at(tree: Any, index: jax.Array) -> Any:
-        return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), tree)
-
-    def tick(carry, t):
-        held, outputs = carry
+    def tick(held, ticked):
+        t, fresh = ticked
         index = jnp.clip(t - stage, 0, micro_batches - 1)
-        fresh = at(inputs, jnp.clip(t, 0, micro_batches - 1))
         taken = jax.tree.map(lambda a, b: jnp.where(first, a, b), fresh, held)
         passed = lax.ppermute(block(taken, index), AXIS, _ring(stages))
         # Stage 0 now holds what the last stage finished in this tick (micro-batch t − PP + 1).
-        done = t - (stages - 1)
-        slot = jnp.clip(done, 0, micro_batches - 1)
-        store = first & (done >= 0)
-        outputs = jax.tree.map(
-            lambda buffer, new: lax.dynamic_update_index_in_dim(
-                buffer, jnp.where(store, new, buffer[slot]), slot, 0
-            ),
-            outputs,
-            keep(passed),
-        )
-        return (passed, outputs), None
+        return passed, keep(passed)
 
+    drain = stages - 1  # ticks after the last micro-batch went in
+    padded = jax.tree.map(lambda x: jnp.pad(x, [(0, drain)] + [(0, 0)] * (x.ndim - 1)), inputs)
     held = jax.tree.map(lambda x: _varying(jnp.zeros_like(x[0]), manual_axes), inputs)
-    kept = jax.eval_shape(keep, held)
-    outputs = jax.tree.map(
-        lambda s: _varying(jnp.zeros((micro_batches, *s.shape), s.dtype), manual_axes), kept
-    )
-    (_, outputs), _ = lax.scan(tick, (held, outputs), jnp.arange(ticks(stages, micro_batches)))
-    return outputs
+    ticked = (jnp.arange(ticks(stages, micro_batches)), padded)
+    _, outputs = lax.scan(tick, held, ticked)
+    return jax.tree.map(lambda x: x[drain:], outputs)
 
 
 def spread_from_first(x: jax.Array, stages: int) -> jax.Array:
