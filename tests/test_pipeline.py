@@ -18,6 +18,7 @@ from conftest import (
 )
 
 from t5scale.analysis.hlo import collective_ops, mesh_axes
+from t5scale.analysis.kernels import read_program
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import CheckpointMeta, Checkpoints
@@ -108,6 +109,22 @@ def test_each_device_holds_its_stages_layers_and_moves_activations_by_permutes_o
     done = local_rows // (forward[0].bytes // (input_length * d * 4))
     idle = (trips - done) / trips
     assert idle == pytest.approx(bubble_fraction(stages, micro_batches)) == 3 / 7
+
+
+def test_the_idle_ticks_are_in_the_programs_matmuls():
+    """The compiled schedule's matmul FLOPs against the same work unpipelined: a stage runs
+    its layers on M + PP − 1 micro-batches for M of real work, and the head on M/PP of them."""
+    setup, step = _compiled("pipeline4")
+    stages, micro_batches = 4, 4
+    flat = tiny_setup(ParallelConfig(zero=2), devices=2, model=MODEL)  # the same local batch
+    piped = read_program(step.compiled.as_text()).inventory.gemm.flops
+    whole = read_program(flat.compile().compiled.as_text()).inventory.gemm.flops
+    # The output projection's matmuls, forward and backward, on the local batch's targets.
+    rows = setup.run.train.batch_size // setup.mesh.shape["zero"]
+    head = 3 * 2 * rows * 16 * MODEL.d_model * MODEL.vocab_size
+    layers_ratio = (piped * stages - head) / (whole - head)  # = ticks / micro-batches
+    idle = 1 - 1 / layers_ratio
+    assert idle == pytest.approx(bubble_fraction(stages, micro_batches), rel=1e-6)
 
 
 def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
