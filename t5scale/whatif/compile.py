@@ -83,8 +83,9 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry
 # (11: the relative-position bias's gradient sums in f32, a program of its own; 12: one
 # micro-batch runs without a scan, train/gradients.py; 13: a fusion's bytes through the fusions
-# XLA:TPU nests in it; 14: 'auto' attention is the fused kernels on TPUs too).
-ANALYSIS_VERSION = 14
+# XLA:TPU nests in it; 14: 'auto' attention is the fused kernels on TPUs too; 15: the mesh's
+# `pipeline` axis, and a pipeline's schedule without carried buffers).
+ANALYSIS_VERSION = 15
 _CACHE_WRITE = threading.Lock()
 
 
