@@ -497,3 +497,18 @@ def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
     assert found == pytest.approx(counted, rel=1e-6)
     assert any(not c.synchronous and c.overlapped for c in scheduled)
     assert any(c.op.form == "dcn" and not c.synchronous for c in scheduled)
+
+
+def test_simulate_times_a_pipeline_over_ici_and_across_slices(capsys, monkeypatch):
+    """A pipeline of 2 stages compiled by XLA:TPU inside one v5e-8 slice and across 2 slices:
+    its collective permutes timed over the torus, and between slices over DCN."""
+    code, out, err = cli_inline(
+        ["simulate", "--json", *TPU_SIMULATE, "--gin.SimulateConfig.nodes=(1, 2)",
+         "--gin.SimulateConfig.stages=(1,)", "--gin.SimulateConfig.pipelines=(2,)",
+         "--gin.SimulateConfig.micro_batches=2"], capsys, monkeypatch,
+    )  # fmt: skip
+    assert code == 0, err
+    one, two = json.loads(out)["rows"]
+    assert (one["pipeline"], one["micro_batches"], two["devices"]) == (2, 2, 16)
+    for row in (one, two):
+        assert row["communication_by_kind_s"]["collective-permute"] > 0, row

@@ -574,10 +574,13 @@ _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 
 def dcn_transfer(send: Instruction, computation: str) -> Counter[CollectiveOp] | None:
     """XLA:TPU's collectives between slices: a host-transfer `send` to its megascale runtime
-    that names the collective (ALL_REDUCE…), its payload the first element of its result;
-    the `recv` beside it is the same collective. None for any other send."""
+    that names the collective (ALL_REDUCE…, ONE_TO_ONE for a permute), its payload the first
+    element of its result; the `recv` beside it is the same collective. None for any other
+    send."""
     found = _MEGASCALE.search(send.attributes)
     kind = found.group(1).lower().replace("_", "-") if found else None
+    # A collective permute between slices (a pipeline's stage boundary) is a ONE_TO_ONE.
+    kind = "collective-permute" if kind == "one-to-one" else kind
     if kind not in KINDS:
         return None
     payload = shape_bytes(tuple_elements(send.result_type)[0])

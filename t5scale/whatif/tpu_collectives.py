@@ -93,11 +93,13 @@ def op_seconds(
     spans, by the chips' coordinates; a group that spans only part of an axis is a line. None
     where this model has no answer: a transfer between slices (DCN), a kind it does not time."""
     kind = "all-reduce" if op.form in ALL_REDUCE_FORMS else op.kind
-    if op.form == "dcn" or kind not in KINDS:
+    if op.form == "dcn" or kind not in (*KINDS, "collective-permute"):
         return None
     members = [devices[i] for i in op.group] if op.group else list(devices)
     if len({getattr(device, "slice_index", 0) for device in members}) > 1:
         return None
+    if kind == "collective-permute":
+        return op.count * permute_seconds(op.bytes, *members[:2], torus, link_bandwidth)
     axes = []
     for axis, (size, wraps) in enumerate(zip(torus.shape, torus.wraparound, strict=True)):
         spanned = len({device.coords[axis] for device in members})
@@ -107,16 +109,31 @@ def op_seconds(
     return op.count * seconds(kind, array_bytes, axes, link_bandwidth)
 
 
+def permute_seconds(
+    array_bytes: float, source, target, torus: TpuSlice, link_bandwidth: float,
+    hop_latency_s: float = HOP_LATENCY_S,
+) -> float:  # fmt: skip
+    """One collective permute's pair (a pipeline's stage boundary): `array_bytes` from `source`
+    to `target` chip over one ICI link's bandwidth, routed through the hops between them (the
+    shorter way round where an axis wraps)."""
+    hops = 0
+    for axis, (size, wraps) in enumerate(zip(torus.shape, torus.wraparound, strict=True)):
+        apart = abs(source.coords[axis] - target.coords[axis])
+        hops += min(apart, size - apart) if wraps else apart
+    return max(hops * hop_latency_s, array_bytes / link_bandwidth) if hops else 0.0
+
+
 def dcn_op_seconds(op: CollectiveOp, slices: int, dcn_bandwidth_per_chip: float) -> float | None:
     """Seconds per step of one of XLA:TPU's collectives between slices (form 'dcn': the
     payload each chip hands its megascale runtime, read from the program), each chip's share of
     its host's data-centre network at once: an all-gather brings the other slices' parts, a
     reduce-scatter sends (S − 1)/S of the payload, an all-reduce both. No latency term (no
     figure found): a lower bound. None for any other collective."""
-    if op.form != "dcn" or slices < 2 or op.kind not in KINDS:
+    if op.form != "dcn" or slices < 2 or op.kind not in (*KINDS, "collective-permute"):
         return None
     others = (slices - 1) / slices
     moved = {
+        "collective-permute": op.bytes,  # to one chip of another slice
         "all-gather": (slices - 1) * op.bytes,
         "reduce-scatter": others * op.bytes,
         "all-reduce": 2 * others * op.bytes,

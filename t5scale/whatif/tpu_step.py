@@ -48,7 +48,7 @@ def collective_seconds(
     op: CollectiveOp, devices: Sequence, topology: TpuTopology, pod: TpuPodConfig
 ) -> float:
     """One run of one of the program's collectives: over the slice's ICI, or between slices
-    over DCN; 0 for what neither times (a collective-permute, an all-to-all)."""
+    over DCN; 0 for what neither times (an all-to-all)."""
     once = dataclasses.replace(op, count=1)
     ici = op_seconds(once, devices, topology.slice, pod.ici_link_bandwidth)
     if ici is not None:
