@@ -3,6 +3,7 @@
 size (Hagemann et al.: is micro-batch 1 the most efficient?).
 
     python bench/pipeline_layouts.py [--nodes 1 2 4 8 16 32 64] [--plot docs/pipeline_layouts.png]
+    python bench/pipeline_layouts.py --tpu [--slices 1 2 4]   # mt5_xl on v5p-128 slices
 
 Every point is `t5scale simulate` in-process: the step compiled by XLA:GPU for the cluster's
 GPUs (compile-only, t5scale/xla_gpu.py) and timed kernel by kernel, with its collectives (the
@@ -18,6 +19,10 @@ Layouts (a data-parallel rank is a tensor group, or a pipeline of them):
 - TP 8 × PP p: p nodes per pipeline, 32·p sequences per pipeline in micro-batches of
   `--rows` sequences (default 1), ZeRO 1 over the pipelines.
 The micro-batch sweep: TP 8 × PP 4 on 8 nodes with micro-batches of 1 to 16 sequences.
+
+With --tpu: mt5_xl on 1, 2 and 4 slices of v5p-128 (64 chips each, 4 a host) by the TPU path
+(XLA:TPU's programs, compile-only; unvalidated): ZeRO 3, ZeRO 1 + TP 4, TP 4 × PP 2 and 4
+(micro-batches of 4 sequences), the same 4 sequences per chip.
 """
 
 from __future__ import annotations
@@ -67,6 +72,59 @@ class Layout:
             tensor=self.tensor, pipelines=(self.pipeline,), micro_batches=per_rank // self.rows,
             compiler="gpu",
         )  # fmt: skip
+
+
+def predict_tpu(model: str, layout: Layout, slices: int) -> dict | None:
+    from t5scale.config import build_cluster_config
+
+    config = layout.config(slices * 8)  # 64 chips a slice: as 8 "nodes" of 8 for the grid
+    if config is None:
+        return None
+    parse_gin([f"gin/models/{model}.gin", "gin/clusters/tpu_v5p.gin", "gin/precision/mixed.gin"],
+              ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'",
+               "DATA_SOURCE='synthetic'", "TpuPodConfig.slice='v5p-128'"])  # fmt: skip
+    run, pod = build_run_config(), build_cluster_config(required=True)
+    config = dataclasses.replace(config, nodes=(slices,), compiler="auto")
+    started = time.perf_counter()
+    (row,) = simulate(run, pod, config, show=lambda _: None).rows
+    predicted = row.prediction
+    return {
+        "model": model, "layout": layout.name, "slices": slices, "chips": row.devices,
+        "pipeline": layout.pipeline, "tensor": layout.tensor, "micro_batch_rows": layout.rows,
+        "micro_batches": config.micro_batches, "batch_size": row.analysis.batch_size,
+        "step_s": predicted.step_s, "compute_s": predicted.compute_s,
+        "exposed_communication_s": predicted.exposed_communication_s,
+        "permute_s": predicted.communication_by_kind_s.get("collective-permute", 0.0),
+        "tokens_per_s_per_chip": predicted.tokens_per_s_per_device, "mfu": predicted.mfu,
+        "fits": predicted.fits, "xla_peak_gb": predicted.xla_peak_bytes / 1e9,
+        "wall_s": time.perf_counter() - started,
+    }  # fmt: skip
+
+
+def tpu_main(slice_counts: list[int], out: str) -> None:
+    tpu_layouts = [
+        Layout("ZeRO 3", 3), Layout("ZeRO 1 + TP 4", 1, tensor=4, rows=PER_GPU * 4),
+        Layout("TP 4 × PP 2", 1, 4, 2, PER_GPU), Layout("TP 4 × PP 4", 1, 4, 4, PER_GPU),
+    ]  # fmt: skip
+    rows = []
+    for slices in slice_counts:
+        for layout in tpu_layouts:
+            if (row := predict_tpu("mt5_xl", layout, slices)) is not None:
+                rows.append(row)
+                print(f"mt5_xl {layout.name} {slices} × v5p-128: {row['step_s']:.3f} s/step, "
+                      f"{row['tokens_per_s_per_chip']:,.0f} tokens/s/chip "
+                      f"({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
+                Path(out).write_text(json.dumps(rows, indent=1))
+    lines = ["| layout | " + " | ".join(f"{n} × v5p-128" for n in slice_counts) + " |",
+             "|---" * (len(slice_counts) + 1) + "|"]  # fmt: skip
+    for layout in tpu_layouts:
+        cells = []
+        for n in slice_counts:
+            found = [r for r in rows if r["layout"] == layout.name and r["slices"] == n]
+            cells.append(f"{found[0]['tokens_per_s_per_chip']:,.0f} ({100 * found[0]['mfu']:.0f}%)"
+                         if found else "–")  # fmt: skip
+        lines.append(f"| {layout.name} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
 
 
 def layouts(nodes: int, rows: int) -> list[Layout]:
@@ -191,7 +249,12 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", default="runs/pipeline_layouts.json")
     parser.add_argument("--plot", default="docs/pipeline_layouts.png")
+    parser.add_argument("--tpu", action="store_true", help="mt5_xl on v5p-128 slices instead")
+    parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
+    if args.tpu:
+        tpu_main(args.slices, "runs/pipeline_layouts_tpu.json")
+        return
     rows = []
     started = time.perf_counter()
     for model in MODELS:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def ordered_after(x: jax.Array, dependency) -> jax.Array:
@@ -37,3 +38,10 @@ def in_order(
         previous = collective(index, value)
         results.append(previous)
     return results
+
+
+def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """x marked as differing across the manual `axes`: so that a gradient stays local (every
+    gradient collective is one t5scale writes), and a scan's carry keeps one type."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x

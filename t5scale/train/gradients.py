@@ -61,13 +61,6 @@ def _constrain(x: jax.Array, axes: tuple) -> jax.Array:
     return lax.with_sharding_constraint(x, rules.activation_spec(axes))
 
 
-def _to_varying(x: jax.Array, axes: tuple[str, ...] = DATA_AXES) -> jax.Array:
-    """Mark a value as differing across data-parallel devices (and pipeline stages), so that
-    its gradient stays local and every gradient collective is one this module writes."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _replace_selected(tree: Any, leaf_layouts: Any, select, transform) -> Any:
     """`tree` with the leaves whose layout `select` picks replaced by `transform(leaves, layouts)`."""
     values, treedef = jax.tree.flatten(tree)
@@ -278,7 +271,7 @@ def zero_accumulator(layout: StateLayout, dtype, leaf: LeafLayout) -> jax.Array:
     shape = list(leaf.at_rest(scattered))  # `tensor` is automatic: only `zero` shrinks shapes
     if scattered:
         shape[leaf.zero_dim] //= layout.zero_size
-    return _to_varying(jnp.zeros(shape, dtype))
+    return collectives.to_varying(jnp.zeros(shape, dtype), DATA_AXES)
 
 
 def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
@@ -358,7 +351,7 @@ def _local_gradients(
     # casts each weight to its compute dtype where it is used; stage 3 gathers it in bf16).
     manual = layout.manual_axes
     params = jax.tree.map(
-        lambda leaf: _to_varying(leaf.astype(precision.grad_dtype), manual), params
+        lambda leaf: collectives.to_varying(leaf.astype(precision.grad_dtype), manual), params
     )
     if layout.pipeline_stages > 1:
         loss_fn = functools.partial(

@@ -48,6 +48,7 @@ from t5scale.model.mt5 import (
     encoder_attention_bias,
 )
 from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.collectives import to_varying
 
 AXIS = "pipeline"
 
@@ -64,12 +65,6 @@ def ticks(stages: int, micro_batches: int) -> int:
 
 def _ring(stages: int) -> list[tuple[int, int]]:
     return [(stage, (stage + 1) % stages) for stage in range(stages)]
-
-
-def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """x marked as differing across `axes` (a scan's carry must keep one type)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def run_schedule(
@@ -101,7 +96,7 @@ def run_schedule(
 
     drain = stages - 1  # ticks after the last micro-batch went in
     padded = jax.tree.map(lambda x: jnp.pad(x, [(0, drain)] + [(0, 0)] * (x.ndim - 1)), inputs)
-    held = jax.tree.map(lambda x: _varying(jnp.zeros_like(x[0]), manual_axes), inputs)
+    held = jax.tree.map(lambda x: to_varying(jnp.zeros_like(x[0]), manual_axes), inputs)
     ticked = (jnp.arange(ticks(stages, micro_batches)), padded)
     _, outputs = lax.scan(tick, held, ticked)
     return jax.tree.map(lambda x: x[drain:], outputs)
