@@ -247,13 +247,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--rows", type=int, default=1, help="pipeline micro-batch sequences")
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--out", default="runs/pipeline_layouts.json")
+    parser.add_argument("--out", default="docs/pipeline_layouts.json")
     parser.add_argument("--plot", default="docs/pipeline_layouts.png")
     parser.add_argument("--tpu", action="store_true", help="mt5_xl on v5p-128 slices instead")
     parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     if args.tpu:
-        tpu_main(args.slices, "runs/pipeline_layouts_tpu.json")
+        tpu_main(args.slices, "docs/pipeline_layouts_tpu.json")
         return
     rows = []
     started = time.perf_counter()
