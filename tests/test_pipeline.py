@@ -3,6 +3,7 @@ compiled program holds and moves, checkpoints between pipelined and unpipelined 
 
 import dataclasses
 import functools
+import json
 
 import jax
 import numpy as np
@@ -33,8 +34,10 @@ LAYOUTS = {
     "pipeline2": (ParallelConfig(pipeline=2, zero=4), 2),
     "pipeline4": (ParallelConfig(pipeline=4, zero=2), 4),
     "pipeline2-zero1-tensor2": (ParallelConfig(zero_stage=1, pipeline=2, zero=2, tensor=2), 2),
+    "pipeline4-zero1": (ParallelConfig(zero_stage=1, pipeline=4, zero=2), 4),
     # Tensor × pipeline with no data parallelism (the layout of NeMo's large T5s).
     "pipeline4-tensor2": (ParallelConfig(zero_stage=1, replica=1, pipeline=4, zero=1, tensor=2), 4),
+    "pipeline2-replica2-zero1": (ParallelConfig(zero_stage=1, replica=2, pipeline=2, zero=2), 2),
 }
 
 
@@ -163,6 +166,24 @@ def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
     _, original = step(state, batch)
     _, again = step(back, batch)
     assert float(original.loss) == float(again.loss)
+
+
+def test_plan_shows_memory_per_device_per_pipeline_degree(capsys, monkeypatch):
+    flags = ["--gin.MICRO_BATCHES=2", "--gin.PlanConfig.pipelines=(1, 2)",
+             "--gin.PlanConfig.stages=(1, 2)", "--json"]  # fmt: skip
+    code, out, err = cli_inline(["plan", *TINY_ARGS, *flags], capsys, monkeypatch)
+    assert code == 0, err
+    assert "pipeline 2: ZeRO stages 0 and 1 only" in err
+    rows = {(row["pipeline"], row["stage"]): row for row in json.loads(out)["stages"]}
+    assert set(rows) == {(1, 1), (1, 2), (2, 1)}
+    flat, piped = rows[1, 1], rows[2, 1]
+    assert piped["mesh"] == {"replica": 1, "pipeline": 2, "zero": 4, "tensor": 1}
+    assert piped["parameters_per_device"] < flat["parameters_per_device"]
+    # The ZeRO formula counts a stage's parameters, as XLA's arguments do.
+    formula = piped["zero_formula_bytes"]["total"]
+    state = piped["xla_model_state_per_device"]
+    xla = state["xla_parameters_and_optimizer_bytes"] + state["gradient_bytes"]
+    assert formula == pytest.approx(xla, rel=0.02)
 
 
 @pytest.mark.parametrize(
