@@ -87,18 +87,7 @@ def predict_tpu(model: str, layout: Layout, slices: int) -> dict | None:
     config = dataclasses.replace(config, nodes=(slices,), compiler="auto")
     started = time.perf_counter()
     (row,) = simulate(run, pod, config, show=lambda _: None).rows
-    predicted = row.prediction
-    return {
-        "model": model, "layout": layout.name, "slices": slices, "chips": row.devices,
-        "pipeline": layout.pipeline, "tensor": layout.tensor, "micro_batch_rows": layout.rows,
-        "micro_batches": config.micro_batches, "batch_size": row.analysis.batch_size,
-        "step_s": predicted.step_s, "compute_s": predicted.compute_s,
-        "exposed_communication_s": predicted.exposed_communication_s,
-        "permute_s": predicted.communication_by_kind_s.get("collective-permute", 0.0),
-        "tokens_per_s_per_chip": predicted.tokens_per_s_per_device, "mfu": predicted.mfu,
-        "fits": predicted.fits, "xla_peak_gb": predicted.xla_peak_bytes / 1e9,
-        "wall_s": time.perf_counter() - started,
-    }  # fmt: skip
+    return {"slices": slices, "chips": row.devices} | _record(model, layout, config, row, started)
 
 
 def tpu_main(slice_counts: list[int], out: str) -> None:
@@ -112,7 +101,7 @@ def tpu_main(slice_counts: list[int], out: str) -> None:
             if (row := predict_tpu("mt5_xl", layout, slices)) is not None:
                 rows.append(row)
                 print(f"mt5_xl {layout.name} {slices} × v5p-128: {row['step_s']:.3f} s/step, "
-                      f"{row['tokens_per_s_per_chip']:,.0f} tokens/s/chip "
+                      f"{row['tokens_per_s_per_device']:,.0f} tokens/s/chip "
                       f"({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
                 Path(out).write_text(json.dumps(rows, indent=1))
     lines = ["| layout | " + " | ".join(f"{n} × v5p-128" for n in slice_counts) + " |",
@@ -121,7 +110,7 @@ def tpu_main(slice_counts: list[int], out: str) -> None:
         cells = []
         for n in slice_counts:
             found = [r for r in rows if r["layout"] == layout.name and r["slices"] == n]
-            cells.append(f"{found[0]['tokens_per_s_per_chip']:,.0f} ({100 * found[0]['mfu']:.0f}%)"
+            cells.append(f"{found[0]['tokens_per_s_per_device']:,.0f} ({100 * found[0]['mfu']:.0f}%)"
                          if found else "–")  # fmt: skip
         lines.append(f"| {layout.name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
@@ -144,16 +133,20 @@ def predict(model: str, layout: Layout, nodes: int) -> dict | None:
     run, cluster = build_run_config(), build_study_config("cluster")
     started = time.perf_counter()
     (row,) = simulate(run, cluster, config, show=lambda _: None).rows
+    return {"nodes": nodes, "gpus": row.devices} | _record(model, layout, config, row, started)
+
+
+def _record(model: str, layout: Layout, config: SimulateConfig, row, started: float) -> dict:
+    """What a predicted point records, wherever it ran."""
     predicted = row.prediction
     return {
-        "model": model, "layout": layout.name, "nodes": nodes, "gpus": row.devices,
-        "stage": layout.stage, "tensor": layout.tensor, "pipeline": layout.pipeline,
-        "micro_batch_rows": layout.rows, "micro_batches": config.micro_batches,
-        "batch_size": row.analysis.batch_size, "step_s": predicted.step_s,
-        "compute_s": predicted.compute_s,
+        "model": model, "layout": layout.name, "stage": layout.stage, "tensor": layout.tensor,
+        "pipeline": layout.pipeline, "micro_batch_rows": layout.rows,
+        "micro_batches": config.micro_batches, "batch_size": row.analysis.batch_size,
+        "step_s": predicted.step_s, "compute_s": predicted.compute_s,
         "exposed_communication_s": predicted.exposed_communication_s,
         "permute_s": predicted.communication_by_kind_s.get("collective-permute", 0.0),
-        "tokens_per_s_per_gpu": predicted.tokens_per_s_per_device, "mfu": predicted.mfu,
+        "tokens_per_s_per_device": predicted.tokens_per_s_per_device, "mfu": predicted.mfu,
         "fits": predicted.fits, "xla_peak_gb": predicted.xla_peak_bytes / 1e9,
         "wall_s": time.perf_counter() - started,
     }  # fmt: skip
@@ -179,7 +172,7 @@ def table(rows: list[dict], model: str) -> str:
                 continue
             r = found[0]
             fits = "" if r["fits"] else ", does not fit"
-            cells.append(f"{r['tokens_per_s_per_gpu']:,.0f} ({100 * r['mfu']:.0f}%{fits})")
+            cells.append(f"{r['tokens_per_s_per_device']:,.0f} ({100 * r['mfu']:.0f}%{fits})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -196,7 +189,7 @@ def sweep_table(rows: list[dict]) -> str:
         bubble = (r["pipeline"] - 1) / (r["micro_batches"] + r["pipeline"] - 1)
         lines.append(
             f"| {r['model']} | {r['micro_batch_rows']} | {r['micro_batches']} | {bubble:.1%} | "
-            f"{r['step_s']:.3f} | {r['compute_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{r['step_s']:.3f} | {r['compute_s']:.3f} | {r['tokens_per_s_per_device']:,.0f} | "
             f"{100 * r['mfu']:.0f}% | {r['xla_peak_gb']:.0f} |"
         )
     return "\n".join(lines)
@@ -212,7 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
     for axis, model in zip(axes, MODELS, strict=False):
         mine = [r for r in rows if r["model"] == model and not r.get("sweep")]
         for name in dict.fromkeys(r["layout"] for r in mine):
-            points = sorted((r["nodes"], r["tokens_per_s_per_gpu"], r["fits"])
+            points = sorted((r["nodes"], r["tokens_per_s_per_device"], r["fits"])
                             for r in mine if r["layout"] == name)  # fmt: skip
             line = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
                              label=name)[0]  # fmt: skip
@@ -227,7 +220,7 @@ def plot(rows: list[dict], path: str) -> None:
         axis.legend(fontsize=8)
     sweep = axes[-1]
     for model in MODELS:
-        points = sorted((r["micro_batch_rows"], r["tokens_per_s_per_gpu"]) for r in rows
+        points = sorted((r["micro_batch_rows"], r["tokens_per_s_per_device"]) for r in rows
                         if r["model"] == model and r.get("sweep"))  # fmt: skip
         if points:
             sweep.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=model)
@@ -263,14 +256,14 @@ def main() -> None:
                 if (row := predict(model, layout, nodes)) is not None:
                     rows.append(row)
                     print(f"{model} {layout.name} {nodes} nodes: {row['step_s']:.3f} s/step, "
-                          f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+                          f"{row['tokens_per_s_per_device']:,.0f} tokens/s/GPU "
                           f"[{time.perf_counter() - started:.0f} s]", flush=True)  # fmt: skip
         for rows_per_micro_batch in args.sweep:
             layout = Layout("TP 8 × PP 4", 1, 8, 4, rows_per_micro_batch)
             if (row := predict(model, layout, 8)) is not None:
                 rows.append(row | {"sweep": True})
                 print(f"{model} sweep micro-batch {rows_per_micro_batch}: "
-                      f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU", flush=True)  # fmt: skip
+                      f"{row['tokens_per_s_per_device']:,.0f} tokens/s/GPU", flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     for model in MODELS:
