@@ -30,7 +30,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from t5scale.errors import MeshError, check_field_types
-from t5scale.parallel.zero import check_stages
+from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 
 AXES = ("replica", "pipeline", "zero", "tensor")
@@ -64,8 +64,7 @@ class ParallelConfig:
             )
         if self.pipeline < 1:
             raise MeshError(f"ParallelConfig.pipeline must be >= 1, got {self.pipeline}")
-        if self.pipeline > 1 and self.zero_stage > 1:
-            # DeepSpeed's pipeline engine refuses stages 2 and 3 for the same reasons.
+        if not with_pipeline([self.zero_stage], self.pipeline):
             raise MeshError(
                 f"ZeRO stage {self.zero_stage} with pipeline={self.pipeline}: a pipeline "
                 "accumulates each stage's gradients over every micro-batch inside its schedule, "
@@ -113,15 +112,7 @@ class ParallelConfig:
                 "no data-parallel axis, which t5scale's step cannot compile (XLA's SPMD "
                 "partitioner); give zero or replica at least 2 of the devices"
             )
-        try:
-            self.hosts_per_axis(tuple(sizes), hosts)
-        except MeshError:
-            across = sizes[AXES.index(self.axis_across_hosts)]
-            raise MeshError(
-                f"{self.axis_across_hosts}={across} times pipeline={pipeline} spans the hosts and must be a multiple "
-                f"of the {hosts} processes (TPU slices, on a pod) "
-                f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
-            ) from None
+        self.hosts_per_axis(tuple(sizes), hosts)  # a MeshError where they cannot span them
         return tuple(sizes)
 
     def hosts_per_axis(self, sizes: tuple[int, ...], hosts: int) -> tuple[int, ...]:
@@ -135,7 +126,13 @@ class ParallelConfig:
             take = math.gcd(left, sizes[index])
             spans[index], left = take, left // take
         if left != 1:
-            raise MeshError(f"mesh {sizes} cannot span {hosts} hosts")
+            across = sizes[AXES.index(self.axis_across_hosts)]
+            pipeline = sizes[AXES.index("pipeline")]
+            raise MeshError(
+                f"{self.axis_across_hosts}={across} times pipeline={pipeline} spans the hosts and "
+                f"must be a multiple of the {hosts} processes (TPU slices, on a pod) "
+                f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
+            )
         return tuple(spans)
 
 

@@ -36,6 +36,17 @@ STAGES: tuple[ZeroStage, ...] = (
 )
 
 
+# The stages a pipeline takes (t5scale/train/pipeline.py), as DeepSpeed's pipeline engine: its
+# schedule accumulates each stage's gradients over every micro-batch inside its loop, so stage
+# 2 could not keep them scattered and stage 3 would gather every layer again per micro-batch.
+PIPELINED_STAGES = (0, 1)
+
+
+def with_pipeline(stages: Iterable[int], pipeline: int) -> tuple[int, ...]:
+    """The `stages` that a pipeline of `pipeline` stages allows (all of them without one)."""
+    return tuple(s for s in stages if pipeline == 1 or s in PIPELINED_STAGES)
+
+
 def check_stages(stages: Iterable[int], where: str) -> None:
     """A ValueError naming `where` unless every stage is 0, 1, 2 or 3."""
     if bad := [stage for stage in stages if stage not in range(len(STAGES))]:

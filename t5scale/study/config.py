@@ -15,7 +15,7 @@ from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.jsonform import fields_from_json
 from t5scale.model.sizes import REMAT_LADDER, RENAMED_REMATS, SIZES, DType, ModelConfig
-from t5scale.parallel.zero import check_stages
+from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.train.config import RunConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
@@ -119,7 +119,7 @@ class StudyConfig:
                 f"StudyConfig.pipelines {bad}: each must be >= 1 and divide "
                 f"micro_batches={self.micro_batches} (a pipeline's micro-batches)"
             )
-        if max(self.pipelines) > 1 and min(self.stages) > 1:
+        if max(self.pipelines) > 1 and not with_pipeline(self.stages, max(self.pipelines)):
             raise ConfigError("StudyConfig.pipelines: a pipeline takes ZeRO stages 0 and 1, and "
                               f"StudyConfig.stages has only {list(self.stages)}")  # fmt: skip
         if bad := [m for m in self.models if not _is_model(m)]:
@@ -245,7 +245,7 @@ class StudyConfig:
             for values in itertools.product(*axes)
             # a pipeline with ZeRO 2 or 3 is refused (t5scale/parallel/mesh.py), as
             # DeepSpeed's is: not a point of the grid
-            if values[-1] == 1 or values[1] <= 1
+            if with_pipeline([values[1]], values[-1])
         ]
 
     def point(self, configuration: Configuration, devices: int) -> Point:

@@ -23,7 +23,7 @@ from typing import Any
 from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.records import StatePrecision, StepAnalysis
 from t5scale.errors import ConfigError, check_field_types
-from t5scale.parallel.zero import check_stages
+from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.whatif.compile import cluster_target, compile_for
@@ -237,12 +237,7 @@ def run_plan(
         return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
     stages = []
     for pipeline in plan.pipelines or (run.parallel.pipeline,):
-        if pipeline > 1 and run.train.micro_batches % pipeline:
-            raise ConfigError(
-                f"pipeline={pipeline} needs MICRO_BATCHES a multiple of it, got "
-                f"{run.train.micro_batches}"
-            )
-        allowed = [stage for stage in plan.stages if pipeline == 1 or stage <= 1]
+        allowed = with_pipeline(plan.stages, pipeline)
         if len(allowed) < len(plan.stages):
             show(f"pipeline {pipeline}: ZeRO stages 0 and 1 only (a pipeline accumulates each "
                  "stage's gradients inside its schedule, as DeepSpeed's refuses 2 and 3)")  # fmt: skip

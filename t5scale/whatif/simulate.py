@@ -28,7 +28,7 @@ from typing import Any
 from t5scale.analysis.records import StepAnalysis
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.parallel.mesh import make_mesh
-from t5scale.parallel.zero import check_stages
+from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
@@ -199,7 +199,7 @@ def simulate(
 
 def _stages(config: SimulateConfig, pipeline: int) -> tuple[int, ...]:
     """The stages of `config` that `pipeline` stages allow (0 and 1 with a pipeline)."""
-    return config.stages if pipeline == 1 else tuple(s for s in config.stages if s <= 1)
+    return with_pipeline(config.stages, pipeline)
 
 
 def _predict(
