@@ -40,6 +40,29 @@ def in_order(
     return results
 
 
+def as_flat_buffer(
+    x: jax.Array, dim: int, parts: int, collective: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """collective(buffer) on x as one flat buffer, as DeepSpeed moves a flattened parameter
+    group: x with `dim` (the dimension a reduce-scatter splits or an all-gather joins) first,
+    flattened into rows of 128 values (a TPU tile's lanes) where each of its `parts` shards
+    (1 for an all-reduce) fills whole rows, else into one row; the result back in x's order
+    (`dim` 1/N or N times as long).
+
+    Why: XLA:TPU hands a collective between slices its operand in the tiled layout it chose, so
+    a small minor dimension (mt5_small's 6 heads, a 64-wide head) crossed DCN padded to 128
+    lanes, and a reduce-scatter along a dimension other than the major one crossed DCN whole
+    before the slice's own reduce-scatter (docs/cluster_model.md, "ZeRO across slices"). Rows of
+    128 are lane-dense whatever x's shape. The optimization barriers keep XLA from moving the
+    reshapes through an all-reduce, which undid the flattening. Only for an array that no
+    automatic (tensor) axis splits: flattening a split dimension moves data."""
+    moved = jnp.moveaxis(x, dim, 0)
+    lanes = 128 if moved.size % (128 * parts) == 0 else 1
+    buffer = lax.optimization_barrier(moved.reshape(-1, lanes))
+    result = lax.optimization_barrier(collective(buffer))
+    return jnp.moveaxis(result.reshape(-1, *moved.shape[1:]), 0, dim)
+
+
 def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """x marked as differing across the manual `axes`: so that a gradient stays local (every
     gradient collective is one t5scale writes), and a scan's carry keeps one type."""

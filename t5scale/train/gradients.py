@@ -97,19 +97,31 @@ _all_gather_as.defvjp(_all_gather_as_forward, _all_gather_as_backward)
 
 
 def gather_over_zero(
-    values: list[jax.Array], layouts: list[LeafLayout], dtype, leading: int = 0, start=None
+    layout: StateLayout,
+    values: list[jax.Array],
+    layouts: list[LeafLayout],
+    dtype,
+    leading: int = 0,
+    start=None,
 ) -> list[jax.Array]:
-    """Each value all-gathered whole over `zero` in `dtype`, its padding cut off, one after
-    another (and after `start`); `leading`: dimensions the values lack in front of their
-    layouts' (a scanned layer's parameter inside the scan)."""
+    """Each value all-gathered whole over `zero` in `dtype` (as a flat buffer where it may be:
+    collectives.as_flat_buffer; its transpose, the gradient's reduce-scatter, too), its padding
+    cut off, one after another (and after `start`); `leading`: dimensions the values lack in
+    front of their layouts' (a scanned layer's parameter inside the scan)."""
+
+    def gather(x: jax.Array, axis: int) -> jax.Array:
+        if x.dtype == dtype:
+            return lax.all_gather(x, "zero", axis=axis, tiled=True)
+        return _all_gather_as(x, axis, dtype)
 
     def all_gather(index: int, x: jax.Array) -> jax.Array:
-        axis = layouts[index].zero_dim - leading
-        if x.dtype == dtype:
-            whole = lax.all_gather(x, "zero", axis=axis, tiled=True)
+        leaf = layouts[index]
+        axis = leaf.zero_dim - leading
+        if _flat(layout, leaf):
+            whole = collectives.as_flat_buffer(x, axis, 1, functools.partial(gather, axis=0))
         else:
-            whole = _all_gather_as(x, axis, dtype)
-        return layouts[index].unpad(whole, leading)
+            whole = gather(x, axis)
+        return leaf.unpad(whole, leading)
 
     return collectives.in_order(values, all_gather, start=start)
 
@@ -119,7 +131,7 @@ def gather_layer(layout: StateLayout, dtype, layer_params: Any, stack_path: tupl
     stack_layouts = functools.reduce(lambda node, key: node[key], stack_path, layout.leaves)
     return _replace_selected(
         layer_params, stack_layouts, lambda leaf: leaf.over_zero,
-        lambda values, layouts: gather_over_zero(values, layouts, dtype, leading=1),
+        lambda values, layouts: gather_over_zero(layout, values, layouts, dtype, leading=1),
     )  # fmt: skip
 
 
@@ -141,7 +153,7 @@ def gather_outside_layers(
     chosen.sort(key=lambda index: EMBEDDING in names[index])  # the embedding last
     values = [leaf for _, leaf in leaves]
     done = gather_over_zero(
-        [values[index] for index in chosen], [layouts[index] for index in chosen], dtype,
+        layout, [values[index] for index in chosen], [layouts[index] for index in chosen], dtype,
         start=start,
     )  # fmt: skip
     for index, value in zip(chosen, done, strict=True):
@@ -265,6 +277,12 @@ def _scattered(layout: StateLayout, leaf: LeafLayout) -> bool:
     return layout.stage.shard_gradients and leaf.over_zero
 
 
+def _flat(layout: StateLayout, leaf: LeafLayout) -> bool:
+    """Whether this leaf's gradient is reduced as a flat buffer (collectives.as_flat_buffer):
+    where no `tensor` split of it would have to move."""
+    return layout.mesh.shape["tensor"] == 1 or not any(rules.tensor_axes(leaf.axes))
+
+
 def zero_accumulator(layout: StateLayout, dtype, leaf: LeafLayout) -> jax.Array:
     """A zero gradient in the accumulator's local shape (padded where it is scattered)."""
     scattered = _scattered(layout, leaf)
@@ -283,9 +301,17 @@ def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
 
     def scatter(values, layouts):
         def reduce_scatter(index: int, x: jax.Array) -> jax.Array:
-            padded = layouts[index].pad(x)
-            dimension = layouts[index].zero_dim
-            return lax.psum_scatter(padded, "zero", scatter_dimension=dimension, tiled=True)
+            padded, leaf = layouts[index].pad(x), layouts[index]
+
+            def psum_scatter(g: jax.Array, dimension: int) -> jax.Array:
+                return lax.psum_scatter(g, "zero", scatter_dimension=dimension, tiled=True)
+
+            if _flat(layout, leaf):
+                return collectives.as_flat_buffer(
+                    padded, leaf.zero_dim, layout.zero_size,
+                    functools.partial(psum_scatter, dimension=0),
+                )  # fmt: skip
+            return psum_scatter(padded, leaf.zero_dim)
 
         return collectives.in_order(values, reduce_scatter, start=jax.tree.leaves(grads))
 
@@ -304,7 +330,11 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
             axes = layout.data_axes
         if layout.pipeline_stages > 1 and not layouts[index].pipelined:
             axes = (*axes, "pipeline")  # used by every stage: each holds a part of its gradient
-        return lax.psum(g, axes) if axes else g
+        if not axes:
+            return g
+        if _flat(layout, layouts[index]):
+            return collectives.as_flat_buffer(g, 0, 1, lambda flat: lax.psum(flat, axes))
+        return lax.psum(g, axes)
 
     return jax.tree.unflatten(treedef, collectives.in_order(values, all_reduce))
 

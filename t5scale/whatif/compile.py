@@ -11,9 +11,11 @@ run and the target, since compiling a large model for 64 devices takes tens of s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Literal
@@ -84,8 +86,9 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 # (11: the relative-position bias's gradient sums in f32, a program of its own; 12: one
 # micro-batch runs without a scan, train/gradients.py; 13: a fusion's bytes through the fusions
 # XLA:TPU nests in it; 14: 'auto' attention is the fused kernels on TPUs too; 15: the mesh's
-# `pipeline` axis, and a pipeline's schedule without carried buffers).
-ANALYSIS_VERSION = 15
+# `pipeline` axis, and a pipeline's schedule without carried buffers;
+# 16: gradients reduced as flat buffers, train/gradients.py).
+ANALYSIS_VERSION = 16
 _CACHE_WRITE = threading.Lock()
 
 
@@ -120,3 +123,50 @@ def cached_analysis(
         tmp.write_text(json.dumps(cache))
         tmp.replace(path)
     return analysis
+
+
+# How XLA says it refused a program for memory (XLA:TPU: "RESOURCE_EXHAUSTED: Allocation
+# (size=…) would exceed memory (size=…)", even when told not to crash on one: a single buffer
+# larger than the chip's HBM).
+MEMORY_REFUSALS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+_ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DoesNotFit:
+    """A program the compiler refused for memory, in the compiler's own figures."""
+
+    said: str  # the compiler's reason, one line
+
+    @property
+    def words(self) -> str:
+        """'XLA refused it: a 65.6 GB buffer, the device has 17.2 GB'."""
+        found = _ALLOCATION.search(self.said)
+        if found is None:
+            return f"XLA refused it: {self.said}"
+        wanted, memory = (int(size) / 1e9 for size in found.groups())
+        return f"XLA refused it: a {wanted:.3g} GB buffer, the device has {memory:.3g} GB"
+
+
+def is_memory_refusal(error: BaseException) -> bool:
+    return any(marker in str(error) for marker in MEMORY_REFUSALS)
+
+
+def refusal_of(error: BaseException, what: str) -> DoesNotFit:
+    """DoesNotFit where XLA refused `what` for memory; any other compiler failure a
+    ConfigError of one line (`what` and the compiler's first line)."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    if is_memory_refusal(error):
+        return DoesNotFit(first[:300])
+    raise ConfigError(f"{what}: the compiler failed: {type(error).__name__}: {first[:300]}")
+
+
+def analysis_or_refusal(
+    run: RunConfig, target: Target, memory_budget_bytes: int | None, what: str
+) -> StepAnalysis | DoesNotFit:
+    """cached_analysis, or DoesNotFit where XLA refused the program for memory (a point that
+    `simulate` and the study report and pass); a ConfigError for any other compiler failure."""
+    try:
+        return cached_analysis(run, target, memory_budget_bytes)
+    except jax.errors.JaxRuntimeError as error:
+        return refusal_of(error, what)
