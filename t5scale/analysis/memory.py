@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from t5scale.analysis.records import MemoryPerDevice, ZeroFormulaBytes
 from t5scale.data.config import DataConfig
+from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.zero import ZeroStage
 
@@ -128,30 +129,112 @@ def compiled_memory(compiled) -> MemoryPerDevice:
 
 
 def zero3_collective_bytes(
-    params: Any, model: ModelConfig, data: DataConfig, batch: int, micro_batches: int
+    params: Any,
+    model: ModelConfig,
+    data: DataConfig,
+    batch: int,
+    micro_batches: int,
+    vocabulary_parallel: bool = True,
 ) -> tuple[int, int]:
     """ZeRO 3's (all-gather result bytes, reduce-scatter operand bytes) per device per step,
-    from the parameters' shapes, as t5scale's step writes its collectives."""
+    from the parameters' shapes (in the dtype they are gathered in), as t5scale's step writes
+    its collectives; `vocabulary_parallel` False: the tables gathered as the rest outside the
+    layers are (t5scale/parallel/vocab.py, pays_off)."""
     layers = model_state_bytes(
         [params["encoder"]["layers"], params["decoder"]["layers"]], {}
     ).parameters
     tables = model_state_bytes([params["embedding"], params["lm_head"]], {}).parameters
     norms_and_positions = model_state_bytes(params, {}).parameters - layers - tables
     # The zero group's activations that travel instead of the vocabulary-split tables, per
-    # micro-batch (float32): token ids and targets, the decoder's output, the embedded rows.
+    # micro-batch: token ids and targets (as float32), the decoder's output and the embedded rows.
     group = batch // micro_batches
     lengths = data.input_length + data.target_length
     ids = group * (lengths + data.target_length) * 4
-    decoded = group * data.target_length * model.d_model * 4
-    rows = group * lengths * model.d_model * 4
+    activation = jnp.dtype(model.dtype).itemsize  # the compute dtype's rows travel
+    decoded = group * data.target_length * model.d_model * activation
+    rows = group * lengths * model.d_model * activation
     # Each layer's parameters are gathered in the forward pass and again in the backward pass
     # (never kept), for every micro-batch; XLA hoists the loop-invariant gather of the norms and
     # position tables out of the micro-batch loop, so those are gathered once per step. The
     # embedding and output projection are never gathered: the activations are (the rows'
     # cotangent in the backward pass).
     gathered = 2 * micro_batches * layers + norms_and_positions
-    gathered += micro_batches * (ids + decoded + rows)
     # The transpose of every parameter gather is a reduce-scatter of that parameter's gradient;
     # the tables' gradients are made where they lie: their reduce-scatters carry activations.
-    scattered = micro_batches * (layers + rows + decoded) + norms_and_positions
+    scattered = micro_batches * layers + norms_and_positions
+    if not vocabulary_parallel:  # gathered once, as the norms are
+        return gathered + tables, scattered + tables
+    gathered += micro_batches * (ids + decoded + rows)
+    scattered += micro_batches * (rows + decoded)
     return gathered, scattered
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnBytes(JsonRecord):
+    """Bytes one chip hands the slow network per step (DCN between TPU slices), by collective:
+    an all-reduce's or a reduce-scatter's operand and an all-gather's own part, as XLA:TPU hands
+    each to its megascale runtime (a CollectiveOp's bytes of form 'dcn')."""
+
+    all_reduce: float = 0.0
+    reduce_scatter: float = 0.0
+    all_gather: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.all_reduce + self.reduce_scatter + self.all_gather
+
+    def to_json(self) -> dict[str, Any]:
+        return super().to_json() | {"total": self.total}
+
+
+def dcn_formula_bytes(
+    stage: ZeroStage,
+    state: ModelStateBytes,
+    chips_per_slice: int,
+    slices: int,
+    micro_batches: int,
+    zero_across_slices: bool,
+    zero3_bytes: tuple[int, int] | None = None,
+) -> DcnBytes:
+    """What each ZeRO stage must move between slices per chip per step, laid out
+    hierarchically as DeepSpeed and MaxText do across nodes: inside the slice over ICI first,
+    then between slices each chip's share once (docs/cluster_model.md, "ZeRO across slices").
+
+    G and P are the gradients' and the working copy's bytes (`state`), n the chips of a slice
+    over which the stage shards (`chips_per_slice`), S the slices, M the micro-batches:
+
+    | stage | ZeRO across slices (zero = n·S)     | a replica per slice (zero = n) |
+    |-------|-------------------------------------|--------------------------------|
+    | 0     | all-reduce G/n                      | all-reduce G/n                 |
+    | 1     | all-reduce G/n, all-gather P/(nS)   | all-reduce G/n                 |
+    | 2     | reduce-scatter M·G/n, gather P/(nS) | all-reduce G/n                 |
+    | 3     | reduce-scatter R/n, gather A/(nS)   | all-reduce G/n                 |
+
+    R and A: stage 3's reduce-scatter operands and all-gather results per chip per step
+    (`zero3_bytes`, from zero3_collective_bytes): every layer gathered twice per micro-batch.
+    With a replica per slice, ZeRO's own collectives stay inside the slice and only the
+    gradient shard crosses, once a step. Nothing crosses with one slice."""
+    if slices < 2:
+        return DcnBytes()
+    grads, params, n = state.gradients, state.parameters, chips_per_slice
+    if not zero_across_slices:
+        return DcnBytes(all_reduce=grads / n)
+    gathered = params / (n * slices) if stage.number in (1, 2) else 0.0
+    if stage.number < 2:
+        return DcnBytes(all_reduce=grads / n, all_gather=gathered)
+    if stage.number == 2:
+        return DcnBytes(reduce_scatter=micro_batches * grads / n, all_gather=gathered)
+    if zero3_bytes is None:
+        raise ValueError("stage 3's DCN bytes need its collectives' bytes (zero3_bytes)")
+    all_gathered, scattered = zero3_bytes
+    return DcnBytes(reduce_scatter=scattered / n, all_gather=all_gathered / (n * slices))
+
+
+def dcn_program_bytes(collective_ops) -> DcnBytes:
+    """The same read from a compiled TPU program: its collectives between slices (form 'dcn')
+    per chip per step."""
+    total = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
+    for op in collective_ops:
+        if op.form == "dcn" and op.kind in total:
+            total[op.kind] += op.count * op.bytes
+    return DcnBytes(total["all-reduce"], total["reduce-scatter"], total["all-gather"])

@@ -20,12 +20,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from t5scale.analysis.collectives import format_bytes
+from t5scale.analysis.memory import (
+    DcnBytes,
+    dcn_formula_bytes,
+    dcn_program_bytes,
+    zero3_collective_bytes,
+)
 from t5scale.analysis.records import StatePrecision, StepAnalysis
 from t5scale.errors import ConfigError, check_field_types
+from t5scale.parallel.vocab import pays_off
 from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
+from t5scale.train.setup import Setup
 from t5scale.whatif.compile import cluster_target, compile_for
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.tpu_collectives import dcn_op_seconds, op_seconds
@@ -92,6 +102,10 @@ class StagePlan:
     # seconds per step with none hidden (t5scale/whatif/tpu_collectives.py)
     ici_seconds: float | None = None
     dcn_seconds: float | None = None
+    # Between slices: bytes a chip hands DCN per step, read from the program and by the formula
+    # (t5scale/analysis/memory.py, dcn_formula_bytes)
+    dcn_program: DcnBytes | None = None
+    dcn_formula: DcnBytes | None = None
 
     @property
     def fits(self) -> bool:
@@ -129,7 +143,9 @@ class StagePlan:
             "kernels": analysis.kernels.to_json() if analysis.kernels else None,
             "flops_per_step": analysis.flops_per_step.to_json(),
             "compile_time_s": analysis.compile_time_s,
-            **({"ici_seconds_per_step": self.ici_seconds, "dcn_seconds_per_step": self.dcn_seconds}
+            **({"ici_seconds_per_step": self.ici_seconds, "dcn_seconds_per_step": self.dcn_seconds,
+                "dcn_bytes_per_step": {"program": self.dcn_program.to_json(),
+                                       "formula": self.dcn_formula.to_json()}}
                if self.ici_seconds is not None else {}),
         }  # fmt: skip
 
@@ -200,7 +216,35 @@ def compile_stage_plan(
     for op in step.analysis.collective_ops:
         ici += op_seconds(op, devices, topology.slice, pod.ici_link_bandwidth) or 0.0
         dcn += dcn_op_seconds(op, topology.slices, per_chip) or 0.0
-    return dataclasses.replace(stage, ici_seconds=ici, dcn_seconds=dcn)
+    return dataclasses.replace(
+        stage, ici_seconds=ici, dcn_seconds=dcn,
+        dcn_program=dcn_program_bytes(step.analysis.collective_ops),
+        dcn_formula=step_dcn_formula(step.setup, topology.slices),
+    )  # fmt: skip
+
+
+def step_dcn_formula(setup: Setup, slices: int) -> DcnBytes:
+    """The DCN formula (dcn_formula_bytes) for a compiled step's run on `slices` slices."""
+    run, layout, form = setup.run, setup.layout, setup.form
+    across = run.parallel.zero_across_hosts
+    chips = layout.zero_size // slices if across else layout.zero_size
+    zero3 = None
+    if layout.stage.shard_parameters:
+        dtype = setup.precision.param_dtype
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), form.canonical.params)
+        batch, micro, data = (
+            run.train.batch_size // layout.replicas,
+            run.train.micro_batches,
+            run.data,
+        )
+        split = layout.vocabulary_parallel and pays_off(
+            batch // micro, data.input_length, data.target_length, run.model.vocab_size
+        )
+        zero3 = zero3_collective_bytes(params, run.model, data, batch, micro, split)
+    return dcn_formula_bytes(
+        layout.stage, form.model_state_bytes(), chips, slices, run.train.micro_batches, across,
+        zero3,
+    )  # fmt: skip
 
 
 def run_plan(
@@ -294,7 +338,12 @@ def _ici_cell(stage: StagePlan) -> str:
     if stage.ici_seconds is None:
         return ""
     dcn = f" + DCN {stage.dcn_seconds * 1e3:.3g} ms" if stage.dcn_seconds else ""
-    return f" ICI {stage.ici_seconds * 1e3:.3g} ms{dcn} |"
+    program, formula = stage.dcn_program, stage.dcn_formula
+    moved = (
+        f" {format_bytes(program.total)} ({format_bytes(formula.total)}) |"
+        if program is not None and formula is not None else " – |"
+    )  # fmt: skip
+    return f" ICI {stage.ici_seconds * 1e3:.3g} ms{dcn} |{moved}"
 
 
 def format_plan(result: Plan) -> str:
@@ -314,11 +363,15 @@ def format_plan(result: Plan) -> str:
         "model state GB from XLA | XLA GB/device (arguments, temp, peak) | fits | "
         "collectives per step |"
         + (f" {'TPU operations' if tpu else 'GPU kernels'} per step |" if read else "")
-        + (" collectives' time per step, none hidden |" if tpu else ""),
+        + (
+            " collectives' time per step, none hidden | DCN bytes per chip per step (formula) |"
+            if tpu
+            else ""
+        ),
         ("|---" if pipelined else "")
         + "|---|---|---|---|---|---|---|---|"
         + ("---|" if read else "")
-        + ("---|" if tpu else ""),
+        + ("---|---|" if tpu else ""),
         *(_stage_row(stage, pipelined) for stage in result.stages),
         "",
         "fits: XLA's per-device peak (arguments + outputs - aliased + temp) within the device "
@@ -335,7 +388,11 @@ def format_plan(result: Plan) -> str:
         + (
             " Collectives' time: each over the torus axes its replica group spans (rings where "
             "they wrap), the scaling book's model; between slices, each chip's share of its "
-            "host's DCN; none hidden behind compute, no DCN latency. A lower bound, unvalidated."
+            "host's DCN; none hidden behind compute, no DCN latency. A lower bound, unvalidated. "
+            "DCN bytes: what each chip hands the slow network per step (an all-reduce's or "
+            "reduce-scatter's operand, an all-gather's own part), read from the program, and in "
+            "brackets what the stage needs laid out hierarchically (docs/cluster_model.md, "
+            '"ZeRO across slices").'
             if tpu
             else ""
         ),
