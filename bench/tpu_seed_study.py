@@ -24,8 +24,7 @@ from t5scale.startup import start_jax  # first: JAX on the CPU, quietly, with li
 
 start_jax()
 
-import jax  # noqa: E402
-
+from t5scale.analysis.memory import dcn_program_bytes  # noqa: E402
 from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
 from t5scale.target import Target  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
@@ -56,15 +55,18 @@ def predict(generation: str, model: str) -> list[dict]:
                 print(f"{model} stage {stage} × {count}: not compiled (ZeRO formula "
                       f"{state / 1e9:.0f} GB a chip)", flush=True)  # fmt: skip
                 continue
-            try:
-                row = simulate_tpu_pod(run, pod, config, show=lambda _: None).rows[0]
-            except jax.errors.JaxRuntimeError as error:  # XLA:TPU refused the program
-                failed = str(error).splitlines()[0]
-                rows.append({"model": model, "stage": stage, "slices": count, "failed": failed})
-                print(f"{model} stage {stage} × {count}: XLA:TPU failed: {failed}", flush=True)
+            result = simulate_tpu_pod(run, pod, config, show=lambda _: None)
+            if result.refused:  # XLA:TPU refused the program for memory
+                said = result.refused[0].refusal.words
+                rows.append({"model": model, "stage": stage, "slices": count, "failed": said})
+                print(f"{model} stage {stage} × {count}: does not fit: {said}", flush=True)
                 continue
+            row = result.rows[0]
             predicted = row.prediction
+            dcn = dcn_program_bytes(row.analysis.collective_ops)
             rows.append({"model": model, "stage": stage, "slices": count, "chips": row.devices,
+                         "dcn_bytes_per_chip": dcn.total,
+                         "peak_bytes_per_chip": row.analysis.memory_per_device.peak_estimate_bytes,
                          **dataclasses.asdict(predicted)})  # fmt: skip
             print(f"{model} stage {stage} × {count}: {predicted.step_s:.3f} s "
                   f"({'fits' if predicted.fits else 'does not fit'}; "
@@ -101,7 +103,7 @@ def table(rows: list[dict], generation: str) -> str:
                 elif "refused" in found[0]:
                     cells.append("–")
                 elif "failed" in found[0]:
-                    cells.append("failed")
+                    cells.append("does not fit")
                 else:
                     cells.append(f"{found[0]['step_s']:.3f}{'' if found[0]['fits'] else '*'}")
             lines.append(f"| {model} | {stage} | {' | '.join(cells)} |")

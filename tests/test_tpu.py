@@ -31,7 +31,7 @@ from t5scale.parallel.mesh import ParallelConfig, make_mesh
 from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
-from t5scale.whatif.compile import cached_analysis, compile_for
+from t5scale.whatif.compile import cached_analysis, compile_for, refusal_of
 from t5scale.whatif.simulate import SimulateConfig, simulate
 from t5scale.whatif.tpu_collectives import (
     TorusAxis,
@@ -478,6 +478,49 @@ def test_simulate_times_a_tpu_pod_from_its_program_and_says_it_is_unvalidated(ca
     parse_gin(["gin/models/mt5_tiny.gin"], [flag.removeprefix("--gin.") for flag in TINY[1:]])
     with pytest.raises(ConfigError, match="bf16"):  # fp32 compute: the chips' peak is bf16's
         simulate(build_run_config(), TpuPodConfig(**V5E, slice="v5e-8"), SimulateConfig())
+
+
+def test_simulate_reports_a_program_xla_tpu_refuses_for_memory_and_goes_on(capsys, monkeypatch):
+    """A table of 16.8M rows of 384 is a 25.8 GB fp32 master whole on each chip at stage 0:
+    XLA:TPU refuses any buffer over a v5e chip's 17.2 GB, even when told not to crash on a
+    program that does not fit. simulate says so in the compiler's figures and goes on to
+    stage 3, whose shards compile (and do not fit either: XLA's estimate says so)."""
+    code, out, err = cli_inline(
+        ["simulate", *TPU_SIMULATE, "--gin.ModelConfig.vocab_size=16777216",
+         "--gin.ModelConfig.d_model=384", "--gin.SimulateConfig.nodes=(1,)",
+         "--gin.SimulateConfig.stages=(0, 3)", "--gin.SimulateConfig.micro_batch_size=1"],
+        capsys, monkeypatch,
+    )  # fmt: skip
+    assert code == 0, err
+    said = out + err  # the progress lines, then the table
+    assert "stage 0, 1 × v5e-8: does not fit (XLA refused it: a 25.8 GB buffer, the device " \
+        "has 17.2 GB)" in said  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]  # after the header
+    assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 0"]
+    assert rows[0].endswith("no (29) |") and "stage 3, 1 × v5e-8: 0." in said
+    assert rows[1].endswith("no: XLA refused it: a 25.8 GB buffer, the device has 17.2 GB |")
+    assert "Traceback" not in said
+
+
+def test_any_other_compiler_failure_is_one_line():
+    """What XLA:TPU says of a program it cannot make for another reason (here a kernel it has
+    no emitter for) becomes one line that names the point: the CLI's exit 2."""
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-1")))
+    chip = jax.sharding.SingleDeviceSharding(target.devices[0])
+
+    def unknown_kernel(x):
+        return jax.ffi.ffi_call("t5scale_no_such_kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    lowered = jax.jit(unknown_kernel, in_shardings=chip, out_shardings=chip).lower(
+        jax.ShapeDtypeStruct((8,), jnp.float32)
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError) as refused:
+        lowered.compile(compiler_options=target.compiler_options)
+    with pytest.raises(ConfigError) as said:
+        refusal_of(refused.value, "stage 2, 2 × v5e-8")
+    line = str(said.value)
+    assert "\n" not in line and line.startswith("stage 2, 2 × v5e-8: the compiler failed")
+    assert "t5scale_no_such_kernel not found" in line
 
 
 def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():

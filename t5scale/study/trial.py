@@ -36,10 +36,7 @@ from t5scale.study.records import Machine, TrialResult, TrialSpec, TrialTiming
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.tensorboard import ScalarWriter
-from t5scale.whatif.compile import ModelStateTooLarge, compile_for
-
-_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
-
+from t5scale.whatif.compile import ModelStateTooLarge, compile_for, is_memory_refusal
 
 TRIAL_PROGRAM = ("-m", "t5scale.study.trial")
 
@@ -252,7 +249,7 @@ def _write_events(logdir: str, timing: TrialTiming) -> None:
 
 
 def _failure_status(error: BaseException, otherwise: str) -> str:
-    return "out-of-memory" if any(m in str(error) for m in _OOM_MARKERS) else otherwise
+    return "out-of-memory" if is_memory_refusal(error) else otherwise
 
 
 def _one_line(error: BaseException) -> str:

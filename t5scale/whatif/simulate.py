@@ -32,7 +32,7 @@ from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.replicas import ReplicaSyncConfig
-from t5scale.whatif.compile import Compiler, cached_analysis, cluster_target
+from t5scale.whatif.compile import Compiler, DoesNotFit, analysis_or_refusal, cluster_target
 from t5scale.whatif.gpu_step import ProgramTime
 from t5scale.whatif.hardware import ClusterConfig
 from t5scale.whatif.step_time import (
@@ -127,6 +127,31 @@ class SimulatedRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class RefusedPoint:
+    """A point of the grid whose program the compiler refused for memory: it does not fit."""
+
+    stage: int
+    sync: str
+    nodes: int
+    devices: int
+    pipeline: int
+    refusal: DoesNotFit
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "sync": self.sync, "pipeline": self.pipeline,
+            "nodes": self.nodes, "devices": self.devices, "fits": False,
+            "compiler_said": self.refusal.said,
+        }  # fmt: skip
+
+    def line(self, cells: Sequence[object], pipelined: bool) -> str:
+        """Its row in a table: `stage`, the `cells` after it, then `fits`."""
+        first = f"| {self.pipeline} (–) " if pipelined else ""
+        middle = "".join(f" {cell} |" for cell in cells)
+        return f"{first}| {self.stage} |{middle} no: {self.refusal.words} |"
+
+
+@dataclasses.dataclass(frozen=True)
 class Simulation:
     """`t5scale simulate`'s rows for one model on one cluster."""
 
@@ -138,6 +163,7 @@ class Simulation:
     # CPU compiler's, with XLA:GPU's combining and overlap assumed (whatif/step_time.py);
     # 'tpu': XLA:TPU's for a pod's slices (whatif/tpu_step.py)
     path: str = "cpu"
+    refused: tuple[RefusedPoint, ...] = ()  # points XLA refused for memory: they do not fit
 
     def to_json(self) -> dict[str, Any]:
         """`t5scale simulate --json`."""
@@ -155,6 +181,7 @@ class Simulation:
             "precision": self.rows[0].analysis.precision.mode if self.rows else None,
             "remat": run.model.remat,
             "rows": [row.to_json() for row in self.rows],
+            "refused": [point.to_json() for point in self.refused],
         }
 
 
@@ -178,7 +205,7 @@ def simulate(
         for pipeline in config.pipelines for stage in _stages(config, pipeline)
         for sync in (syncs if pipeline == 1 else syncs[:1]) for nodes in config.nodes
     ]  # fmt: skip
-    rows = []
+    rows, refused = [], []
     for done, (stage, pipeline, nodes, (sync, sync_name)) in enumerate(grid, 1):
         devices = nodes * cluster.gpus_per_node
         target = cluster_target(cluster, devices, "gpu" if gpu else "cpu")
@@ -188,13 +215,18 @@ def simulate(
             replicas=nodes if sync.local else 1, hosts=target.dcn_granules, pipeline=pipeline,
         )  # fmt: skip
         budget = int(cluster.device_memory_gb * 1e9)
-        analysis = cached_analysis(staged, target, budget)
+        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
+        point = f"{piped}stage {stage}, {sync_name}, {nodes} node{'s' if nodes > 1 else ''}"
+        analysis = analysis_or_refusal(staged, target, budget, point)
+        if isinstance(analysis, DoesNotFit):
+            refused.append(RefusedPoint(stage, sync_name, nodes, devices, pipeline, analysis))
+            show(f"[{done}/{len(grid)}] {point}: does not fit ({analysis.words})")
+            continue
         prediction = _predict(analysis, run, cluster, config, gpu)
         rows.append(SimulatedRow(stage, sync_name, nodes, devices, analysis, prediction))
-        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
-        show(f"[{done}/{len(grid)}] {piped}stage {stage}, {sync_name}, {nodes} "
-             f"node{'s' if nodes > 1 else ''}: {prediction.step_s:.3f} s/step predicted")  # fmt: skip
-    return Simulation(run, cluster, config, tuple(rows), "gpu" if gpu else "cpu")
+        show(f"[{done}/{len(grid)}] {point}: {prediction.step_s:.3f} s/step predicted")
+    path = "gpu" if gpu else "cpu"
+    return Simulation(run, cluster, config, tuple(rows), path, tuple(refused))
 
 
 def _stages(config: SimulateConfig, pipeline: int) -> tuple[int, ...]:
@@ -217,9 +249,9 @@ def simulate_tpu_pod(
     run: RunConfig, pod: TpuPodConfig, config: SimulateConfig, show=print
 ) -> Simulation:
     """`simulate` on a TPU pod: for each stage and each count in `config.nodes` of the pod's
-    slice, the step compiled by XLA:TPU for their chips (zero over the chips of each slice,
-    replicas across slices unless ParallelConfig.zero_across_hosts) and timed from its
-    program (t5scale/whatif/tpu_step.py)."""
+    slice, the step compiled by XLA:TPU for their chips (zero over every chip of every slice,
+    as weak_scale lays one replica) and timed from its program (t5scale/whatif/tpu_step.py).
+    A point XLA:TPU refuses for memory is reported as not fitting (`Simulation.refused`)."""
     if config.diloco_every:
         raise ConfigError("SimulateConfig.diloco_every: simulate times DiLoCo on GPU clusters "
                           "only so far")  # fmt: skip
@@ -232,23 +264,30 @@ def simulate_tpu_pod(
         for pipeline in config.pipelines for stage in _stages(config, pipeline)
         for slices in config.nodes
     ]  # fmt: skip
-    rows = []
+    rows, refused = [], []
     for done, (stage, pipeline, slices) in enumerate(grid, 1):
         topology = TpuTopology(one, slices)
         target = Target.compile_only_tpus(topology)
         staged = weak_scale(run, stage, target.size, config.micro_batch_size,
                             micro_batches=config.micro_batches, tensor=config.tensor,
                             hosts=target.dcn_granules, pipeline=pipeline)  # fmt: skip
-        analysis = cached_analysis(staged, target, int(pod.device_memory_gb * 1e9))
+        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
+        point = f"{piped}stage {stage}, {slices} × {one.name}"
+        budget = int(pod.device_memory_gb * 1e9)
+        analysis = analysis_or_refusal(staged, target, budget, point)
+        if isinstance(analysis, DoesNotFit):
+            refused.append(RefusedPoint(stage, "every step", slices, target.size, pipeline,
+                                        analysis))  # fmt: skip
+            show(f"[{done}/{len(grid)}] {point}: does not fit ({analysis.words})")
+            continue
         devices = list(make_mesh(staged.parallel, list(target.devices)).devices.flat)
         timed = predict_tpu_program(analysis.program, pod, topology, devices)
         prediction = _tpu_prediction(analysis, pod, timed, config.overlap)
         rows.append(SimulatedRow(stage, "every step", slices, target.size, analysis, prediction,
                                  timed))  # fmt: skip
-        piped = f"pipeline {pipeline}, " if pipeline > 1 else ""
-        show(f"[{done}/{len(grid)}] {piped}stage {stage}, {slices} × {one.name}: "
-             f"{prediction.step_s:.3f} s/step predicted (unvalidated)")  # fmt: skip
-    return Simulation(run, pod, config, tuple(rows), "tpu")
+        show(f"[{done}/{len(grid)}] {point}: {prediction.step_s:.3f} s/step predicted "
+             "(unvalidated)")  # fmt: skip
+    return Simulation(run, pod, config, tuple(rows), "tpu", tuple(refused))
 
 
 def _tpu_prediction(
@@ -343,6 +382,10 @@ def format_simulation(result: Simulation) -> str:
         "fits (XLA GB) |",
         rule + "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_row_line(row, bool(header)) for row in result.rows),
+        *(
+            point.line([point.sync, "–", point.nodes, point.devices, *"–" * 8], bool(header))
+            for point in result.refused
+        ),
     ]
     return "\n".join(lines)
 
@@ -377,4 +420,6 @@ def _format_tpu_simulation(result: Simulation) -> str:
             f"{100 * predicted.mfu:.0f}% | {'yes' if predicted.fits else 'no'} "
             f"({predicted.xla_peak_bytes / 1e9:.0f}) |"
         )
+    lines.extend(point.line(["–", point.nodes, point.devices, *"–" * 6], bool(header))
+                 for point in result.refused)  # fmt: skip
     return "\n".join(lines)
