@@ -21,6 +21,8 @@ from conftest import REPO, cli_inline, run_cli
 
 from t5scale.config import build_cluster_config, build_run_config, parse_gin
 from t5scale.train.setup import build_setup
+from t5scale.whatif.collectives import network_payload_bytes
+from t5scale.whatif.plan import step_dcn_formula
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_gpu import (
     COMPILER_OPTIONS,
@@ -105,6 +107,27 @@ def test_each_stage_compiles_for_two_h100_nodes_with_its_shards_and_collectives(
     # Optimizer state (stage 1), then parameters too (stage 3) leave each GPU's arguments.
     assert arguments[0] > 2 * arguments[1]
     assert arguments[1] > 2 * arguments[3]
+
+
+def test_stages_1_and_2_move_what_the_formula_says_between_two_nodes(two_nodes):
+    """ZeRO over both nodes' 16 H100s: what each GPU's collectives hand the network (laid out
+    hierarchically, inside the node first) is the DCN formula's (analysis/memory.py), within
+    5%, kind by kind; and in mixed precision, memory per GPU on 2 nodes is no higher than on 1
+    with the same sequences per GPU (weak scaling)."""
+    precision, steps, _, _ = two_nodes
+    for stage in (1, 2):
+        setup = steps[stage].setup
+        program = network_payload_bytes(steps[stage].analysis.collective_ops, 16, 8)
+        formula = step_dcn_formula(setup, slices=2)
+        assert formula.all_reduce if stage == 1 else formula.reduce_scatter
+        for kind, expected in dataclasses.asdict(formula).items():
+            found = getattr(program, kind)
+            assert found == pytest.approx(expected, rel=0.05, abs=SCALARS), (stage, kind)
+        if precision == "mixed":
+            one_node = compile_for(GpuTopology("h100_sxm", nodes=1, gpus_per_node=8), stage,
+                                   precision).analysis.memory_per_device  # fmt: skip
+            two = steps[stage].analysis.memory_per_device
+            assert two.peak_estimate_bytes <= one_node.peak_estimate_bytes, (stage, one_node, two)
 
 
 def test_every_scatter_add_sums_in_float32(two_nodes):

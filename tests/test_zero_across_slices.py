@@ -13,10 +13,11 @@ import dataclasses
 
 import pytest
 
+from t5scale.analysis.collectives import format_bytes
 from t5scale.config import build_cluster_config, build_run_config, parse_gin
 from t5scale.startup import libtpu_installed
 from t5scale.target import Target
-from t5scale.whatif.plan import StagePlan, compile_stage_plan
+from t5scale.whatif.plan import Plan, PlanConfig, StagePlan, compile_stage_plan, format_plan
 from t5scale.whatif.weak_scaling import weak_scale
 
 pytestmark = pytest.mark.skipif(not libtpu_installed(), reason="libtpu: the tpu extra (Linux)")
@@ -29,9 +30,9 @@ MODEL = [
 SEQUENCES_PER_CHIP = 2
 
 
-def _plan(stage: int, slices: int, replica_per_slice: bool = False, micro_batches: int = 1):
-    """The stage compiled for `slices` v5e-8 slices: ZeRO over every chip of every slice, or a
-    replica per slice with ZeRO inside it."""
+def _staged(stage: int, slices: int, replica_per_slice: bool = False, micro_batches: int = 1):
+    """(run, target, pod) of the stage on `slices` v5e-8 slices: ZeRO over every chip of every
+    slice, or a replica per slice with ZeRO inside it."""
     parse_gin(
         ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin", "gin/clusters/tpu_v5e.gin"],
         [*MODEL, f"TpuPodConfig.slices={slices}"],
@@ -43,6 +44,12 @@ def _plan(stage: int, slices: int, replica_per_slice: bool = False, micro_batche
         run, stage, target.size, SEQUENCES_PER_CHIP, micro_batches=micro_batches,
         replicas=replicas, hosts=target.dcn_granules,
     )  # fmt: skip
+    return staged, target, pod
+
+
+def _plan(*point) -> StagePlan:
+    """The point compiled (nothing allocated), as `plan` compiles a stage."""
+    staged, target, pod = _staged(*point)
     return compile_stage_plan(staged, target, pod.device_memory_gb * 1e9, pod)
 
 
@@ -111,3 +118,17 @@ def test_memory_per_chip_does_not_grow_with_the_slices(plans, stage):
     two = plans[(stage, 2, False, 1)].analysis.memory_per_device
     assert two.argument_bytes <= one.argument_bytes
     assert two.peak_estimate_bytes <= one.peak_estimate_bytes, (stage, one, two)
+
+
+def test_plan_shows_the_dcn_bytes_beside_the_formula(plans):
+    """`plan`'s table and JSON give each stage's DCN bytes per chip: the program's, and the
+    formula's beside them."""
+    stage = plans[(2, 2, False, 1)]
+    run, target, _ = _staged(2, 2)
+    result = Plan(run, PlanConfig(devices=16), (stage,), target.compiler_name, 16.0)
+    table = format_plan(result)
+    program, formula = stage.dcn_program.total, stage.dcn_formula.total
+    assert "DCN bytes per chip per step (formula)" in table
+    assert f"{format_bytes(program)} ({format_bytes(formula)}) |" in table
+    dcn = result.to_json()["stages"][0]["dcn_bytes_per_step"]
+    assert dcn["program"]["total"] == program and dcn["formula"]["total"] == formula

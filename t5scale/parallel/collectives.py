@@ -15,6 +15,7 @@ semantics): one scalar op per collective.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +58,26 @@ def as_flat_buffer(
     reshapes through an all-reduce, which undid the flattening. Only for an array that no
     automatic (tensor) axis splits: flattening a split dimension moves data."""
     moved = jnp.moveaxis(x, dim, 0)
-    lanes = 128 if moved.size % (128 * parts) == 0 else 1
-    buffer = lax.optimization_barrier(moved.reshape(-1, lanes))
+    buffer = lax.optimization_barrier(_rows(moved, parts))
     result = lax.optimization_barrier(collective(buffer))
     return jnp.moveaxis(result.reshape(-1, *moved.shape[1:]), 0, dim)
+
+
+def psum_as_flat_buffers(tree: Any, axes) -> Any:
+    """lax.psum of every leaf of `tree` over `axes`, in one all-reduce, each leaf as a flat
+    buffer (as_flat_buffer's reasons)."""
+    # A barrier per leaf: one over the tree would make every leaf vary over every manual axis
+    # that any one varies over.
+    rows = jax.tree.map(lambda x: lax.optimization_barrier(_rows(x, 1)), tree)
+    total = lax.psum(rows, axes)
+    return jax.tree.map(lambda t, x: lax.optimization_barrier(t).reshape(x.shape), total, tree)
+
+
+def _rows(x: jax.Array, parts: int) -> jax.Array:
+    """x flattened into rows of 128 values where each of its `parts` shards fills whole rows,
+    else into one row."""
+    lanes = 128 if x.size % (128 * parts) == 0 else x.size // parts
+    return x.reshape(-1, max(lanes, 1))
 
 
 def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:

@@ -38,11 +38,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from t5scale.errors import check_field_types
+from t5scale.parallel import collectives
 
 MODES = ("every_step", "local_sgd", "diloco")
 OUTER_DTYPES = ("float32", "bfloat16")
@@ -158,9 +158,10 @@ def outer_step_per_device(
     (the new outer state, the parameters every replica restarts from, with a leading axis of
     one). `current` is this replica's fp32 parameters (leading axis of one), laid out as the
     anchor; Δ = anchor − the replicas' mean is summed over `replica` in `dtype`, all leaves in
-    one all-reduce."""
+    one all-reduce, each leaf a flat buffer (between TPU slices a leaf in its own shape may
+    cross DCN padded: parallel/collectives.py, as_flat_buffer)."""
     differences = jax.tree.map(lambda a, p: (a - p[0]).astype(dtype), outer.anchor, current)
-    total = lax.psum(differences, "replica")
+    total = collectives.psum_as_flat_buffers(differences, "replica")
     delta = jax.tree.map(lambda d: d.astype(jnp.float32) / replicas, total)
     updates, momentum = outer_tx.update(delta, outer.momentum, outer.anchor)
     anchor = optax.apply_updates(outer.anchor, updates)

@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 
 from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.memory import DcnBytes
 from t5scale.whatif.hardware import ClusterConfig
 
 
@@ -96,3 +97,22 @@ def collective_seconds(
 def full_bytes(op: CollectiveOp) -> float:
     """The unsharded size a collective moves: an all-gather's result, else the operand."""
     return op.bytes if op.kind == "all-gather" else op.operand_bytes
+
+
+def network_payload_bytes(
+    ops: Sequence[CollectiveOp], devices: int, gpus_per_node: int
+) -> DcnBytes:
+    """What each GPU's collectives hand the network between nodes per step, laid out
+    hierarchically as NCCL's rail-aligned rings and DeepSpeed lay them (inside the node over
+    NVLink first, then each GPU's share once): the GPU program's reading of the DCN formula
+    (analysis/memory.py, dcn_formula_bytes). A collective whose group spans S nodes of n GPUs
+    each hands over an all-reduce's or a reduce-scatter's whole operand / n, an all-gather's
+    own part (its operand); one inside a node, nothing."""
+    total = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
+    for op in ops:
+        where = placement(op.group, devices, gpus_per_node)
+        if where.nodes < 2 or op.kind not in total:
+            continue
+        share = op.operand_bytes if op.kind == "all-gather" else full_bytes(op) / where.local
+        total[op.kind] += op.count * share
+    return DcnBytes(total["all-reduce"], total["reduce-scatter"], total["all-gather"])
