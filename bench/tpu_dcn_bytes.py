@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--model", default="mt5_small")
     parser.add_argument("--slice", default="v5e-16")
     parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--layouts", default="zero,replica")
+    parser.add_argument("--layouts", default="zero,replica", help="across slices")
+    parser.add_argument("--counts", default="1,2", help="slice counts (1: ZeRO in the slice)")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
     print(f"{args.model}: DCN MB per chip per step (program, formula) and XLA's peak per chip")
@@ -84,7 +85,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):
-        points = [(1, "zero")] + [(2, layout) for layout in args.layouts.split(",")]
+        counts = [int(n) for n in args.counts.split(",")]
+        points = [(1, "zero")] if 1 in counts else []
+        points += [(n, layout) for n in counts if n > 1 for layout in args.layouts.split(",")]
         for slices, layout in points:
             rows.append(point(args.model, args.slice, slices, stage, layout))
             print(line(rows[-1]), flush=True)

@@ -1,8 +1,5 @@
 """Same initialisation and batches → the same 5 steps on every stage and mesh (fp32, ≤ 1e-5)."""
 
-import math
-import re
-
 import jax
 import numpy as np
 import pytest
@@ -80,14 +77,9 @@ def test_stage3_gathers_the_tables_when_the_batch_outweighs_them():
     state, losses = run_steps(setup, setup.create_state(seed=0), 0, 4, step.compiled)
     np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
     assert_same_parameters(jax.device_get(state.params), base_params)
-    # Both tables come out of all-gathers whole (in a tuple, where XLA combines gathers), each
-    # as one flat buffer of its 256 × d_model values (t5scale/parallel/collectives.py).
-    table = 256 * small_vocab.d_model
+    # Both tables come out of all-gathers whole (in a tuple, where XLA combines gathers).
+    width = small_vocab.d_model
     hlo = step.compiled.as_text()
     gathered = [line.split("all-gather")[0] for line in hlo.splitlines() if "all-gather" in line]
-    sizes = [
-        math.prod(int(n) for n in shape.split(","))
-        for result in gathered
-        for shape in re.findall(r"f32\[([\d,]+)\]", result)
-    ]
-    assert sizes.count(table) >= 2, sizes  # the embedding and the output projection
+    assert any(f"f32[256,{width}]" in result for result in gathered)  # the embedding
+    assert any(f"f32[{width},256]" in result for result in gathered)  # the output projection

@@ -27,6 +27,7 @@ from t5scale.model.mt5 import EMBEDDING, LM_HEAD
 from t5scale.parallel import rules
 from t5scale.parallel.mesh import DATA_AXES, ParallelConfig
 from t5scale.parallel.zero import ZeroStage, get_stage
+from t5scale.target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,12 @@ class StateLayout:
     def pipeline_stages(self) -> int:
         """The size of the mesh's `pipeline` axis (1: no pipeline)."""
         return self.mesh.shape["pipeline"]
+
+    @property
+    def spans_slow_network(self) -> bool:
+        """Whether the mesh's devices are in several groups only the slow network joins (GPU
+        nodes or processes, TPU slices: Target.dcn_granules)."""
+        return Target.of(list(self.mesh.devices.flat)).dcn_granules > 1
 
     @property
     def manual_axes(self) -> tuple[str, ...]:
