@@ -195,6 +195,7 @@ def dcn_formula_bytes(
     micro_batches: int,
     zero_across_slices: bool,
     zero3_bytes: tuple[int, int] | None = None,
+    steps_alone: bool = False,
 ) -> DcnBytes:
     """What each ZeRO stage must move between slices per chip per step, laid out
     hierarchically as DeepSpeed and MaxText do across nodes: inside the slice over ICI first,
@@ -213,8 +214,10 @@ def dcn_formula_bytes(
     R and A: stage 3's reduce-scatter operands and all-gather results per chip per step
     (`zero3_bytes`, from zero3_collective_bytes): every layer gathered twice per micro-batch.
     With a replica per slice, ZeRO's own collectives stay inside the slice and only the
-    gradient shard crosses, once a step. Nothing crosses with one slice."""
-    if slices < 2:
+    gradient shard crosses, once a step; replicas that step on their own (`steps_alone`: local
+    SGD, DiLoCo) hand DCN nothing in their steps, and their outer step what
+    outer_dcn_formula_bytes says. Nothing crosses with one slice."""
+    if slices < 2 or (steps_alone and not zero_across_slices):
         return DcnBytes()
     grads, params, n = state.gradients, state.parameters, chips_per_slice
     if not zero_across_slices:
@@ -228,6 +231,16 @@ def dcn_formula_bytes(
         raise ValueError("stage 3's DCN bytes need its collectives' bytes (zero3_bytes)")
     all_gathered, scattered = zero3_bytes
     return DcnBytes(reduce_scatter=scattered / n, all_gather=all_gathered / (n * slices))
+
+
+def outer_dcn_formula_bytes(
+    stage: ZeroStage, parameters: int, outer_dtype, chips_per_slice: int
+) -> DcnBytes:
+    """What local SGD's or DiLoCo's outer step hands DCN per chip, a replica per slice: Δ in
+    `outer_dtype`, all-reduced between slices, each chip its shard (stages 1-3 shard the
+    outer state over `zero` as the optimizer state; stage 0 keeps it whole)."""
+    shards = chips_per_slice if stage.shard_optimizer_state else 1
+    return DcnBytes(all_reduce=parameters * jnp.dtype(outer_dtype).itemsize / shards)
 
 
 def dcn_program_bytes(collective_ops) -> DcnBytes:

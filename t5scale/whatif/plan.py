@@ -243,7 +243,7 @@ def step_dcn_formula(setup: Setup, slices: int) -> DcnBytes:
         zero3 = zero3_collective_bytes(params, run.model, data, batch, micro, split)
     return dcn_formula_bytes(
         layout.stage, form.model_state_bytes(), chips, slices, run.train.micro_batches, across,
-        zero3,
+        zero3, steps_alone=run.sync.local,
     )  # fmt: skip
 
 
