@@ -112,22 +112,27 @@ def test_each_stage_compiles_for_two_h100_nodes_with_its_shards_and_collectives(
 def test_stages_1_and_2_move_what_the_formula_says_between_two_nodes(two_nodes):
     """ZeRO over both nodes' 16 H100s: what each GPU's collectives hand the network (laid out
     hierarchically, inside the node first) is the DCN formula's (analysis/memory.py), within
-    5%, kind by kind; and in mixed precision, memory per GPU on 2 nodes is no higher than on 1
-    with the same sequences per GPU (weak scaling)."""
-    precision, steps, _, _ = two_nodes
+    5%, kind by kind."""
+    _, steps, _, _ = two_nodes
     for stage in (1, 2):
-        setup = steps[stage].setup
         program = network_payload_bytes(steps[stage].analysis.collective_ops, 16, 8)
-        formula = step_dcn_formula(setup, slices=2)
+        formula = step_dcn_formula(steps[stage].setup, slices=2)
         assert formula.all_reduce if stage == 1 else formula.reduce_scatter
         for kind, expected in dataclasses.asdict(formula).items():
             found = getattr(program, kind)
             assert found == pytest.approx(expected, rel=0.05, abs=SCALARS), (stage, kind)
-        if precision == "mixed":
-            one_node = compile_for(GpuTopology("h100_sxm", nodes=1, gpus_per_node=8), stage,
-                                   precision).analysis.memory_per_device  # fmt: skip
-            two = steps[stage].analysis.memory_per_device
-            assert two.peak_estimate_bytes <= one_node.peak_estimate_bytes, (stage, one_node, two)
+
+
+@pytest.mark.slow
+def test_memory_per_gpu_on_two_nodes_is_no_higher_than_on_one(two_nodes):
+    """Stages 1 and 2 with the same sequences per GPU (weak scaling): ZeRO over 16 GPUs keeps
+    less a GPU than over 8, and no buffer grows with the nodes."""
+    precision, steps, _, _ = two_nodes
+    for stage in (1, 2):
+        one_node = compile_for(GpuTopology("h100_sxm", nodes=1, gpus_per_node=8), stage,
+                               precision).analysis.memory_per_device  # fmt: skip
+        two = steps[stage].analysis.memory_per_device
+        assert two.peak_estimate_bytes <= one_node.peak_estimate_bytes, (stage, one_node, two)
 
 
 def test_every_scatter_add_sums_in_float32(two_nodes):
