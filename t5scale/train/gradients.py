@@ -26,6 +26,10 @@ before the model sees a parameter, and gradients are padded before they are redu
   reduced over `replica`: each replica's parameters come in on a leading axis split over it, and
   its gradients and loss sums go out the same way.
 
+Where the mesh spans the slow network (TPU slices, GPU nodes) each gradient reduction moves its
+leaf as one flat buffer (collectives.as_flat_buffer), so that XLA:TPU reduces inside the slice
+first and hands DCN each chip's share once (docs/cluster_model.md, "ZeRO across slices").
+
 Every explicit collective is ordered (t5scale/parallel/collectives.py); the embedding's gather
 comes last, so the encoder cannot start, and in the backward pass the reverse chain cannot
 begin, while any other runs.
