@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -186,6 +187,15 @@ class DcnBytes(JsonRecord):
     def to_json(self) -> dict[str, Any]:
         return super().to_json() | {"total": self.total}
 
+    @classmethod
+    def summed(cls, parts: Iterable[tuple[str, float]]) -> DcnBytes:
+        """(kind, bytes) pairs summed by kind; kinds other than the three are left out."""
+        total = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
+        for kind, size in parts:
+            if kind in total:
+                total[kind] += size
+        return cls(total["all-reduce"], total["reduce-scatter"], total["all-gather"])
+
 
 def dcn_formula_bytes(
     stage: ZeroStage,
@@ -246,8 +256,5 @@ def outer_dcn_formula_bytes(
 def dcn_program_bytes(collective_ops) -> DcnBytes:
     """The same read from a compiled TPU program: its collectives between slices (form 'dcn')
     per chip per step."""
-    total = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
-    for op in collective_ops:
-        if op.form == "dcn" and op.kind in total:
-            total[op.kind] += op.count * op.bytes
-    return DcnBytes(total["all-reduce"], total["reduce-scatter"], total["all-gather"])
+    return DcnBytes.summed((op.kind, op.count * op.bytes) for op in collective_ops
+                           if op.form == "dcn")  # fmt: skip

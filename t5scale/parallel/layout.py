@@ -11,6 +11,7 @@ gathered (t5scale/parallel/vocab.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -140,7 +141,7 @@ class StateLayout:
         """The size of the mesh's `pipeline` axis (1: no pipeline)."""
         return self.mesh.shape["pipeline"]
 
-    @property
+    @functools.cached_property
     def spans_slow_network(self) -> bool:
         """Whether the mesh's devices are in several groups only the slow network joins (GPU
         nodes or processes, TPU slices: Target.dcn_granules)."""

@@ -301,17 +301,14 @@ def reduce_scatter_micro_batch(grads: Any, layout: StateLayout) -> Any:
 
     def scatter(values, layouts):
         def reduce_scatter(index: int, x: jax.Array) -> jax.Array:
-            padded, leaf = layouts[index].pad(x), layouts[index]
-
-            def psum_scatter(g: jax.Array, dimension: int) -> jax.Array:
-                return lax.psum_scatter(g, "zero", scatter_dimension=dimension, tiled=True)
-
+            leaf = layouts[index]
+            padded = leaf.pad(x)
             if _flat(layout, leaf):
-                return collectives.as_flat_buffer(
-                    padded, leaf.zero_dim, layout.zero_size,
-                    functools.partial(psum_scatter, dimension=0),
-                )  # fmt: skip
-            return psum_scatter(padded, leaf.zero_dim)
+                scatter = functools.partial(
+                    lax.psum_scatter, axis_name="zero", scatter_dimension=0, tiled=True
+                )
+                return collectives.as_flat_buffer(padded, leaf.zero_dim, layout.zero_size, scatter)
+            return lax.psum_scatter(padded, "zero", scatter_dimension=leaf.zero_dim, tiled=True)
 
         return collectives.in_order(values, reduce_scatter, start=jax.tree.leaves(grads))
 

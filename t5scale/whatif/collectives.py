@@ -108,11 +108,11 @@ def network_payload_bytes(
     (analysis/memory.py, dcn_formula_bytes). A collective whose group spans S nodes of n GPUs
     each hands over an all-reduce's or a reduce-scatter's whole operand / n, an all-gather's
     own part (its operand); one inside a node, nothing."""
-    total = {"all-reduce": 0.0, "reduce-scatter": 0.0, "all-gather": 0.0}
-    for op in ops:
-        where = placement(op.group, devices, gpus_per_node)
-        if where.nodes < 2 or op.kind not in total:
-            continue
-        share = op.operand_bytes if op.kind == "all-gather" else full_bytes(op) / where.local
-        total[op.kind] += op.count * share
-    return DcnBytes(total["all-reduce"], total["reduce-scatter"], total["all-gather"])
+
+    def share(op: CollectiveOp, where: Placement) -> float:
+        return op.operand_bytes if op.kind == "all-gather" else full_bytes(op) / where.local
+
+    placed = ((op, placement(op.group, devices, gpus_per_node)) for op in ops)
+    return DcnBytes.summed(
+        (op.kind, op.count * share(op, where)) for op, where in placed if where.nodes > 1
+    )
