@@ -87,8 +87,8 @@ def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu"
 # micro-batch runs without a scan, train/gradients.py; 13: a fusion's bytes through the fusions
 # XLA:TPU nests in it; 14: 'auto' attention is the fused kernels on TPUs too; 15: the mesh's
 # `pipeline` axis, and a pipeline's schedule without carried buffers;
-# 16: gradients reduced as flat buffers, train/gradients.py).
-ANALYSIS_VERSION = 16
+# 16: gradients reduced as flat buffers, train/gradients.py; 17: only across slices or nodes).
+ANALYSIS_VERSION = 17
 _CACHE_WRITE = threading.Lock()
 
 
