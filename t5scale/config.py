@@ -28,7 +28,8 @@ from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
 from t5scale.train.optim import OptimizerConfig
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
-from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.gpu_cluster import ClusterConfig
+from t5scale.whatif.hardware import Hardware
 from t5scale.whatif.plan import PlanConfig
 from t5scale.whatif.simulate import SimulateConfig
 from t5scale.whatif.tpu_pod import TpuPodConfig
@@ -138,9 +139,9 @@ def build_study_config(name: str = "study"):
     return _build(_STUDY_CONFIGURABLES[name])
 
 
-def build_cluster_config(required: bool = False) -> ClusterConfig | TpuPodConfig | None:
-    """The GPU cluster (ClusterConfig) or TPU pod (TpuPodConfig) a cluster file (gin/clusters/)
-    binds, or None where none is given; a ConfigError naming the figures not given where one
+def build_hardware(required: bool = False) -> Hardware | None:
+    """The hardware a cluster file (gin/clusters/) binds, a GPU cluster (ClusterConfig) or a
+    TPU pod (TpuPodConfig), or None where none is given; a ConfigError naming the figures not given where one
     is `required` or partly given."""
     for name, kind in (("cluster", ClusterConfig), ("tpu_pod", TpuPodConfig)):
         needed = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]

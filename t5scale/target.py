@@ -1,4 +1,4 @@
-"""What a program is compiled for: the one place that answers "which compiler, is this a GPU".
+"""What a program is compiled for: the one place that answers "which compiler, which platform".
 
     Target.local(8)                            the devices at hand (emulated CPU devices, or
                                                this host's GPUs): programs compile and run
@@ -8,23 +8,26 @@
                                                XLA's TPU compiler (libtpu), deviceless
     Target.for_topology(topology)              either of the two, as the topology says
 
-A target owns the devices a mesh is laid over, the compiler's options, whether the persistent
+A target owns the devices a mesh is laid over, the groups among them that only the slow network
+joins (GPU nodes or processes, TPU slices), the compiler's options, whether the persistent
 compilation cache may hold its programs, the compiler's name as reports give it, and whether
-t5scale's fused attention kernels compile for it. A plan, a simulation, a trial and a training
-run each ask their target; nothing else asks a device for its platform.
+t5scale's fused attention kernels compile for it. A plan, a simulation, a trial, a checkpoint
+and a training run each ask their target (the hardware of a cluster file makes it:
+t5scale/whatif/hardware.py); nothing else asks a device for its platform.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from t5scale import xla_gpu, xla_tpu
 from t5scale.errors import ConfigError
+from t5scale.jsonform import fields_from_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,7 @@ class Target:
         return len(self.devices)
 
     @property
-    def dcn_granules(self) -> int:
+    def dcn_groups(self) -> int:
         """Groups of devices only the slow network joins: the mesh's axis across them
         (t5scale/parallel/mesh.py). GPU nodes or processes; TPU slices, whose hosts share ICI."""
         if self.is_tpu:
@@ -143,6 +146,12 @@ class Target:
             return
         with _not_written_to_the_persistent_cache():
             yield
+
+
+def topology_from_json(data: Mapping[str, Any]) -> xla_gpu.GpuTopology | xla_tpu.TpuTopology:
+    """A compile-only topology from its JSON form (a trial's spec): a TPU slice's or GPUs'."""
+    kind = xla_tpu.TpuTopology if "slice" in data else xla_gpu.GpuTopology
+    return fields_from_json(kind, data)
 
 
 # TPU chips (device_kind) for which Mosaic does not compile t5scale's attention kernels

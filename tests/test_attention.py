@@ -206,7 +206,7 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
             [],
         )
         run = weak_scale(build_run_config(), 3, topology.size, 3, tensor=tensor,
-                         hosts=topology.nodes)  # fmt: skip
+                         dcn_groups=topology.nodes)  # fmt: skip
         setup = build_setup(run, topology.devices())
         step = setup.compile()
         assert step.analysis.attention == setup.run.model.attention  # step_analysis.json's
@@ -315,7 +315,7 @@ def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor():
     target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8")))
     parse_gin(["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
               ["INPUT_LENGTH=64", "TARGET_LENGTH=15", "ModelConfig.dtype='bfloat16'"], [])  # fmt: skip
-    run = weak_scale(build_run_config(), 3, target.size, 3, hosts=target.dcn_granules)
+    run = weak_scale(build_run_config(), 3, target.size, 3, dcn_groups=target.dcn_groups)
     step = build_setup(run, target).compile()
     assert step.analysis.attention == "fused"
     fused = step.compiled.as_text()

@@ -17,9 +17,9 @@ from t5scale.config import build_study_config, parse_gin
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.whatif.collectives import Placement, collective_seconds, placement
 from t5scale.whatif.compute import ComputeTime, step_compute
-from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.gpu_cluster import ClusterConfig
+from t5scale.whatif.nccl import Placement, collective_seconds, placement
 from t5scale.whatif.step_time import (
     OverlapSeconds,
     combined,

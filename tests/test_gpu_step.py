@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from t5scale.analysis.kernels import Kernel, read_program
+from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, kernel_seconds, predict_program
-from t5scale.whatif.hardware import ClusterConfig
 
 # Round figures: GEMMs at 50 TFLOP/s in bf16 and 25 in f32, fused attention at 10 in bf16,
 # memory at 0.5 TB/s.

@@ -137,23 +137,23 @@ def test_lost_after_must_come_before_jax_heartbeat_timeout():
 
 def test_mesh_puts_replica_across_hosts_unless_zero_is_asked():
     # (replica, pipeline, zero, tensor)
-    assert ParallelConfig().resolve(16, hosts=2) == (2, 1, 8, 1)
-    assert ParallelConfig(zero_across_hosts=True).resolve(16, hosts=2) == (1, 1, 16, 1)
-    assert ParallelConfig(tensor=2).resolve(16, hosts=4) == (4, 1, 2, 2)
+    assert ParallelConfig().resolve(16, dcn_groups=2) == (2, 1, 8, 1)
+    assert ParallelConfig(zero_across_hosts=True).resolve(16, dcn_groups=2) == (1, 1, 16, 1)
+    assert ParallelConfig(tensor=2).resolve(16, dcn_groups=4) == (4, 1, 2, 2)
     with pytest.raises(MeshError, match="must be a multiple of the 2 processes"):
-        ParallelConfig(replica=1).resolve(16, hosts=2)
+        ParallelConfig(replica=1).resolve(16, dcn_groups=2)
 
 
 def test_pipeline_stages_span_the_hosts_the_replicas_leave():
     # TP inside a node, PP across nodes: 4 nodes of 8, one replica, 4 stages.
     config = ParallelConfig(pipeline=4, tensor=8)
-    assert config.resolve(32, hosts=4) == (1, 4, 1, 8)
+    assert config.resolve(32, dcn_groups=4) == (1, 4, 1, 8)
     assert config.hosts_per_axis((1, 4, 1, 8), 4) == (1, 4, 1, 1)
     # Two replicas over 8 nodes: each replica's 4 stages span 4 of them.
     two = ParallelConfig(replica=2, pipeline=4, tensor=8)
-    assert two.hosts_per_axis(two.resolve(64, hosts=8), 8) == (2, 4, 1, 1)
+    assert two.hosts_per_axis(two.resolve(64, dcn_groups=8), 8) == (2, 4, 1, 1)
     with pytest.raises(MeshError, match="times pipeline=3 spans the hosts"):
-        ParallelConfig(replica=1, pipeline=3, tensor=8).resolve(24 * 2, hosts=4)
+        ParallelConfig(replica=1, pipeline=3, tensor=8).resolve(24 * 2, dcn_groups=4)
 
 
 # --- real clusters of processes on 127.0.0.1 ---

@@ -20,7 +20,7 @@ from t5scale.study.report import write_report
 from t5scale.study.runner import run_study
 from t5scale.study.trial import run_trial
 from t5scale.train.config import RunConfig
-from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.plan import PlanConfig
 from t5scale.whatif.simulate import SimulateConfig, simulate
 

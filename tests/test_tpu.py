@@ -33,14 +33,14 @@ from t5scale.startup import libtpu_installed
 from t5scale.study.config import StudyConfig
 from t5scale.target import Target
 from t5scale.whatif.compile import cached_analysis, compile_for, refusal_of
-from t5scale.whatif.simulate import SimulateConfig, simulate
-from t5scale.whatif.tpu_collectives import (
+from t5scale.whatif.ici_dcn import (
     TorusAxis,
     dcn_op_seconds,
     op_seconds,
     seconds,
     slice_axes,
 )
+from t5scale.whatif.simulate import SimulateConfig, simulate
 from t5scale.whatif.tpu_pod import TpuPodConfig
 from t5scale.whatif.tpu_step import collective_seconds, predict_tpu_program
 from t5scale.whatif.weak_scaling import weak_scale
@@ -80,10 +80,10 @@ def test_compile_only_chips_of_a_two_host_slice_and_of_two_slices():
     one = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-16")))
     assert one.size == 8 and one.is_tpu and one.compile_only and not one.runs_here
     assert len({d.process_index for d in one.devices}) == 2  # two TPU VMs of 4 chips
-    assert one.dcn_granules == 1  # ICI joins the slice's hosts
+    assert one.dcn_groups == 1  # ICI joins the slice's hosts
     assert one.compiler_name == "xla:tpu TPU v5, v5p-16 (2x2x2)"
     two = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8"), slices=2))
-    assert two.size == 16 and two.dcn_granules == 2
+    assert two.size == 16 and two.dcn_groups == 2
     assert two.compiler_name == "xla:tpu TPU v5 lite, v5e-8 (2x4), 2 slices"
     assert Target.of(two.devices).compile_only  # the devices alone say so too
 
@@ -329,7 +329,7 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     all-reduce is left."""
     _, run, params = tpu_plan
     target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-128"), slices=2))
-    staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
+    staged = weak_scale(run, 3, target.size, 2, dcn_groups=target.dcn_groups)
     analysis = compile_for(staged, target).analysis
     found = analysis.collectives
     assert analysis.mesh == {
@@ -494,12 +494,14 @@ def test_simulate_reports_a_program_xla_tpu_refuses_for_memory_and_goes_on(capsy
     )  # fmt: skip
     assert code == 0, err
     said = out + err  # the progress lines, then the table
-    assert "stage 0, 1 × v5e-8: does not fit (XLA refused it: a 25.8 GB buffer, the device " \
+    assert "stage 0, every step, 1 × v5e-8: does not fit (XLA refused it: a 25.8 GB buffer, the device " \
         "has 17.2 GB)" in said  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]  # after the header
     assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 0"]
     peak = re.search(r"\| no \((\d+)\) \|$", rows[0])  # XLA's peak, GB: over the chip's 16
-    assert peak and int(peak.group(1)) > 17 and "stage 3, 1 × v5e-8: 0." in said, rows[0]
+    assert peak and int(peak.group(1)) > 17 and "stage 3, every step, 1 × v5e-8: 0." in said, rows[
+        0
+    ]
     assert rows[1].endswith("no: XLA refused it: a 25.8 GB buffer, the device has 17.2 GB |")
     assert "Traceback" not in said
 
@@ -534,7 +536,7 @@ def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
     parse_gin(files, [flag.removeprefix("--gin.") for flag in TPU_SIMULATE if "--gin." in flag])
     run = build_run_config()
     target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8"), slices=2))
-    staged = weak_scale(run, 3, target.size, 2, hosts=target.dcn_granules)
+    staged = weak_scale(run, 3, target.size, 2, dcn_groups=target.dcn_groups)
     analysis = cached_analysis(staged, target, int(16e9))
     counted = sum(op.count * max(op.bytes, op.operand_bytes) for op in analysis.collective_ops)
     scheduled = analysis.program.collectives

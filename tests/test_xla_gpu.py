@@ -19,9 +19,9 @@ import jax
 import pytest
 from conftest import REPO, cli_inline, run_cli
 
-from t5scale.config import build_cluster_config, build_run_config, parse_gin
+from t5scale.config import build_hardware, build_run_config, parse_gin
 from t5scale.train.setup import build_setup
-from t5scale.whatif.collectives import network_payload_bytes
+from t5scale.whatif.nccl import network_payload_bytes
 from t5scale.whatif.plan import step_dcn_formula
 from t5scale.whatif.weak_scaling import weak_scale
 from t5scale.xla_gpu import (
@@ -59,7 +59,7 @@ def without_source_locations(program: str) -> list[str]:
 def compile_for(topology: GpuTopology, stage: int, precision: str):
     """mt5_tiny at `stage` on `topology`'s GPUs, batch 2 per GPU, compiled (not run)."""
     parse_gin(["gin/models/mt5_tiny.gin", f"gin/precision/{precision}.gin"], SHORT, [])
-    run = weak_scale(build_run_config(), stage, topology.size, 2, hosts=topology.nodes)
+    run = weak_scale(build_run_config(), stage, topology.size, 2, dcn_groups=topology.nodes)
     return build_setup(run, topology.devices()).compile()
 
 
@@ -226,7 +226,7 @@ def test_a_compile_only_program_is_not_written_to_the_persistent_cache(tmp_path)
 
 def test_cluster_topologies_are_whole_nodes():
     parse_gin(["gin/clusters/a100.gin"], [], [])
-    cluster = build_cluster_config()
+    cluster = build_hardware()
     assert (
         compiler_name(cluster.topology(4).devices()) == "xla:gpu NVIDIA A100-SXM4-80GB, 1 node x 4"
     )
@@ -242,7 +242,7 @@ def test_a_malformed_gpu_target_is_one_line_and_exit_2(tmp_path, capsys, monkeyp
     target.write_text("gpu_device_info {\n  core_count: 132\n  cores: 1\n}\n")
     code, _, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/clusters/h100.gin",
-        f"--gin.ClusterConfig.compile_target='{target}'", "--gin.DEVICES=8",
+        f"--gin.ClusterConfig.gpu_target='{target}'", "--gin.DEVICES=8",
     ], capsys, monkeypatch)  # fmt: skip
     assert code == 2
     assert err.strip().splitlines() == [
@@ -291,7 +291,7 @@ def test_simulate_times_the_gpu_program_and_says_so():
     from t5scale.whatif.step_time import predict_from_program
 
     parse_gin(["gin/models/mt5_tiny.gin", "gin/clusters/h100.gin"], SHORT, [])
-    run, cluster = build_run_config(), build_cluster_config()
+    run, cluster = build_run_config(), build_hardware()
     config = SimulateConfig(nodes=(2,), stages=(3,), micro_batch_size=2, compiler="gpu")
     result = simulate(run, cluster, config, show=lambda _: None)
     assert result.path == "gpu" and result.to_json()["path"] == "gpu"
@@ -379,11 +379,11 @@ def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
 
 
 def test_simulate_times_a_pipeline_across_nodes_from_its_program():
-    from t5scale.whatif.collectives import placement
+    from t5scale.whatif.nccl import placement
     from t5scale.whatif.simulate import SimulateConfig, format_simulation, simulate
 
     parse_gin(["gin/models/mt5_tiny.gin", "gin/clusters/h100.gin"], SHORT, [])
-    run, cluster = build_run_config(), build_cluster_config()
+    run, cluster = build_run_config(), build_hardware()
     config = SimulateConfig(nodes=(2,), stages=(1, 3), micro_batch_size=2, compiler="gpu",
                             pipelines=(2,), micro_batches=4)  # fmt: skip
     result = simulate(run, cluster, config, show=lambda _: None)

@@ -18,7 +18,7 @@ import pytest
 
 from t5scale.analysis.collectives import format_bytes
 from t5scale.analysis.memory import dcn_program_bytes, outer_dcn_formula_bytes
-from t5scale.config import build_cluster_config, build_run_config, parse_gin
+from t5scale.config import build_hardware, build_run_config, parse_gin
 from t5scale.parallel.zero import get_stage
 from t5scale.startup import libtpu_installed
 from t5scale.target import Target
@@ -43,14 +43,14 @@ def _staged(stage: int, slices: int, layout: str = "zero", micro_batches: int = 
         ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin", "gin/clusters/tpu_v5e.gin"],
         [*MODEL, f"TpuPodConfig.slices={slices}"],
     )
-    run, pod = build_run_config(), build_cluster_config()
+    run, pod = build_run_config(), build_hardware()
     if layout == "diloco":
         run = dataclasses.replace(run, sync=dataclasses.replace(run.sync, mode="diloco", every=4))
     target = Target.compile_only_tpus(pod.topology())
     replicas = 1 if layout == "zero" else slices
     staged = weak_scale(
         run, stage, target.size, SEQUENCES_PER_CHIP, micro_batches=micro_batches,
-        replicas=replicas, hosts=target.dcn_granules,
+        replicas=replicas, dcn_groups=target.dcn_groups,
     )  # fmt: skip
     return staged, target, pod
 

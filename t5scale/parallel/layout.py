@@ -144,8 +144,8 @@ class StateLayout:
     @functools.cached_property
     def spans_slow_network(self) -> bool:
         """Whether the mesh's devices are in several groups only the slow network joins (GPU
-        nodes or processes, TPU slices: Target.dcn_granules)."""
-        return Target.of(list(self.mesh.devices.flat)).dcn_granules > 1
+        nodes or processes, TPU slices: Target.dcn_groups)."""
+        return Target.of(list(self.mesh.devices.flat)).dcn_groups > 1
 
     @property
     def manual_axes(self) -> tuple[str, ...]:

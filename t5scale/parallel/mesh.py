@@ -81,10 +81,12 @@ class ParallelConfig:
     def axis_across_hosts(self) -> str:
         return "zero" if self.zero_across_hosts else "replica"
 
-    def resolve(self, num_devices: int, hosts: int = 1) -> tuple[int, int, int, int]:
-        """The concrete (replica, pipeline, zero, tensor) for `num_devices` over `hosts` groups
-        that only the slow network joins (dcn_granules), or a MeshError that says why."""
+    def resolve(self, num_devices: int, dcn_groups: int = 1) -> tuple[int, int, int, int]:
+        """The concrete (replica, pipeline, zero, tensor) for `num_devices` over `dcn_groups`
+        groups that only the slow network joins (hosts; TPU slices), or a MeshError that says
+        why."""
         replica = self.replica
+        hosts = dcn_groups
         if replica is None:
             pipelined_hosts = hosts // math.gcd(hosts, self.pipeline)
             replica = pipelined_hosts if self.axis_across_hosts == "replica" else 1
@@ -141,11 +143,11 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     (a slice, on TPUs), laid along the TPU torus where the devices are TPUs."""
     devices = list(jax.devices() if devices is None else devices)
     target = Target.of(devices)
-    granules, tpu = target.dcn_granules, target.is_tpu
-    shape = config.resolve(len(devices), granules)
+    groups, tpu = target.dcn_groups, target.is_tpu
+    shape = config.resolve(len(devices), groups)
     auto = (AxisType.Auto,) * len(AXES)
-    if granules > 1:
-        dcn = config.hosts_per_axis(shape, granules)
+    if groups > 1:
+        dcn = config.hosts_per_axis(shape, groups)
         inside = tuple(s // d for s, d in zip(shape, dcn, strict=True))
         grid = mesh_utils.create_hybrid_device_mesh(
             inside, dcn, devices, process_is_granule=not tpu, allow_split_physical_axes=tpu

@@ -367,15 +367,15 @@ class Point:
         data_parallel = self.devices // (self.tensor * self.pipeline)
         return self.micro_batch_size * data_parallel * self.micro_batches
 
-    def run(self, base: RunConfig, hosts: int = 1) -> RunConfig:
+    def run(self, base: RunConfig, dcn_groups: int = 1) -> RunConfig:
         """The run this point is: `base` (its model's gin file and the study's extra bindings,
         read at the edge: t5scale/config.py) at this point's stage, mesh, batch, replica sync,
-        remat, precision, optimizer and data; over `hosts` compile-only GPU nodes, laid out as
+        remat, precision, optimizer and data; over `dcn_groups` compile-only GPU nodes or TPU slices, laid out as
         the planner and the simulator lay it out (t5scale/whatif/weak_scaling.py)."""
         run = weak_scale(
             base, self.stage, self.devices, self.micro_batch_size,
             micro_batches=self.micro_batches, tensor=self.tensor,
-            replicas=self.replicas_synced_locally, hosts=hosts, pipeline=self.pipeline,
+            replicas=self.replicas_synced_locally, dcn_groups=dcn_groups, pipeline=self.pipeline,
         )  # fmt: skip
         # ZeRO across hosts as DeepSpeed's stages, or a replica per host with ZeRO inside each
         parallel = dataclasses.replace(run.parallel, zero_across_hosts=self.sync == "every_step")

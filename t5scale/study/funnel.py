@@ -333,19 +333,8 @@ def search(
         # a stage's twin then starts after it has compiled (and loads it from the cache).
         todo = sorted(alive, key=lambda c: (c.stage, c.model, c))
         if funnel:
-            records = trials.compile(todo, d, f"{per}, compile")
-            result.compile_records += records
-            todo = [configuration_of(r) for r in records if r.result.status == "ok"]
-            # A crash or timeout is no matter of device count: that configuration is out. One
-            # that does not fit, or does not divide this mesh, may still run on another count.
-            failed = {
-                configuration_of(r) for r in records if r.result.status in ("crash", "timeout")
-            }
+            todo, failed = _compile_round(trials, todo, d, per, result)
             alive -= failed
-            result.rounds.append(Round(
-                f"{len(result.rounds) + 1}: {per}, compile only", len(records), records,
-                left=len(todo), note="XLA's per-device memory estimate against the budget",
-            ))  # fmt: skip
         entered = len(todo)
         records = trials.time(todo, d, f"{per}, timed")
         result.timed_records += records
@@ -356,11 +345,7 @@ def search(
         if funnel and not last and d > 1 and ok:
             dropped = prune_on_evidence(ok, objective, per_round)
             alive -= {drop.configuration for drop in dropped}
-            note = (
-                f"dropped what is worse than its model's best by {objective} at "
-                f"{100 * per_round:.4g}% confidence (the study's {100 * confidence:.4g}% shared "
-                f"by {pruning_rounds} pruning rounds); ties go on"
-            )
+            note = _pruned_note(objective, per_round, confidence, pruning_rounds)
         elif funnel and d == 1 and not last:
             note = "no pruning on 1 device: every ZeRO stage is the same program there"
         result.rounds.append(Round(
@@ -370,6 +355,31 @@ def search(
         ))  # fmt: skip
         trials.ahead(len(alive), devices[index + 1 :])
     return result
+
+
+def _compile_round(
+    trials: Trials, todo: list[Configuration], d: int, per: str, result: Search
+) -> tuple[list[Configuration], set[Configuration]]:
+    """(what compiled and fits, to time; what crashed or timed out, out of the study)."""
+    records = trials.compile(todo, d, f"{per}, compile")
+    result.compile_records += records
+    fits = [configuration_of(r) for r in records if r.result.status == "ok"]
+    # A crash or timeout is no matter of device count: that configuration is out. One that
+    # does not fit, or does not divide this mesh, may still run on another count.
+    failed = {configuration_of(r) for r in records if r.result.status in ("crash", "timeout")}
+    result.rounds.append(Round(
+        f"{len(result.rounds) + 1}: {per}, compile only", len(records), records,
+        left=len(fits), note="XLA's per-device memory estimate against the budget",
+    ))  # fmt: skip
+    return fits, failed
+
+
+def _pruned_note(objective: str, per_round: float, confidence: float, rounds: int) -> str:
+    return (
+        f"dropped what is worse than its model's best by {objective} at "
+        f"{100 * per_round:.4g}% confidence (the study's {100 * confidence:.4g}% shared "
+        f"by {rounds} pruning rounds); ties go on"
+    )
 
 
 def timed_kind(repeat: int) -> str:

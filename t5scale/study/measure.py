@@ -10,9 +10,10 @@ import jax
 from t5scale.analysis.memory import allocator_peak
 from t5scale.data.loader import host_batches
 from t5scale.errors import ConfigError
-from t5scale.study.evidence import TimingRule, measure
+from t5scale.study.evidence import Measurement, TimingRule, measure
 from t5scale.study.records import StepTimes
 from t5scale.train.profiling import StepTrace, step_annotation
+from t5scale.train.replicas import ReplicaSyncConfig
 from t5scale.train.setup import CompiledStep, Setup
 
 
@@ -46,14 +47,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> Time
     setup, k = step.setup, step.steps_per_execution
     run = setup.run
     local = run.sync.local
-    executions_per_sample = 1
-    if local:
-        every = run.sync.every
-        if every % k:
-            raise ConfigError(
-                f"steps_per_execution={k} must divide ReplicaSyncConfig.every={every}"
-            )
-        executions_per_sample = every // k
+    executions_per_sample = _executions_per_sample(run.sync, k)
     steps_per_sample = k * executions_per_sample
     rule = dataclasses.replace(
         rule,
@@ -86,6 +80,29 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> Time
 
     found = measure(sample, rule)
     del state
+    return TimedSteps(
+        step_time_s=_step_times(found, rule, steps_per_sample, local),
+        step_times_s=tuple(found.samples),
+        losses=tuple(losses),
+        allocator_peak_bytes=allocator_peak(setup.mesh),
+    )
+
+
+def _executions_per_sample(sync: ReplicaSyncConfig, k: int) -> int:
+    """Executions of k steps in one sample: 1, or one period of local SGD's or DiLoCo's H."""
+    if not sync.local:
+        return 1
+    if sync.every % k:
+        raise ConfigError(
+            f"steps_per_execution={k} must divide ReplicaSyncConfig.every={sync.every}"
+        )
+    return sync.every // k
+
+
+def _step_times(
+    found: Measurement, rule: TimingRule, steps_per_sample: int, local: bool
+) -> StepTimes:
+    """The measured samples' summary, in steps."""
     timed = found.samples[found.warmup :]
     summary = found.summary() | {
         "statistic": "median of periods' mean step times" if local else "median",
@@ -97,12 +114,7 @@ def time_steps(step: CompiledStep, rule: TimingRule, min_steps: int = 0) -> Time
         "spread": (max(timed) - min(timed)) / found.interval.median,  # (max - min) / median
         "precision_asked": rule.precision,
     }
-    return TimedSteps(
-        step_time_s=StepTimes.from_json(summary),
-        step_times_s=tuple(found.samples),
-        losses=tuple(losses),
-        allocator_peak_bytes=allocator_peak(setup.mesh),
-    )
+    return StepTimes.from_json(summary)
 
 
 def profile_steps(step: CompiledStep, logdir: str, steps: int = 3) -> None:

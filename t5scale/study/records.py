@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from t5scale.analysis.records import StepAnalysis
-from t5scale.jsonform import JsonRecord, fields_to_json, written_when_none
+from t5scale.jsonform import JsonRecord, fields_from_json, fields_to_json, written_when_none
 from t5scale.study.config import Point
 from t5scale.study.evidence import Interval, Measurement, TimingRule
+from t5scale.target import topology_from_json
 from t5scale.train.config import RunConfig
 from t5scale.xla_gpu import GpuTopology
 from t5scale.xla_tpu import TpuTopology
@@ -168,12 +169,15 @@ class TrialSpec(JsonRecord):
     profile_dir: str | None = None
     # A compile trial for a cluster's GPUs (XLA's GPU compiler, t5scale/xla_gpu.py) or a TPU
     # pod's slices (XLA's TPU compiler, t5scale/xla_tpu.py) rather than for the devices at hand.
-    compile_for: GpuTopology | None = None
-    compile_for_tpus: TpuTopology | None = None
+    compile_only_topology: GpuTopology | TpuTopology | None = None
 
-    @property
-    def compile_only(self) -> GpuTopology | TpuTopology | None:
-        return self.compile_for or self.compile_for_tpus
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Self:
+        spec = fields_from_json(cls, data)
+        if spec.compile_only_topology is None:
+            return spec
+        written = topology_from_json(data["compile_only_topology"])
+        return dataclasses.replace(spec, compile_only_topology=written)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

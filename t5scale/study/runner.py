@@ -25,10 +25,7 @@ from t5scale.study.evidence import TimingRule
 from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
 from t5scale.study.trial import run_spec, run_trial
 from t5scale.train.config import RunConfig
-from t5scale.whatif.compile import cluster_target
-from t5scale.whatif.hardware import ClusterConfig
-from t5scale.whatif.tpu_pod import TpuPodConfig
-from t5scale.xla_tpu import require_libtpu
+from t5scale.whatif.hardware import Hardware
 
 
 class Results:
@@ -115,31 +112,20 @@ def run_study(
     runs: Mapping[str, RunConfig] | None = None,
     gin_config: str = "",
     show: Callable[[str], None] = _print,
-    cluster: ClusterConfig | TpuPodConfig | None = None,
+    hardware: Hardware | None = None,
 ) -> StudySummary:
     """Run (or finish) the study in config.study_dir; returns the summary funnel.md shows.
     `runs`: each model's run before its grid point is applied (Point.run), as the CLI reads
     them (t5scale/config.py: its gin file and the study's extra bindings); by default each
-    model's size with every other setting at its default. With a `cluster`
-    that names its GPU's compile target, the compile-only rounds compile for that many of its
-    GPUs (XLA's GPU compiler, its device memory as the budget); with a TPU pod, for slices of
-    its chips holding that many devices (XLA's TPU compiler, its HBM as the budget). The timed
-    rounds run on the devices at hand."""
-    for devices in config.devices if cluster is not None else ():
-        if isinstance(cluster, TpuPodConfig):  # a slice Cloud TPU has, libtpu (ConfigError)
-            require_libtpu()
-            cluster.topology(devices)
-        else:  # whole nodes, a known target, the plugin (ConfigError)
-            cluster_target(cluster, devices, "gpu")
+    model's size with every other setting at its default. With a cluster file's `hardware`
+    the compile-only rounds compile for that many of its devices by its own compiler (a GPU
+    cluster's compile target, or slices of a TPU pod's chips), its device memory the budget.
+    The timed rounds run on the devices at hand."""
+    for devices in config.devices if hardware is not None else ():
+        hardware.target(devices)  # a ConfigError now where it cannot be had
     if runs is None:
         runs = {model: RunConfig(model=ModelConfig(name=model)) for model in config.models}
-    study_dir = Path(config.study_dir)
-    try:
-        study_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # a file there, or no permission
-        raise ConfigError(f"StudyConfig.study_dir {str(study_dir)!r}: {error.strerror}") from None
-    if gin_config:
-        (study_dir / "study.gin").write_text(gin_config, encoding="utf-8")
+    study_dir = _study_dir(config, gin_config)
     results = Results(study_dir / "results.jsonl")
     machine = _machine(config, study_dir)
     show(
@@ -150,14 +136,10 @@ def run_study(
     configurations = config.configurations()
     devices = sorted(config.devices)
     progress = Progress(_planned(len(configurations), devices, config), show)
-    runner = _TrialRunner(config, runs, study_dir, results, machine, progress, cluster)
-    if isinstance(cluster, TpuPodConfig):
-        slices = f"{cluster.slices} slice" + "s" * (cluster.slices > 1)
-        show(f"compile-only rounds: XLA's TPU compiler for {cluster.name}'s chips "
-             f"({cluster.generation}, {slices}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
-    elif cluster is not None:
-        show(f"compile-only rounds: XLA's GPU compiler for {cluster.name}'s GPUs "
-             f"({cluster.compile_target}), {cluster.device_memory_gb:g} GB each")  # fmt: skip
+    runner = _TrialRunner(config, runs, study_dir, results, machine, progress, hardware)
+    if hardware is not None:
+        show(f"compile-only rounds: {hardware.compile_only_words()}, "
+             f"{hardware.device_memory_gb:g} GB each")  # fmt: skip
     found = funnel.search(
         configurations,
         devices,
@@ -166,19 +148,24 @@ def run_study(
         config.search == "funnel",
         config.confidence,
     )
-    compile_records, timed_records = found.compile_records, found.timed_records
-    best = funnel.winners(timed_records, config.objective, config.confidence)
+    best = funnel.winners(found.timed_records, config.objective, config.confidence)
     if config.profile_winner:
-        for model, winner in sorted(best.items()):
-            record, _ = runner.run_one(winner.record.point, "profile", "profile of the winner")
-            show(
-                f"profile of {model}'s winner: {record.result.profile_dir or record.result.status}"
-            )
-    spent_wall = sum(r.wall_s for r in compile_records + timed_records)
-    spent_device = sum(r.wall_s * r.point.devices for r in compile_records + timed_records)
+        _profile_winners(best, runner, show)
+    return _summary(config, found, best, study_dir, progress.started)
+
+
+def _summary(
+    config: StudyConfig, found: funnel.Search, best: Mapping[str, funnel.Winner],
+    study_dir: Path, started: float,
+) -> StudySummary:  # fmt: skip
+    """What the study spent and found, written to funnel.md too."""
+    compile_records, timed_records = found.compile_records, found.timed_records
+    records = compile_records + timed_records
+    spent_wall = sum(r.wall_s for r in records)
+    spent_device = sum(r.wall_s * r.point.devices for r in records)
     full = None
     if config.search == "funnel":
-        grid = [config.point(c, d) for c in configurations for d in devices]
+        grid = [config.point(c, d) for c in config.configurations() for d in sorted(config.devices)]
         full = funnel_report.full_grid_estimate(
             grid, compile_records, timed_records, config.repeats
         )
@@ -193,10 +180,30 @@ def run_study(
         spent_wall_s=spent_wall,
         spent_device_s=spent_device,
         full_grid=full,
-        trials=len(compile_records) + len(timed_records),
-        completed=sum(r.result.status == "ok" for r in compile_records + timed_records),
-        elapsed_s=time.perf_counter() - progress.started,
+        trials=len(records),
+        completed=sum(r.result.status == "ok" for r in records),
+        elapsed_s=time.perf_counter() - started,
     )
+
+
+def _study_dir(config: StudyConfig, gin_config: str) -> Path:
+    """The study's directory, made, with the gin configuration it was started with."""
+    study_dir = Path(config.study_dir)
+    try:
+        study_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file there, or no permission
+        raise ConfigError(f"StudyConfig.study_dir {str(study_dir)!r}: {error.strerror}") from None
+    if gin_config:
+        (study_dir / "study.gin").write_text(gin_config, encoding="utf-8")
+    return study_dir
+
+
+def _profile_winners(
+    best: Mapping[str, funnel.Winner], runner: _TrialRunner, show: Callable[[str], None]
+) -> None:
+    for model, winner in sorted(best.items()):
+        record, _ = runner.run_one(winner.record.point, "profile", "profile of the winner")
+        show(f"profile of {model}'s winner: {record.result.profile_dir or record.result.status}")
 
 
 def _planned(alive: int, devices: Sequence[int], config: StudyConfig) -> int:
@@ -226,10 +233,10 @@ class _TrialRunner:
     def __init__(
         self, config: StudyConfig, runs: Mapping[str, RunConfig], study_dir: Path,
         results: Results, machine: Machine, progress: Progress,
-        cluster: ClusterConfig | None = None,
+        hardware: Hardware | None = None,
     ):  # fmt: skip
         self.config, self.runs, self.study_dir, self.results = config, runs, study_dir, results
-        self.machine, self.progress, self.cluster = machine, progress, cluster
+        self.machine, self.progress, self.hardware = machine, progress, hardware
         self.min_samples = 0
         # numbered after every trial this study dir has seen, so that no log is overwritten
         self.counter = len(list((study_dir / "trials").glob("0*.spec.json")))
@@ -255,14 +262,12 @@ class _TrialRunner:
     def spec(self, point: Point, kind: str, repeat: int = 0) -> TrialSpec:
         study = self.config
         run_name = point.run_name() + (f"_trial{repeat + 1}" if repeat else "")
-        if kind == "compile" and self.cluster is not None:
-            topology = self.cluster.topology(point.devices)
-            on_tpus = isinstance(self.cluster, TpuPodConfig)
-            dcn_granules = topology.slices if on_tpus else topology.nodes
+        if kind == "compile" and self.hardware is not None:
+            devices = point.devices
             return TrialSpec(
-                kind=kind, point=point, run=self.run_of(point, dcn_granules),
-                memory_budget_bytes=int(self.cluster.device_memory_gb * 1e9),
-                **{"compile_for_tpus" if on_tpus else "compile_for": topology},
+                kind=kind, point=point, run=self.run_of(point, self.hardware.dcn_groups(devices)),
+                memory_budget_bytes=self.hardware.memory_budget_bytes,
+                compile_only_topology=self.hardware.topology(devices),
             )  # fmt: skip
         return TrialSpec(
             kind=kind,
@@ -282,8 +287,8 @@ class _TrialRunner:
             profile_dir=str(self.study_dir / "profile" / point.run_name()),
         )  # fmt: skip
 
-    def run_of(self, point: Point, hosts: int = 1) -> RunConfig:
-        return point.run(self.runs[point.model], hosts)
+    def run_of(self, point: Point, dcn_groups: int = 1) -> RunConfig:
+        return point.run(self.runs[point.model], dcn_groups)
 
     def run_one(
         self, point: Point, kind: str, round_name: str, repeat: int = 0

@@ -117,13 +117,14 @@ def _crash_reason(code: int, log_path: Path) -> str:
 
 
 def _machine(dtype: str) -> Machine:
-    device = jax.devices()[0]
+    here = Target.local()
+    device = here.devices[0]
     peak, source = device_peak(dtype)
     stats = device.memory_stats() or {}
     return Machine(
-        backend=jax.default_backend(),
+        backend=here.platform,
         device_kind=device.device_kind,
-        device_count=jax.device_count(),
+        device_count=here.size,
         peak_flops_per_s=peak,
         peak_source=source,
         device_memory_limit_bytes=stats.get("bytes_limit"),
@@ -133,8 +134,10 @@ def _machine(dtype: str) -> Machine:
 
 def _trial(spec: TrialSpec) -> TrialResult:
     """Compile the point's run; if it fits and the trial is timed, time it."""
-    if spec.compile_only is not None:  # a cluster's GPUs or a pod's TPU slices, compile only
-        target = Target.for_topology(spec.compile_only)
+    if (
+        spec.compile_only_topology is not None
+    ):  # a cluster's GPUs or a pod's TPU slices, compile only
+        target = Target.for_topology(spec.compile_only_topology)
     elif spec.point.devices > jax.device_count():
         return TrialResult(
             status="crash", error=f"{spec.point.devices} devices asked, {jax.device_count()} here"

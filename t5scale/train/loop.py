@@ -40,18 +40,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     """Train up to run.train.steps steps; return this call's records (metrics.jsonl's)."""
     cfg = run.train
     setup = build_setup(run, devices)
-    if run.sync.local and setup.layout.replicas < 2:  # else it trains synchronously
-        raise ConfigError(
-            f"ReplicaSyncConfig.mode {run.sync.mode} needs replica >= 2, the mesh has "
-            f"replica={setup.layout.replicas} (set ParallelConfig.replica)"
-        )
-    print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
-    if run.sync.local and jax.process_index() == 0:
-        print(
-            f"{run.sync.mode}: {setup.layout.replicas} replicas step on their own and "
-            f"synchronise every {run.sync.every} steps",
-            flush=True,
-        )
+    _announce(run, setup)
     checkpoints, restored = None, None
     if cfg.model_dir:
         from t5scale.train.checkpoint import Checkpoints  # orbax: only runs that save
@@ -63,12 +52,9 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
     start = restored.meta.step if restored else 0
     primary = jax.process_index() == 0  # writes the run's files and shows progress
     if start >= cfg.steps:
-        if primary and restored:
-            print(
-                f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}: nothing to do"
-            )
-        elif primary:
-            print(f"TrainConfig.steps is {cfg.steps}: nothing to do")
+        if primary:
+            where = f"{cfg.model_dir} holds a checkpoint at step {start} of {cfg.steps}"
+            print(f"{where if restored else f'TrainConfig.steps is {cfg.steps}'}: nothing to do")
         if checkpoints:
             checkpoints.close()
         return []
@@ -76,16 +62,7 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
         print(f"resuming from the checkpoint at step {start}", flush=True)
     # The input pipelines start first: they build on their own threads while the state is
     # created and the step compiles.
-    batches = Batches(
-        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, setup.batch_sharding(),
-        start=restored.meta.data_position if restored else 0,
-    )  # fmt: skip
-    held_out = None
-    if run.data.validation_every:
-        held_out = Batches(
-            run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, setup.batch_sharding(),
-            split="validation",
-        )  # fmt: skip
+    batches, held_out = _input_pipelines(run, setup, restored.meta.data_position if restored else 0)
     try:
         if restored:
             state = setup.form.from_canonical(restored.state, restored.meta)
@@ -111,6 +88,34 @@ def train(run: RunConfig, operative_config: str | None = None, devices=None) -> 
             held_out.close()
         if checkpoints:
             checkpoints.close()  # waits for a save in flight
+
+
+def _input_pipelines(run: RunConfig, setup: Setup, start: int) -> tuple[Batches, Batches | None]:
+    """The training batches from `start`, and the held-out ones where validation is due."""
+    cfg, sharding = run.train, setup.batch_sharding()
+    batches = Batches(
+        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, sharding, start=start
+    )
+    if not run.data.validation_every:
+        return batches, None
+    held_out = Batches(
+        run.data, cfg.batch_size, cfg.seed, run.model.vocab_size, sharding, split="validation"
+    )
+    return batches, held_out
+
+
+def _announce(run: RunConfig, setup: Setup) -> None:
+    """The mesh, and local SGD's or DiLoCo's replicas (refused with fewer than two)."""
+    replicas = setup.layout.replicas
+    if run.sync.local and replicas < 2:  # else it trains synchronously
+        raise ConfigError(
+            f"ReplicaSyncConfig.mode {run.sync.mode} needs replica >= 2, the mesh has "
+            f"replica={replicas} (set ParallelConfig.replica)"
+        )
+    print(f"process {jax.process_index()}: {describe_mesh(setup.mesh, run.parallel)}", flush=True)
+    if run.sync.local and jax.process_index() == 0:
+        print(f"{run.sync.mode}: {replicas} replicas step on their own and synchronise every "
+              f"{run.sync.every} steps", flush=True)  # fmt: skip
 
 
 class StepPrograms:

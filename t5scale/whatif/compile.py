@@ -1,7 +1,7 @@
 """The one place a run is compiled for a plan, a simulation or a study's trial.
 
-    target = cluster_target(cluster, 16, "gpu")      # or Target.local(8): emulated devices
-    step = compile_for(weak_scale(run, 3, 16, 4, hosts=target.dcn_granules), target, budget)
+    target = hardware.target(16)                      # or Target.local(8): emulated devices
+    step = compile_for(weak_scale(run, 3, 16, 4, dcn_groups=target.dcn_groups), target, budget)
     analysis = cached_analysis(run, target, budget)  # the same, kept on disk
 
 `compile_for` lays the run over the target's devices and compiles its step with nothing
@@ -25,12 +25,9 @@ import jax
 from t5scale.analysis.records import StepAnalysis
 from t5scale.analysis.step import with_every
 from t5scale.errors import ConfigError
-from t5scale.startup import cuda_plugin_installed
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import CompiledStep, build_setup
-from t5scale.whatif.hardware import ClusterConfig
-from t5scale.xla_gpu import require_plugin
 
 Compiler = Literal["auto", "gpu", "cpu"]
 
@@ -63,23 +60,6 @@ def compile_for(
         if state.total > memory_budget_bytes:
             raise ModelStateTooLarge(state.total, memory_budget_bytes)
     return setup.compile(memory_budget_bytes=memory_budget_bytes)
-
-
-def cluster_target(cluster: ClusterConfig, gpus: int, compiler: Compiler = "gpu") -> Target:
-    """What to compile for when asking about `gpus` of `cluster`'s GPUs: compiler 'gpu', XLA's
-    GPU compiler for the cluster's own GPUs (its compile_target; a ConfigError naming the
-    install where jax's CUDA plugin is missing); 'cpu', that many emulated CPU devices; 'auto',
-    the GPU compiler where the cluster names a target and the plugin is installed."""
-    if compiler == "auto":
-        usable = cluster.compile_target is not None and cuda_plugin_installed()
-        compiler = "gpu" if usable else "cpu"
-    if compiler == "cpu":
-        if jax.device_count() < gpus:
-            raise ConfigError(f"{gpus} devices to emulate, {jax.device_count()} here")
-        return Target.local(gpus)
-    topology = cluster.topology(gpus)  # a ConfigError where the cluster names no target
-    require_plugin()
-    return Target.compile_only_gpus(topology)
 
 
 # Part of the cache key: a newer step_analysis.json layout never reads an older entry

@@ -32,9 +32,12 @@ Not counted: embedding look-ups, relative position buckets, kernel launch gaps, 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from t5scale.model.sizes import ModelConfig
-from t5scale.whatif.hardware import ClusterConfig
+
+if TYPE_CHECKING:
+    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +56,68 @@ class ComputeTime:
 
 @dataclasses.dataclass
 class _Pass:
-    """Seconds of matmul and of memory-bound work in one forward pass."""
+    """Seconds of matmul and of memory-bound work in one forward pass, at a roofline: `peak`
+    FLOP/s and `bandwidth` bytes/s, activations of `width` bytes."""
 
-    matmul: float = 0.0
-    attention_matmul: float = 0.0  # the batched ones (scores, weighted values), within matmul
-    elementwise: float = 0.0
+    peak: float
+    bandwidth: float
+    width: int
+    matmul_s: float = 0.0
+    attention_matmul_s: float = 0.0  # the batched ones (scores, weighted values), within matmul
+    elementwise_s: float = 0.0
     flops: float = 0.0
     attention_flops: float = 0.0
+
+    def matmul(self, m: float, k: float, n: float, batch: float = 1.0) -> None:
+        flops = 2 * batch * m * k * n
+        moved = self.width * batch * (m * k + k * n + m * n)
+        seconds = max(flops / self.peak, moved / self.bandwidth)
+        self.matmul_s += seconds
+        if batch > 1:
+            self.attention_matmul_s += seconds
+            self.attention_flops += flops
+        self.flops += flops
+
+    def elementwise(self, values: float) -> None:
+        self.elementwise_s += self.width * values / self.bandwidth
+
+
+def _layers(
+    into: _Pass, model: ModelConfig, sequences: float, lengths: tuple[int, int], tensor: int
+) -> None:
+    """The encoder's and decoder's layers, forward, added to `into`."""
+    d, heads = model.d_model, model.num_heads / tensor
+    hk, ff = heads * model.d_kv, model.d_ff / tensor
+    input_length, target_length = lengths
+    enc_tokens, dec_tokens = sequences * input_length, sequences * target_length
+
+    def attention(tokens: float, queries: int, keys: int, with_kv: bool) -> None:
+        into.matmul(tokens, d, (3 if with_kv else 1) * hk)  # q (k, v), then o below
+        into.matmul(tokens, hk, d)
+        into.matmul(queries, model.d_kv, keys, batch=sequences * heads)  # scores
+        into.matmul(queries, keys, model.d_kv, batch=sequences * heads)  # weighted values
+        into.elementwise(2 * sequences * heads * queries * keys)  # softmax in, probabilities out
+
+    def block(tokens: float) -> None:  # norm + residual around each sublayer
+        into.elementwise(tokens * d * 5)  # norm: read, write; residual add: two reads, a write
+
+    def feed_forward(tokens: float) -> None:
+        into.matmul(tokens, d, 2 * ff)  # wi_0 and wi_1
+        into.matmul(tokens, ff, d)
+        into.elementwise(tokens * ff * 3)  # gelu(wi_0 x) * wi_1 x: two reads, one write
+        block(tokens)
+
+    for _ in range(model.num_encoder_layers):
+        attention(enc_tokens, input_length, input_length, with_kv=True)
+        block(enc_tokens)
+        feed_forward(enc_tokens)
+    for _ in range(model.num_decoder_layers):
+        attention(dec_tokens, target_length, target_length, with_kv=True)
+        block(dec_tokens)
+        into.matmul(enc_tokens, d, 2 * hk)  # cross-attention's k and v
+        attention(dec_tokens, target_length, input_length, with_kv=False)
+        block(dec_tokens)
+        feed_forward(dec_tokens)
 
 
 def step_compute(
@@ -72,73 +130,29 @@ def step_compute(
 ) -> ComputeTime:
     """Compute time of one train step over `sequences` sequences on one GPU."""
     float32 = model.dtype == "float32"
-    width = 4 if float32 else 2  # bytes per activation value
     peak = (cluster.peak_flops_float32 if float32 else cluster.peak_flops) * cluster.gemm_efficiency
     bandwidth = cluster.memory_bandwidth * cluster.memory_efficiency
     # A compiled step reaches a fraction of its roofline: both rates scale by it.
-    peak, bandwidth = peak * cluster.roofline_fraction, bandwidth * cluster.roofline_fraction
-
-    def matmul(into: _Pass, m: float, k: float, n: float, batch: float = 1.0) -> None:
-        flops = 2 * batch * m * k * n
-        moved = width * batch * (m * k + k * n + m * n)
-        seconds = max(flops / peak, moved / bandwidth)
-        into.matmul += seconds
-        if batch > 1:
-            into.attention_matmul += seconds
-            into.attention_flops += flops
-        into.flops += flops
-
-    def elementwise(into: _Pass, values: float) -> None:
-        into.elementwise += width * values / bandwidth
-
-    d, heads = model.d_model, model.num_heads / tensor
-    hk, ff = heads * model.d_kv, model.d_ff / tensor
-    enc_tokens, dec_tokens = sequences * input_length, sequences * target_length
-
-    def attention(into: _Pass, tokens: float, queries: int, keys: int, with_kv: bool) -> None:
-        matmul(into, tokens, d, (3 if with_kv else 1) * hk)  # q (k, v), then o below
-        matmul(into, tokens, hk, d)
-        matmul(into, queries, model.d_kv, keys, batch=sequences * heads)  # scores
-        matmul(into, queries, keys, model.d_kv, batch=sequences * heads)  # weighted values
-        elementwise(into, 2 * sequences * heads * queries * keys)  # softmax in, probabilities out
-
-    def block(into: _Pass, tokens: float) -> None:  # norm + residual around each sublayer
-        elementwise(into, tokens * d * 5)  # norm: read, write; residual add: two reads, a write
-
-    def feed_forward(into: _Pass, tokens: float) -> None:
-        matmul(into, tokens, d, 2 * ff)  # wi_0 and wi_1
-        matmul(into, tokens, ff, d)
-        elementwise(into, tokens * ff * 3)  # gelu(wi_0 x) * wi_1 x: two reads, one write
-        block(into, tokens)
-
-    layers = _Pass()
-    for _ in range(model.num_encoder_layers):
-        attention(layers, enc_tokens, input_length, input_length, with_kv=True)
-        block(layers, enc_tokens)
-        feed_forward(layers, enc_tokens)
-    for _ in range(model.num_decoder_layers):
-        attention(layers, dec_tokens, target_length, target_length, with_kv=True)
-        block(layers, dec_tokens)
-        matmul(layers, enc_tokens, d, 2 * hk)  # cross-attention's k and v
-        attention(layers, dec_tokens, target_length, input_length, with_kv=False)
-        block(layers, dec_tokens)
-        feed_forward(layers, dec_tokens)
-
-    head = _Pass()
-    vocab = model.vocab_size / tensor
-    matmul(head, dec_tokens, d, vocab)
-    head.elementwise += 4 * 4 * dec_tokens * vocab / bandwidth  # fp32 logits: 3 reads, 1 write
+    roofline = (peak * cluster.roofline_fraction, bandwidth * cluster.roofline_fraction)
+    width = 4 if float32 else 2  # bytes per activation value
+    layers, head = _Pass(*roofline, width), _Pass(*roofline, width)
+    _layers(layers, model, sequences, (input_length, target_length), tensor)
+    dec_tokens, vocab = sequences * target_length, model.vocab_size / tensor
+    head.matmul(dec_tokens, model.d_model, vocab)
+    head.elementwise_s += (
+        4 * 4 * dec_tokens * vocab / head.bandwidth
+    )  # fp32 logits: 3 reads, 1 write
 
     recompute = {
-        "dots": layers.elementwise,
-        "minimal": layers.elementwise + layers.attention_matmul,
-        "full": layers.matmul + layers.elementwise,
+        "dots": layers.elementwise_s,
+        "minimal": layers.elementwise_s + layers.attention_matmul_s,
+        "full": layers.matmul_s + layers.elementwise_s,
     }
-    forward = layers.matmul + layers.elementwise
+    forward = layers.matmul_s + layers.elementwise_s
     recomputed_flops = {"dots": 0.0, "minimal": layers.attention_flops, "full": layers.flops}
     return ComputeTime(
         forward_layers=forward,
         backward_layers=2 * forward + recompute[model.remat],
-        head=3 * head.matmul + head.elementwise,
+        head=3 * head.matmul_s + head.elementwise_s,
         matmul_flops=3 * (layers.flops + head.flops) + recomputed_flops[model.remat],
     )

@@ -9,7 +9,7 @@ and overlaps.
   launch (KERNEL_LAUNCH_S). `fit_factor`, the share of that roofline a compiled step reaches,
   divides the roofline part, not the launches: 1 for the bare roofline, or a figure fitted on
   measured GPU steps;
-- communication: each collective as XLA combined it, timed by collectives.py on the nodes its
+- communication: each collective as XLA combined it, timed by nccl.py on the nodes its
   replica group spans (device i on node i // gpus_per_node, processes slowest);
 - overlap, from the schedule: an asynchronous collective hides behind the kernels scheduled
   between its start and done, up to their time; the rest of it, and every synchronous one, is
@@ -23,14 +23,15 @@ one launch per kernel.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from t5scale.analysis.collectives import CollectiveOp
-from t5scale.analysis.kernels import KERNEL_CLASSES, Kernel, Program
-from t5scale.jsonform import JsonRecord
-from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
-from t5scale.whatif.hardware import ClusterConfig
+from t5scale.analysis.kernels import Kernel, Program
+from t5scale.whatif.nccl import collective_seconds, full_bytes, placement
+from t5scale.whatif.program_time import ProgramTime, timed_program
+
+if TYPE_CHECKING:
+    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 # What one kernel costs beyond its own work. NVIDIA's "Getting Started with CUDA Graphs"
 # (developer.nvidia.com/blog/cuda-graphs/) times a 2.9 µs kernel at 3.8 µs per kernel when
@@ -39,22 +40,6 @@ from t5scale.whatif.hardware import ClusterConfig
 # between the queued gap and the host-bound cost; measured steps are to refit it.
 KERNEL_LAUNCH_S = 2e-6
 _FLOAT32 = ("f32", "f64")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramTime(JsonRecord):
-    """Seconds of one step of a compiled GPU program on a cluster, and their parts."""
-
-    step_s: float  # compute_s + exposed_communication_s
-    compute_s: float  # every kernel, launches included
-    launch_s: float  # the launches' share of compute_s
-    compute_by_class_s: dict[str, float]  # kernels.KERNEL_CLASSES
-    communication_s: float  # every collective, as if nothing hid it
-    exposed_communication_s: float
-    hidden_s: float  # communication_s - exposed_communication_s
-    communication_by_kind_s: dict[str, float]
-    exposed_by_kind_s: dict[str, float]
-    kernels: int  # launches per step
 
 
 def kernel_seconds(
@@ -98,44 +83,4 @@ def predict_program(
     launches = sum(kernel.runs for kernel in program.kernels)
     return timed_program(
         program, each, lambda op: collective_run_seconds(op, devices, cluster), launches * launch_s
-    )
-
-
-def timed_program(
-    program: Program,
-    each: Sequence[float],
-    run_seconds: Callable[[CollectiveOp], float],
-    launch_s: float = 0.0,
-) -> ProgramTime:
-    """A program's step from one run of each of its kernels (`each`, in program.kernels'
-    order) and of each collective (`run_seconds`): all the kernels, every collective, and the
-    part of each asynchronous one that the kernels scheduled inside its window hide (GPU and
-    TPU paths alike). `launch_s`: the launches' share of the kernels' seconds."""
-    by_class = dict.fromkeys(KERNEL_CLASSES, 0.0)
-    for kernel, seconds in zip(program.kernels, each, strict=True):
-        by_class[kernel.kind] += kernel.runs * seconds
-    by_kind: dict[str, float] = {}
-    exposed_by_kind: dict[str, float] = {}
-    for collective in program.collectives:
-        op = collective.op
-        run = run_seconds(op)
-        hidden = 0.0
-        if not collective.synchronous:
-            behind = sum(each[index] * count for index, count in collective.overlapped)
-            hidden = min(run, behind)
-        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.count * run
-        exposed_by_kind[op.kind] = exposed_by_kind.get(op.kind, 0.0) + op.count * (run - hidden)
-    compute, communication = sum(by_class.values()), sum(by_kind.values())
-    exposed = sum(exposed_by_kind.values())
-    return ProgramTime(
-        step_s=compute + exposed,
-        compute_s=compute,
-        launch_s=launch_s,
-        compute_by_class_s=by_class,
-        communication_s=communication,
-        exposed_communication_s=exposed,
-        hidden_s=communication - exposed,
-        communication_by_kind_s=by_kind,
-        exposed_by_kind_s=exposed_by_kind,
-        kernels=sum(kernel.runs for kernel in program.kernels),
     )

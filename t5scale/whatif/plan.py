@@ -9,10 +9,15 @@ For each stage it compiles the train step (nothing is allocated) and gives param
 device, model-state bytes per device by the ZeRO formula, XLA's compiled per-device memory
 (argument, temp, peak), whether that fits the device memory, and the bytes each collective
 moves per step. Without a cluster file it compiles for N emulated CPU devices: XLA's CPU
-compiler fuses and schedules differently from a GPU's, so its temp bytes are an estimate of a
-GPU's (the model-state bytes are exact). With a cluster file that names its GPU's compile
-target, XLA's GPU compiler makes the program for N of the cluster's GPUs (t5scale/xla_gpu.py):
-its memory is the GPU program's, and the GPU program's kernels per step come with it.
+compiler fuses and schedules differently from an accelerator's, so its temp bytes are an
+estimate (the model-state bytes are exact). With a cluster file (whatif/hardware.py), its own
+compiler makes the program for N of its devices: XLA:GPU for a GPU cluster that names its
+GPU's compile target (t5scale/xla_gpu.py), XLA:TPU for a TPU pod's slices (t5scale/xla_tpu.py,
+with each stage's collectives timed over ICI and DCN and the bytes it hands DCN). The memory
+is then that program's, and its kernels or operations per step come with it.
+
+    t5scale plan --gin_file=gin/models/mt5_xl.gin --gin_file=gin/clusters/tpu_v5e.gin \
+        --gin.TpuPodConfig.slice="'v5e-64'" --gin.TpuPodConfig.slices=2
 """
 
 from __future__ import annotations
@@ -36,10 +41,8 @@ from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.target import Target
 from t5scale.train.config import RunConfig
 from t5scale.train.setup import Setup
-from t5scale.whatif.compile import cluster_target, compile_for
-from t5scale.whatif.hardware import ClusterConfig
-from t5scale.whatif.tpu_collectives import dcn_op_seconds, op_seconds
-from t5scale.whatif.tpu_pod import TpuPodConfig
+from t5scale.whatif.compile import compile_for
+from t5scale.whatif.hardware import Hardware
 from t5scale.whatif.weak_scaling import weak_scale
 
 GIB = 2**30
@@ -99,7 +102,7 @@ class StagePlan:
     parameters_per_device: int
     device_memory_bytes: float
     # On a TPU pod: the program's collectives over the slice's ICI and between slices over DCN,
-    # seconds per step with none hidden (t5scale/whatif/tpu_collectives.py)
+    # seconds per step with none hidden (t5scale/whatif/ici_dcn.py)
     ici_seconds: float | None = None
     dcn_seconds: float | None = None
     # Between slices: bytes a chip hands DCN per step, read from the program and by the formula
@@ -184,42 +187,38 @@ def plan_stage(
     stage: int,
     target: Target,
     budget_bytes: float,
-    pod: TpuPodConfig | None = None,
+    hardware: Hardware | None = None,
     pipeline: int = 1,
 ) -> StagePlan:
     """The stage compiled with zero over every data-parallel device (replica 1), across the
-    nodes too where the target is several nodes' compile-only GPUs; `pipeline` stages."""
+    nodes or slices too where the target spans several; `pipeline` stages."""
     staged = weak_scale(
         run,
         stage,
         plan.devices,
         plan.micro_batch_size,
         tensor=plan.tensor,
-        hosts=target.dcn_granules,
+        dcn_groups=target.dcn_groups,
         pipeline=pipeline,
     )
-    return compile_stage_plan(staged, target, budget_bytes, pod)
+    return compile_stage_plan(staged, target, budget_bytes, hardware)
 
 
 def compile_stage_plan(
-    run: RunConfig, target: Target, budget_bytes: float, pod: TpuPodConfig | None = None
+    run: RunConfig, target: Target, budget_bytes: float, hardware: Hardware | None = None
 ) -> StagePlan:
     """`run` compiled for `target` as it stands (nothing allocated), within `budget_bytes`;
-    on a TPU `pod`, its collectives timed over the slice's ICI."""
+    its collectives timed over the hardware's links where it times them for a plan."""
     step = compile_for(run, target, int(budget_bytes))
     stage = StagePlan(step.analysis, step.setup.layout.parameters_per_device(), budget_bytes)
-    if pod is None:
+    devices = list(step.setup.mesh.devices.flat)
+    links = hardware.link_seconds(step.analysis.collective_ops, devices) if hardware else None
+    if links is None:
         return stage
-    devices, topology = list(step.setup.mesh.devices.flat), pod.topology()
-    per_chip = pod.dcn_bandwidth_per_host / pod.chips_per_host
-    ici = dcn = 0.0
-    for op in step.analysis.collective_ops:
-        ici += op_seconds(op, devices, topology.slice, pod.ici_link_bandwidth) or 0.0
-        dcn += dcn_op_seconds(op, topology.slices, per_chip) or 0.0
     return dataclasses.replace(
-        stage, ici_seconds=ici, dcn_seconds=dcn,
+        stage, ici_seconds=links["ICI"], dcn_seconds=links["DCN"],
         dcn_program=dcn_program_bytes(step.analysis.collective_ops),
-        dcn_formula=step_dcn_formula(step.setup, topology.slices),
+        dcn_formula=step_dcn_formula(step.setup, target.dcn_groups),
     )  # fmt: skip
 
 
@@ -248,34 +247,16 @@ def step_dcn_formula(setup: Setup, slices: int) -> DcnBytes:
 
 
 def run_plan(
-    run: RunConfig,
-    plan: PlanConfig,
-    show=print,
-    cluster: ClusterConfig | TpuPodConfig | None = None,
+    run: RunConfig, plan: PlanConfig, show=print, hardware: Hardware | None = None
 ) -> Plan:
-    """Each stage compiled for `plan.devices` emulated CPU devices; with a GPU cluster that
-    names its GPU's compile target, for that many of its GPUs by XLA's GPU compiler; with a
-    TPU pod, for its slices' chips by XLA's TPU compiler (device memory then theirs)."""
-    if isinstance(cluster, TpuPodConfig):
-        target = Target.compile_only_tpus(cluster.topology())
-        if plan.devices not in (PlanConfig.devices, target.size):
-            raise ConfigError(f"PlanConfig.devices={plan.devices}, but {cluster.slices} × "
-                              f"{cluster.slice} are {target.size} chips")  # fmt: skip
-        plan = dataclasses.replace(plan, devices=target.size)
-        budget = cluster.device_memory_gb * 1e9
-    elif cluster is not None:
-        target = cluster_target(cluster, plan.devices, "gpu")
-        budget = cluster.device_memory_gb * 1e9
-    else:
-        here = Target.local()
-        if here.size < plan.devices:
-            raise ConfigError(f"{plan.devices} devices to plan for, {here.size} emulated")
-        target = Target.local(plan.devices)
-        budget = plan.device_memory_gb * 1e9
+    """Each stage compiled for `plan.devices` emulated CPU devices; with a cluster file's
+    hardware, for that many of its devices by its own compiler (a TPU pod's named slices where
+    it names them), its device memory the budget."""
+    target, budget = _plan_target(plan, hardware)
+    plan = dataclasses.replace(plan, devices=target.size)
     show(f"compiling for {target.compiler_name}")
-    pod = cluster if isinstance(cluster, TpuPodConfig) else None
     if plan.job:
-        job = compile_stage_plan(run, target, budget, pod)
+        job = compile_stage_plan(run, target, budget, hardware)
         show(f"the job (stage {run.parallel.zero_stage}): compiled in "
              f"{job.analysis.compile_time_s:.1f} s")  # fmt: skip
         return Plan(run, plan, (job,), target.compiler_name, budget / 1e9)
@@ -286,7 +267,7 @@ def run_plan(
             show(f"pipeline {pipeline}: ZeRO stages 0 and 1 only (a pipeline accumulates each "
                  "stage's gradients inside its schedule, as DeepSpeed's refuses 2 and 3)")  # fmt: skip
         for stage in allowed:
-            stages.append(plan_stage(run, plan, stage, target, budget, pod, pipeline))
+            stages.append(plan_stage(run, plan, stage, target, budget, hardware, pipeline))
             where = f"pipeline {pipeline}, " if pipeline > 1 else ""
             show(f"{where}stage {stage}: compiled in {stages[-1].analysis.compile_time_s:.1f} s")
     if not stages:
@@ -294,6 +275,21 @@ def run_plan(
             f"nothing to plan: a pipeline takes ZeRO stages 0 and 1, not {plan.stages}"
         )
     return Plan(run, plan, tuple(stages), target.compiler_name, budget / 1e9)
+
+
+def _plan_target(plan: PlanConfig, hardware: Hardware | None) -> tuple[Target, float]:
+    """What to compile for, and the memory budget in bytes."""
+    if hardware is None:
+        here = Target.local()
+        if here.size < plan.devices:
+            raise ConfigError(f"{plan.devices} devices to plan for, {here.size} emulated")
+        return Target.local(plan.devices), plan.device_memory_gb * 1e9
+    named = hardware.named_target()
+    if named is not None and plan.devices not in (PlanConfig.devices, named.size):
+        raise ConfigError(f"PlanConfig.devices={plan.devices}, but {hardware.name}'s file "
+                          f"names {named.size} devices")  # fmt: skip
+    target = named or hardware.target(plan.devices)
+    return target, hardware.memory_budget_bytes
 
 
 def _precision_words(precision: StatePrecision) -> str:

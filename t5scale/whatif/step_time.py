@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
@@ -47,11 +48,13 @@ from t5scale.analysis.hlo import mesh_axes
 from t5scale.analysis.records import StepAnalysis
 from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import ModelConfig
-from t5scale.whatif.collectives import collective_seconds, full_bytes, placement
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.gpu_step import predict_program
-from t5scale.whatif.hardware import ClusterConfig
+from t5scale.whatif.nccl import collective_seconds, full_bytes, placement
 from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
+
+if TYPE_CHECKING:
+    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 DATA_AXES = {"replica", "zero"}
 

@@ -7,9 +7,9 @@ mT5 was found to check it against (docs/cluster_model.md), and the CLI says so.
   written at the HBM bandwidth: the bare roofline, a lower bound, with no launch cost (a TPU
   runs one compiled program, no kernel launches from the host). Loops run their trip counts;
 - communication: each collective over the ICI torus axes its replica group spans
-  (tpu_collectives.op_seconds: rings both ways where an axis wraps, lines where not, a hop
+  (ici_dcn.op_seconds: rings both ways where an axis wraps, lines where not, a hop
   latency), and XLA:TPU's transfers between slices at each chip's share of its host's DCN
-  (tpu_collectives.dcn_op_seconds);
+  (ici_dcn.dcn_op_seconds);
 - overlap, from the schedule: an async collective (XLA:TPU's start and done fusions, a
   transfer's send and send-done) hides behind the operations scheduled between its start and
   its done, up to their time; a synchronous one is exposed.
@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
-from t5scale.whatif.gpu_step import ProgramTime, timed_program
-from t5scale.whatif.tpu_collectives import dcn_op_seconds, op_seconds
-from t5scale.whatif.tpu_pod import TpuPodConfig
+from t5scale.whatif.ici_dcn import dcn_op_seconds, op_seconds
+from t5scale.whatif.program_time import ProgramTime, timed_program
 from t5scale.xla_tpu import TpuTopology
+
+if TYPE_CHECKING:
+    from t5scale.whatif.tpu_pod import TpuPodConfig
 
 UNVALIDATED = (
     "TPU path, unvalidated: no published TPU step time of T5 or mT5 was found to check it "

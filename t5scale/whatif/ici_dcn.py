@@ -16,7 +16,7 @@ collective is bound by them. An all-reduce is a reduce-scatter then an all-gathe
     T = max(hops · latency, (N − 1)/N · V / Σ_axes bandwidth(axis))
 
 The book's worked answers round (N − 1)/N to 1 where they say "≈ V / W"; its summary keeps it,
-and so does this (tests/test_tpu_collectives.py re-predicts its examples).
+and so does this (tests/test_ici_dcn.py re-predicts its examples).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The ICI collective model (t5scale/whatif/tpu_collectives.py) against the jax-ml scaling
+"""The ICI collective model (t5scale/whatif/ici_dcn.py) against the jax-ml scaling
 book's worked examples ("How to Scale Your Model", the sharding chapter's pop quiz and
 questions 2 and 3), and the slices' wraparound as the book and MaxText give it."""
 
 import pytest
 
-from t5scale.whatif.tpu_collectives import TorusAxis, seconds, slice_axes
+from t5scale.whatif.ici_dcn import TorusAxis, seconds, slice_axes
 from t5scale.xla_tpu import TpuSlice
 
 # The book's ICI links, one way: v5e 4.5e10 B/s; v4p 4.5e10 (its answers use 9e10 both ways)

@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.memory import DcnBytes
-from t5scale.whatif.hardware import ClusterConfig
+
+if TYPE_CHECKING:
+    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 
 @dataclasses.dataclass(frozen=True)
