@@ -23,7 +23,7 @@ from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import read_program
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import CheckpointMeta, Checkpoints
+from t5scale.train.checkpoint import Checkpoints, saved_meta
 from t5scale.train.config import CheckpointConfig
 from t5scale.train.pipeline import bubble_fraction, ticks
 from t5scale.train.precision import PrecisionConfig
@@ -146,7 +146,7 @@ def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
 
     def save(directory, setup, state):
         checkpoints = Checkpoints(str(directory), CheckpointConfig(async_save=False))
-        meta = CheckpointMeta.saved(setup.run, setup.form, 2, 2)
+        meta = saved_meta(setup.run, setup.form, 2, 2)
         checkpoints.save(2, setup.form.to_canonical(state), meta)
         checkpoints.close()
 
