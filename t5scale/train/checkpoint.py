@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.startup import absl_quiet
+from t5scale.target import Target
 from t5scale.train.checkpoint_meta import (
     CheckpointMeta,
     SavedSync,
@@ -67,7 +68,7 @@ def _whole_shards_on_the_cpu() -> None:
     at a process's first save (2 s of it), 0.2 s for each later save; whole shards: 0.02 s and
     0.14 s. The files are alike (tensorstore reads either); on GPUs orbax's default stands.
     """
-    if jax.default_backend() == "cpu":
+    if Target.local().platform == "cpu":
         whole = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
         with absl_quiet():  # orbax warns of every override it is asked for
             ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
