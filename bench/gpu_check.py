@@ -303,10 +303,13 @@ def fused_attention_flops(jax, function, arrays) -> float | None:
     run the same function compiled for one H100 without one (None without jax's CUDA plugin)."""
     from jax.sharding import SingleDeviceSharding
 
+    from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.kernels import read_program
 
     if jax.devices()[0].platform == "gpu":
-        return read_program(function.lower(*arrays).compile().as_text()).inventory.attention.flops
+        return read_program(
+            parse_module(function.lower(*arrays).compile().as_text())
+        ).inventory.attention.flops
     target = _h100_target()
     if target is None:
         return None
@@ -315,7 +318,7 @@ def fused_attention_flops(jax, function, arrays) -> float | None:
               for a in arrays]  # fmt: skip
     with target.compiling():
         compiled = function.lower(*shapes).compile(target.compiler_options)
-    return read_program(compiled.as_text()).inventory.attention.flops
+    return read_program(parse_module(compiled.as_text())).inventory.attention.flops
 
 
 def _errors(names: list[str], got, want) -> dict[str, float]:

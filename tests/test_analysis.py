@@ -1,5 +1,7 @@
 """Accounting checked against independent counts: HLO collectives, and FLOPs against XLA."""
 
+import sys
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the backend
@@ -21,9 +23,10 @@ from t5scale.analysis.hlo import (  # noqa: E402
     collective_stats,
     first_group,
     group_size,
-    shape_bytes,
 )
+from t5scale.analysis.hlo_module import parse_module, shape_bytes  # noqa: E402
 from t5scale.model.sizes import ModelConfig  # noqa: E402
+from t5scale.startup import cuda_plugin_installed  # noqa: E402
 
 F32 = 4
 
@@ -55,7 +58,10 @@ def test_collective_in_a_scan_counts_once_per_iteration():
     text = _compiled_text(looped, (20, 8, 8))
     assert text.count(" all-reduce(") == 1  # written once, inside the while body
     assert '"known_trip_count":{"n":"5"}' in text
-    in_loop, single = collective_stats(text), collective_stats(_compiled_text(once, (20, 8, 8)))
+    in_loop, single = (
+        collective_stats(parse_module(text)),
+        collective_stats(parse_module(_compiled_text(once, (20, 8, 8)))),
+    )
     assert single["all-reduce"] == {"count": 1, "bytes": 8 * 8 * F32, "operand_bytes": 8 * 8 * F32}
     assert in_loop["all-reduce"] == {k: 5 * v for k, v in single["all-reduce"].items()}
     assert set(in_loop) == {"all-reduce"}
@@ -66,7 +72,7 @@ def test_reduce_scatter_and_all_gather_sizes():
         scattered = lax.psum_scatter(x, "zero", scatter_dimension=0, tiled=True)  # [2, 16]
         return lax.all_gather(scattered * 2, "zero", axis=0, tiled=True)  # [8, 16]
 
-    stats = collective_stats(_compiled_text(fn, (32, 16)))
+    stats = collective_stats(parse_module(_compiled_text(fn, (32, 16))))
     scatter, gather = stats["reduce-scatter"], stats["all-gather"]
     assert scatter["count"] == gather["count"] == 1
     assert scatter["operand_bytes"] == 8 * 16 * F32
@@ -80,7 +86,7 @@ def test_all_to_all_and_collective_permute():
         swapped = lax.all_to_all(x, "zero", 0, 0, tiled=True)
         return swapped + lax.ppermute(x, "zero", [(i, (i + 1) % 4) for i in range(4)])
 
-    stats = collective_stats(_compiled_text(fn, (32, 16)))
+    stats = collective_stats(parse_module(_compiled_text(fn, (32, 16))))
     for kind in ("all-to-all", "collective-permute"):
         assert stats[kind] == {"count": 1, "bytes": 8 * 16 * F32, "operand_bytes": 8 * 16 * F32}
 
@@ -92,7 +98,7 @@ def test_a_psum_over_an_axis_of_one_device_is_not_counted():
     names = ("zero", "tensor", "one")
     text = _compiled_text(fn, (32, 16), mesh_shape=(4, 2, 1), names=names)
     assert text.count(" all-reduce(") == 2  # XLA keeps both; only the tensor one moves data
-    assert collective_stats(text)["all-reduce"]["count"] == 1
+    assert collective_stats(parse_module(text))["all-reduce"]["count"] == 1
 
 
 # --- handwritten HLO: the forms CPU programs do not show --------------------------------------
@@ -122,7 +128,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 }
 """
     )
-    stats = collective_stats(text)
+    stats = collective_stats(parse_module(text))
     tuple_bytes = 4 * 4 + 2 * 2 * 2
     assert stats == {
         "all-reduce": {"count": 1, "bytes": tuple_bytes, "operand_bytes": tuple_bytes},
@@ -166,7 +172,7 @@ ENTRY %main (p: f32[8,16]) -> f32[8,16] {
 """
     )
     full, quarter = 8 * 16 * F32, 2 * 16 * F32
-    assert collective_stats(text) == {
+    assert collective_stats(parse_module(text)) == {
         "all-reduce": {"count": 1, "bytes": full + quarter, "operand_bytes": full + quarter},
         "all-gather": {"count": 1, "bytes": full, "operand_bytes": quarter},
         "reduce-scatter": {"count": 1, "bytes": quarter, "operand_bytes": full},
@@ -218,7 +224,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 }
 """
     )
-    stats = collective_stats(text)
+    stats = collective_stats(parse_module(text))
     assert stats["all-reduce"] == {"count": 3 * 2, "bytes": 6 * 16, "operand_bytes": 6 * 16}
     assert stats["all-gather"]["count"] == 1  # loop of unknown length: once, and flagged
     assert stats["collective-permute"]["count"] == 1  # reached through `call ... to_apply=`
@@ -393,5 +399,37 @@ def test_operands_past_the_fifth_count_in_a_collective_s_bytes():
         "/*index=5*/f32[4]{0}) all-reduce(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5), "
         "channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add\n}\n"
     )
-    (op,), _ = collective_ops(text)
+    (op,), _ = collective_ops(parse_module(text))
     assert (op.bytes, op.operand_bytes) == (6 * 16, 6 * 16)
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (test extra)")
+def test_a_step_analysis_parses_its_program_once(monkeypatch):
+    """The analysis of a train step compiled for two H100s reads its collectives and its
+    kernels from one parse of the program's text."""
+    from conftest import tiny_run
+
+    from t5scale.analysis import hlo_module
+    from t5scale.analysis.step import analyze_step
+    from t5scale.parallel.mesh import ParallelConfig
+    from t5scale.train.setup import build_setup
+    from t5scale.xla_gpu import GpuTopology
+
+    run = tiny_run(ParallelConfig(zero_stage=3, zero=2))
+    setup = build_setup(run, GpuTopology("h100_sxm", gpus_per_node=2).devices())
+    compiled = setup.compile().compiled
+    parse, parsed = hlo_module.parse_module, []
+
+    def counted(text: str) -> hlo_module.Module:
+        parsed.append(text)
+        return parse(text)
+
+    # Wherever the parser was imported by name, each call is counted.
+    for module in [m for name, m in sys.modules.items() if name.startswith("t5scale")]:
+        if getattr(module, "parse_module", None) is parse:
+            monkeypatch.setattr(module, "parse_module", counted)
+    analysis = analyze_step(compiled, setup.step_shape())
+    assert len(parsed) == 1, f"the step's program was parsed {len(parsed)} times"
+    assert parsed[0] == compiled.as_text()
+    assert analysis.collective_ops and analysis.program.collectives  # both read the one parse
+    assert analysis.program.kernels

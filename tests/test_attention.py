@@ -231,6 +231,7 @@ def test_the_kernels_are_priced_as_attention(causal):
     """The cluster model's inventory (t5scale/analysis/kernels.py) of a compile-only H100
     program: one forward and two backward kernels, by hand 2·B·N·T·S·H = 2·2·4·128·128·64 per
     product, 2 + 4 + 3 products, causal ones over 3 of the 4 block pairs (two blocks of 64)."""
+    from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.kernels import read_program
     from t5scale.xla_gpu import GpuTopology, compiler_options
 
@@ -246,7 +247,7 @@ def test_the_kernels_are_priced_as_attention(causal):
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, q, q, bias, segments)
     compiled = lowered.compile(compiler_options=compiler_options([device]))
-    attention = read_program(compiled.as_text()).inventory.attention
+    attention = read_program(parse_module(compiled.as_text())).inventory.attention
     per_product = 2 * 2 * 4 * 128 * 128 * 64
     assert attention.count == 3
     assert attention.flops == pytest.approx(per_product * 9 * (3 / 4 if causal else 1))

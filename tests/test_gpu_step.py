@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import Kernel, read_program
 from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, kernel_seconds, predict_program
@@ -71,7 +72,7 @@ def by_hand(fit: float = 1.0, hidden: bool = True) -> dict[str, float]:
 
 
 def test_step_by_hand():
-    program = read_program(STEP.replace("IS_SYNC", "false"))
+    program = read_program(parse_module(STEP.replace("IS_SYNC", "false")))
     time = predict_program(program, CLUSTER)
     expected = by_hand()
     assert time.compute_s == pytest.approx(expected["compute"])
@@ -94,7 +95,7 @@ def test_step_by_hand():
 
 
 def test_synchronous_collective_is_exposed():
-    program = read_program(STEP.replace("IS_SYNC", "true"))
+    program = read_program(parse_module(STEP.replace("IS_SYNC", "true")))
     time = predict_program(program, CLUSTER)
     assert time.hidden_s == 0
     assert time.step_s == pytest.approx(by_hand(hidden=False)["step"])
@@ -111,7 +112,7 @@ def test_fused_attention_runs_at_its_own_rate():
 
 
 def test_fit_factor_scales_the_roofline_not_the_launches():
-    program = read_program(STEP.replace("IS_SYNC", "false"))
+    program = read_program(parse_module(STEP.replace("IS_SYNC", "false")))
     time = predict_program(program, CLUSTER, fit_factor=0.5)
     assert time.step_s == pytest.approx(by_hand(fit=0.5)["step"])
     with pytest.raises(ValueError, match="fit_factor"):
@@ -120,7 +121,7 @@ def test_fit_factor_scales_the_roofline_not_the_launches():
 
 def test_group_across_nodes_is_slower():
     # the same 8-device gather laid over two nodes of 4 crosses the network
-    program = read_program(STEP.replace("IS_SYNC", "false"))
+    program = read_program(parse_module(STEP.replace("IS_SYNC", "false")))
     four_per_node = dataclasses.replace(CLUSTER, gpus_per_node=4)
     across = predict_program(program, four_per_node)
     assert across.communication_s > predict_program(program, CLUSTER).communication_s

@@ -13,7 +13,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from t5scale.analysis.hlo import Instruction, collective_ops, parse_module
+from t5scale.analysis.hlo import collective_ops
+from t5scale.analysis.hlo_module import Instruction, parse_module
 from t5scale.analysis.hlo_walk import Walk, trip_count
 from t5scale.analysis.kernels import read_program
 from t5scale.startup import cuda_plugin_installed, libtpu_installed
@@ -60,8 +61,9 @@ def runs_per_kind(ops) -> dict[str, int]:
 def test_nested_loops_multiply_alike_for_collectives_and_kernels():
     text = nested_loops(jax.devices()[:8])
     assert text.count(" all-reduce(") == text.count(" all-gather(") == 1  # written once each
-    counted, _ = collective_ops(text)
-    program = read_program(text)
+    module = parse_module(text)
+    counted, _ = collective_ops(module)
+    program = read_program(module)
     scheduled = [collective.op for collective in program.collectives]
     for kind in ("all-reduce", "all-gather"):
         (op,) = [op for op in counted if op.kind == kind]
@@ -75,7 +77,6 @@ def test_nested_loops_multiply_alike_for_collectives_and_kernels():
     # The walk with every instruction an item, control flow aside, as the kernel inventory
     # walks: the inner body's run OUTER × INNER times, the outer body's OUTER times, the ENTRY's
     # once, and the conditions' never (a loop of known trip count does not evaluate them).
-    module = parse_module(text)
     (outer_loop,) = [i for i in module.computations[module.entry] if i.opcode == "while"]
     outer_body = callee(outer_loop, "body")
     (inner_loop,) = [i for i in module.computations[outer_body] if i.opcode == "while"]
@@ -91,7 +92,7 @@ def test_nested_loops_multiply_alike_for_collectives_and_kernels():
     def each(instruction: Instruction, computation: str) -> Counter[str] | None:
         return None if instruction.opcode in CONTROL else Counter([instruction.name])
 
-    walk = Walk(module.computations, each)
+    walk = Walk(module, each)
     runs = walk.per_run(module.entry)
     for computation, times in expected.items():
         for instruction in module.computations[computation]:
@@ -108,8 +109,9 @@ def test_nested_loops_compiled_for_gpus_count_alike():
 
     devices = GpuTopology("h100_sxm", 1, 8).devices()
     text = nested_loops(devices, compiler_options(devices))
-    counted, totals = collective_ops(text)
-    program = read_program(text)
+    module = parse_module(text)
+    counted, totals = collective_ops(module)
+    program = read_program(module)
     expected = {"all-reduce": OUTER * INNER, "all-gather": OUTER * INNER}
     assert runs_per_kind(counted) == expected
     assert runs_per_kind(c.op for c in program.collectives) == expected
@@ -170,8 +172,9 @@ def test_a_loop_condition_counts_alike_for_collectives_and_kernels(known):
     """Known trip count: the body 3 times, the condition never, in both counts. Unknown: the
     body and the condition once each, in both, and the loop is noted by both."""
     text = LOOP if known else LOOP.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
-    counted, totals = collective_ops(text)
-    program = read_program(text)
+    module = parse_module(text)
+    counted, totals = collective_ops(module)
+    program = read_program(module)
     runs = 3 if known else 1
     expected = {"all-gather": runs} if known else {"all-gather": 1, "all-reduce": 1}
     assert runs_per_kind(counted) == runs_per_kind(c.op for c in program.collectives) == expected
@@ -225,7 +228,7 @@ def test_loops_xla_tpu_leaves_without_a_trip_count_are_counted_from_the_loop():
     module = parse_module(program)
     loops = [i for body in module.computations.values() for i in body if i.opcode == "while"]
     assert [trip_count(loop) for loop in loops] == [None, None]
-    assert sorted(trip_count(loop, module.computations) for loop in loops) == [OUTER, INNER]
-    ops, totals = collective_ops(program)
+    assert sorted(trip_count(loop, module) for loop in loops) == [OUTER, INNER]
+    ops, totals = collective_ops(module)
     assert runs_per_kind(ops) == {"all-gather": OUTER * INNER, "all-reduce": OUTER * INNER}
     assert totals.unknown_trip_count_loops == 0

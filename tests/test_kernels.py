@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import ClassTotal, Program, read_program
 
 GEMM_CONFIG = (
@@ -105,7 +106,7 @@ ENTRY %main.1 (p.0: bf16[256,512], p.1: bf16[512,1024], p.2: f32[64,32], p.3: bf
 
 
 def test_inventory_by_class_with_loops_multiplied_out():
-    inventory = read_program(PROGRAM).inventory
+    inventory = read_program(parse_module(PROGRAM)).inventory
     # 256×512 · 512×1024: 2·256·1024·512 FLOPs; the s8 workspace is no output
     assert inventory.gemm == ClassTotal(
         1, (256 * 512 + 512 * 1024) * 2, 256 * 1024 * 2, 2.0 * 256 * 1024 * 512
@@ -130,7 +131,7 @@ def test_inventory_by_class_with_loops_multiplied_out():
 
 
 def test_collectives_with_their_schedule():
-    program = read_program(PROGRAM)
+    program = read_program(parse_module(PROGRAM))
     assert program.devices == 2
     by_kind = {collective.op.kind: collective for collective in program.collectives}
     gather = by_kind["all-gather"]
@@ -147,7 +148,7 @@ def test_collectives_with_their_schedule():
 
 
 def test_program_json_round_trip():
-    program = read_program(PROGRAM)
+    program = read_program(parse_module(PROGRAM))
     text = json.dumps(program.to_json())
     assert Program.from_json(json.loads(text)) == program
     assert program.inventory.to_json()["gemm"]["count"] == 1
@@ -155,20 +156,20 @@ def test_program_json_round_trip():
 
 def test_alike_kernels_are_one_record():
     # the three runs of the loop's fusion are one record with 3 runs
-    fusions = [k for k in read_program(PROGRAM).kernels if k.kind == "fusion"]
+    fusions = [k for k in read_program(parse_module(PROGRAM)).kernels if k.kind == "fusion"]
     assert [(k.runs, k.bytes_read, k.bytes_written) for k in fusions] == [(3, 8192, 4096)]
 
 
 def test_backward_attention_counts_five_products():
     backward = PROGRAM.replace("fmhaScaleBiasSoftmax", "fmhaScaleBiasSoftmaxBackward")
-    assert read_program(backward).inventory.attention.flops == pytest.approx(
+    assert read_program(parse_module(backward)).inventory.attention.flops == pytest.approx(
         5 * 2.0 * 4 * 8 * 512 * 512 * 64
     )
 
 
 def test_loop_of_unknown_trip_count_counted_once():
     unknown = PROGRAM.replace('"known_trip_count":{"n":"3"},', "")
-    inventory = read_program(unknown).inventory
+    inventory = read_program(parse_module(unknown)).inventory
     assert inventory.unknown_trip_count_loops == 1
     # body once, and the condition's compare fusion once
     assert inventory.fusion.count == 2 and inventory.other.count == 1
@@ -194,7 +195,7 @@ ENTRY %main (a: f32[8,16], b: f32[16,4], c: f32[8,4], x: bf16[8,16], y: bf16[16,
   ROOT %custom-call.3 = f32[8,4]{1,0} custom-call(%dot.1, %c, %c, %c, %c, /*index=5*/%c), custom_call_target="my_kernel"
 }
 """
-    program = read_program(text)
+    program = read_program(parse_module(text))
     flops = 2.0 * 8 * 4 * 16
     gemms = {
         (k.dtype, k.flops, k.bytes_read, k.bytes_written)
@@ -230,7 +231,7 @@ ENTRY %main (stack: bf16[24,1024,64], i: s32[]) -> bf16[1,1024,64] {
   ROOT %fusion-done = bf16[1,1024,64]{2,1,0} fusion-done(%fusion-start)
 }
 """
-    inventory = read_program(text).inventory
+    inventory = read_program(parse_module(text)).inventory
     layer = 1024 * 64 * 2
     assert inventory.copy.count == 1 and inventory.other.count == 0
     assert (inventory.copy.bytes_read, inventory.copy.bytes_written) == (layer + 4, layer)
@@ -267,6 +268,6 @@ ENTRY %main (x: bf16[8,512], stack: bf16[24,512,64], i: s32[]) -> bf16[8,64] {
   ROOT %fusion = bf16[8,64]{1,0} fusion(%x, %stack, %i), kind=kOutput, calls=%layer_matmul
 }
 """
-    (gemm,) = read_program(text).kernels
+    (gemm,) = read_program(parse_module(text)).kernels
     assert gemm.kind == "gemm" and gemm.flops == 2.0 * 8 * 64 * 512
     assert gemm.bytes_read == 8 * 512 * 2 + 512 * 64 * 2 + 4

@@ -19,10 +19,11 @@ from conftest import (
 )
 
 from t5scale.analysis.hlo import collective_ops, mesh_axes
+from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import read_program
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import CheckpointMeta, Checkpoints
+from t5scale.train.checkpoint import Checkpoints, saved_meta
 from t5scale.train.config import CheckpointConfig
 from t5scale.train.pipeline import bubble_fraction, ticks
 from t5scale.train.precision import PrecisionConfig
@@ -85,7 +86,7 @@ def test_each_device_holds_its_stages_layers_and_moves_activations_by_permutes_o
     assert setup.layout.parameters_per_device() == whole - stacks + stacks // stages
     assert setup.layout.parameters_per_device() < 0.7 * whole
 
-    ops, _ = collective_ops(step.compiled.as_text())
+    ops, _ = collective_ops(parse_module(step.compiled.as_text()))
     mesh = dict(setup.mesh.shape)
     permutes = [op for op in ops if op.kind == "collective-permute"]
     assert permutes and all(mesh_axes(op.group, mesh) == {"pipeline"} for op in permutes)
@@ -127,8 +128,8 @@ def test_the_idle_ticks_are_in_the_programs_matmuls():
     setup, step = _compiled("pipeline4")
     stages, micro_batches = 4, 4
     flat = tiny_setup(ParallelConfig(zero=2), devices=2, model=MODEL)  # the same local batch
-    piped = read_program(step.compiled.as_text()).inventory.gemm.flops
-    whole = read_program(flat.compile().compiled.as_text()).inventory.gemm.flops
+    piped = read_program(parse_module(step.compiled.as_text())).inventory.gemm.flops
+    whole = read_program(parse_module(flat.compile().compiled.as_text())).inventory.gemm.flops
     # The output projection's matmuls, forward and backward, on the local batch's targets.
     rows = setup.run.train.batch_size // setup.mesh.shape["zero"]
     head = 3 * 2 * rows * 16 * MODEL.d_model * MODEL.vocab_size
@@ -145,7 +146,7 @@ def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
 
     def save(directory, setup, state):
         checkpoints = Checkpoints(str(directory), CheckpointConfig(async_save=False))
-        meta = CheckpointMeta.saved(setup.run, setup.form, 2, 2)
+        meta = saved_meta(setup.run, setup.form, 2, 2)
         checkpoints.save(2, setup.form.to_canonical(state), meta)
         checkpoints.close()
 

@@ -15,7 +15,8 @@ from t5scale.config import gin_text_of, run_from_gin_text
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, SavedSync, model_signature
+from t5scale.train.checkpoint import Checkpoints
+from t5scale.train.checkpoint_meta import CheckpointMeta, SavedSync, model_signature
 from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
 from t5scale.train.export import export_checkpoint
 from t5scale.train.metrics import StepRecord

@@ -9,6 +9,7 @@ from conftest import tiny_setup
 from jax.sharding import PartitionSpec as P
 
 from t5scale.analysis.hlo import collective_stats
+from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.memory import compiled_memory, model_state_bytes, zero3_collective_bytes
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
@@ -37,7 +38,7 @@ def _compile(stage: int):
         "state": setup.state,
         "compiled": compiled,
         "grads_compiled": grads_compiled,
-        "collectives": collective_stats(compiled.as_text()),
+        "collectives": collective_stats(parse_module(compiled.as_text())),
         "memory": compiled_memory(compiled),
         "batch_bytes": batch_bytes,
     }

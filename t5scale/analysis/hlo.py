@@ -1,9 +1,9 @@
 """Collectives of a compiled program, counted and sized from its HLO text, per executed step.
 
-`collective_stats(compiled.as_text())` parses the module into computations, walks the call graph
-from the ENTRY computation (t5scale/analysis/hlo_walk.py, which says how often each computation
-runs) and counts each collective as often as its computation runs: a collective inside a `while`
-loop (the layer scan, the micro-batch loop) appears once in the text but runs trip-count times.
+`collective_ops(module)` walks a parsed program (t5scale/analysis/hlo_module.py) from its ENTRY
+computation (t5scale/analysis/hlo_walk.py, which says how often each computation runs) and
+counts each collective as often as its computation runs: a collective inside a `while` loop
+(the layer scan, the micro-batch loop) appears once in the text but runs trip-count times.
 Two things are left out on purpose:
 
 - collectives whose groups hold one device each (size-1 mesh axes) move nothing;
@@ -18,7 +18,6 @@ widened is given under "widened_by_backend".
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections import Counter
@@ -28,25 +27,23 @@ from typing import Any
 import numpy as np
 
 from t5scale.analysis.collectives import KINDS, CollectiveOp, Collectives
-from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name, operand_name
+from t5scale.analysis.hlo_module import (
+    Instruction,
+    Module,
+    custom_call_target,
+    dtype_of,
+    element_count,
+    operand_bytes,
+    operand_name,
+    operand_type,
+    shape_bytes,
+    tuple_elements,
+    users_of,
+)
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name, fused_parameter
 
 _NARROW_FLOATS = ("bf16", "f16")
 
-DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s4": 1, "u4": 1, "s2": 1, "u2": 1,
-    "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "f8e5m2": 1,
-    "f8e5m2fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1,
-    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-    "f32": 4, "s32": 4, "u32": 4,
-    "f64": 8, "s64": 8, "u64": 8, "c64": 8,
-    "c128": 16,
-}  # fmt: skip
-
-NAME_PATTERN = r"%?([\w.\-]+)"
-ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_HEADER = re.compile(r"^\s*(ENTRY\s+)?" + NAME_PATTERN + r"\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?" + NAME_PATTERN + r"\s*=\s*(.*)$")
-_OPCODE = re.compile(r"([\w\-]+)\(")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,\s]+)\]<=")
 # Newer XLA: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} — the devices (in order) as
@@ -56,109 +53,7 @@ _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\]"
     r"(?:,\s*device_ids=\(\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?\))?\s*\{([^}]*)\}"
 )
-_COMMENT = re.compile(r"/\*.*?\*/")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction, as much of it as the counting needs."""
-
-    name: str
-    result_type: str
-    opcode: str
-    operands: tuple[str, ...]  # each as printed: `%x`, or `f32[8]{0} %x`
-    attributes: str  # everything after the operand list
-
-
-@dataclasses.dataclass
-class Module:
-    computations: dict[str, list[Instruction]]
-    entry: str | None
-    types: dict[str, str]  # instruction name -> result type (names are unique in a module)
-    by_name: dict[str, Instruction] = dataclasses.field(default_factory=dict)  # name -> itself
-
-
-def shape_bytes(type_text: str) -> int:
-    """Bytes of an HLO type such as `f32[8,64]{1,0}`, or of all elements of a tuple type."""
-    total = 0
-    for dtype, dims in ARRAY_TYPE.findall(type_text):
-        if dtype in DTYPE_BYTES:
-            sizes = (int(d.strip().removeprefix("<=")) for d in dims.split(",") if d.strip())
-            total += DTYPE_BYTES[dtype] * math.prod(sizes)
-    return total
-
-
-def _closing(text: str, start: int) -> int:
-    """Index just past the bracket group that opens at text[start]."""
-    depth = 0
-    for index in range(start, len(text)):
-        if text[index] in "({[":
-            depth += 1
-        elif text[index] in ")}]":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-    return len(text)
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Comma-separated items of `text`, ignoring commas nested in brackets."""
-    items, depth, start = [], 0, 0
-    for index, char in enumerate(text):
-        depth += (char in "({[") - (char in ")}]")
-        if char == "," and depth == 0:
-            items.append(text[start:index].strip())
-            start = index + 1
-    items.append(text[start:].strip())
-    return [item for item in items if item]
-
-
-def tuple_elements(type_text: str) -> list[str]:
-    """Top-level elements of a tuple type; a non-tuple type is its own single element."""
-    type_text = type_text.strip()
-    if not type_text.startswith("("):
-        return [type_text]
-    return _split_top_level(type_text[1 : _closing(type_text, 0) - 1])
-
-
-def parse_instruction(line: str) -> Instruction | None:
-    """The instruction on one line of HLO text, or None if the line holds none."""
-    match = _INSTRUCTION.match(line)
-    if not match:
-        return None
-    name, rest = match.groups()
-    if rest.startswith("("):  # tuple result type
-        end = _closing(rest, 0)
-        result_type, rest = rest[:end], rest[end:].lstrip()
-    else:
-        result_type, _, rest = rest.partition(" ")
-    opcode = _OPCODE.match(rest)
-    if not opcode:
-        return None
-    end = _closing(rest, opcode.end() - 1)
-    operands = tuple(_split_top_level(rest[opcode.end() : end - 1]))
-    return Instruction(name, result_type, opcode.group(1), operands, rest[end:])
-
-
-@functools.lru_cache(maxsize=1)  # a step's analysis parses one program several times
-def parse_module(hlo_text: str) -> Module:
-    """Split HLO text into its computations (`name (params) -> type { … }` blocks). Callers
-    read the Module and never change it (it is shared)."""
-    module = Module(computations={}, entry=None, types={})
-    current: list[Instruction] | None = None
-    for line in hlo_text.splitlines():
-        if header := _HEADER.match(line):
-            current = module.computations.setdefault(header.group(2), [])
-            if header.group(1):
-                module.entry = header.group(2)
-        elif line.strip() == "}":
-            current = None
-        elif current is not None and (instruction := parse_instruction(line)):
-            current.append(instruction)
-            module.types[instruction.name] = instruction.result_type
-            module.by_name[instruction.name] = instruction
-    return module
 
 
 def _groups(listed: str) -> list[list[int]]:
@@ -207,18 +102,6 @@ def collective_kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def operand_type(operand: str, types: Mapping[str, str]) -> str:
-    """An operand's type: printed before its name, else its instruction's result type."""
-    operand = _COMMENT.sub("", operand)  # `/*index=5*/%x` in long operand lists
-    name_at = operand.rfind("%") if "%" in operand else operand.rfind(" ") + 1
-    inline_type, name = operand[:name_at].strip(), operand[name_at:].lstrip("%")
-    return inline_type or types.get(name, "")
-
-
-def operand_bytes(operands: Sequence[str], types: Mapping[str, str]) -> int:
-    return sum(shape_bytes(operand_type(operand, types)) for operand in operands)
-
-
 def result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int:
     if not instruction.opcode.endswith("-start"):
         return shape_bytes(instruction.result_type)
@@ -230,35 +113,11 @@ def result_bytes(instruction: Instruction, done_types: Mapping[str, str]) -> int
     return shape_bytes(elements[1])  # (operands, results, context…)
 
 
-def dtype_of(type_text: str) -> str | None:
-    found = ARRAY_TYPE.search(type_text)
-    return found.group(1) if found else None
-
-
 # Instructions whose result holds their first operand's elements as they were (in another
 # layout, shape or tuple): a 16-bit value widened to f32 is still recognised after them. Not
 # kernels.py's _MOVES_ONLY (what a copy kernel is made of): a slice or a pad moves data too, but
 # its result holds other elements than its operand.
 _SAME_ELEMENTS = ("copy", "bitcast", "transpose", "reshape", "get-tuple-element")
-
-
-def users_of(module: Module) -> dict[str, list[tuple[Instruction, int]]]:
-    """Each instruction's users anywhere in the module, with the operand position it takes."""
-    users: dict[str, list[tuple[Instruction, int]]] = {}
-    for body in module.computations.values():
-        for instruction in body:
-            for position, operand in enumerate(instruction.operands):
-                users.setdefault(operand_name(operand), []).append((instruction, position))
-    return users
-
-
-def _fusion_parameter(fusion: Instruction, position: int, module: Module) -> Instruction | None:
-    """The parameter of a fusion's computation that its operand at `position` becomes."""
-    return next(
-        (inner for inner in fused_body(fusion, module.computations)
-         if inner.opcode == "parameter" and inner.operands == (str(position),)),
-        None,
-    )  # fmt: skip
 
 
 class _Widening:
@@ -280,7 +139,7 @@ class _Widening:
         """Whether `value` is a 16-bit value converted to f32 (moved at most, maybe inside a
         fusion, whose root is printed last)."""
         if value is not None and value.opcode == "fusion":
-            body = fused_body(value, self.module.computations)
+            body = fused_body(value, self.module)
             value = body[-1] if body else None
             local = {inner.name: inner for inner in body}
         else:
@@ -307,7 +166,7 @@ class _Widening:
                 if not self._narrowed(user.name, depth + 1):
                     return False
             elif user.opcode == "fusion":
-                parameter = _fusion_parameter(user, position, self.module)
+                parameter = fused_parameter(fused_body(user, self.module), position)
                 if parameter is None or not self._narrowed(parameter.name, depth + 1):
                     return False
             else:
@@ -332,7 +191,7 @@ class _Slicing:
             return (
                 shape_bytes(instruction.result_type)
                 if self._kept_share(
-                    instruction.name, _elements(instruction.result_type), devices, 0
+                    instruction.name, element_count(instruction.result_type), devices, 0
                 )
                 else 0
             )
@@ -342,7 +201,7 @@ class _Slicing:
             if user.opcode != "get-tuple-element" or index is None:
                 return 0  # the tuple is used whole somewhere
             element = elements[int(index.group(1))]
-            if self._kept_share(user.name, _elements(element), devices, 0):
+            if self._kept_share(user.name, element_count(element), devices, 0):
                 sliced += shape_bytes(element)
         return sliced
 
@@ -355,7 +214,7 @@ class _Slicing:
         by_name = self.module.by_name
         value = fusion = by_name.get(_through_moves(instruction.operands[0], by_name))
         if value is not None and value.opcode == "fusion":
-            body = fused_body(value, self.module.computations)
+            body = fused_body(value, self.module)
             value = body[-1] if body else None
         if value is None or value.opcode != "dynamic-update-slice" or len(value.operands) < 2:
             return False
@@ -365,8 +224,8 @@ class _Slicing:
             base = by_name.get(_through_moves(fusion.operands[position], by_name))
         zero = base is not None and base.opcode == "broadcast" and bool(base.operands)
         zero = zero and _is_zero(by_name.get(_through_moves(base.operands[0], by_name)))
-        part = _elements(operand_type(value.operands[1], self.module.types))
-        return zero and part * devices == _elements(instruction.result_type)
+        part = element_count(operand_type(value.operands[1], self.module.types))
+        return zero and part * devices == element_count(instruction.result_type)
 
     def _kept_share(self, name: str, total: int, devices: int, depth: int) -> bool:
         users = self.users.get(name, [])
@@ -374,13 +233,13 @@ class _Slicing:
             return False
         for user, position in users:
             if user.opcode == "dynamic-slice":
-                if position != 0 or _elements(user.result_type) * devices > total:
+                if position != 0 or element_count(user.result_type) * devices > total:
                     return False
             elif user.opcode in ("bitcast", "copy") or user.opcode.endswith("-done"):
                 if not self._kept_share(user.name, total, devices, depth + 1):
                     return False
             elif user.opcode == "fusion":
-                parameter = _fusion_parameter(user, position, self.module)
+                parameter = fused_parameter(fused_body(user, self.module), position)
                 if parameter is None or not self._kept_share(
                     parameter.name, total, devices, depth + 1
                 ):
@@ -390,9 +249,6 @@ class _Slicing:
         return True
 
 
-_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
-
-
 def marked_computations(module: Module, target: str) -> set[str]:
     """The computations holding a custom-call to `target`: XLA:TPU marks the fused computation
     that starts an async collective with AsyncCollectiveStart, the one that ends it with
@@ -400,12 +256,7 @@ def marked_computations(module: Module, target: str) -> set[str]:
     return {
         name
         for name, body in module.computations.items()
-        if any(
-            i.opcode == "custom-call"
-            and (found := _CUSTOM_TARGET.search(i.attributes))
-            and found.group(1) == target
-            for i in body
-        )
+        if any(i.opcode == "custom-call" and custom_call_target(i) == target for i in body)
     }
 
 
@@ -453,13 +304,6 @@ def _is_zero(value: Instruction | None) -> bool:
         return float(value.operands[0]) == 0.0
     except ValueError:
         return False
-
-
-def _elements(type_text: str) -> int:
-    found = ARRAY_TYPE.search(type_text)
-    if found is None:
-        return 0
-    return math.prod(int(d) for d in found.group(2).split(",") if d.strip())
 
 
 def async_done_types(module: Module) -> dict[str, str]:
@@ -521,13 +365,12 @@ def inside_loop(op: CollectiveOp, loop: Loop) -> CollectiveOp:
     )
 
 
-def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
-    """Every collective that moves data, with how often it runs per executed step, and their
-    totals per kind with notes: loops of unknown trip count (their bodies counted once) and
-    collectives XLA:CPU widened (counted at their 16-bit size)."""
-    module = parse_module(hlo_text)
+def collective_ops(module: Module) -> tuple[list[CollectiveOp], Collectives]:
+    """Every collective of a parsed program that moves data, with how often it runs per
+    executed step, and their totals per kind with notes: loops of unknown trip count (their
+    bodies counted once) and collectives XLA:CPU widened (counted at their 16-bit size)."""
     done_types = async_done_types(module)
-    users = users_of(module)
+    users = users_of(i for body in module.computations.values() for i in body)
     widening, slicing = _Widening(module, users), _Slicing(module, users)
     copies = async_copies(module)
     widened: set[str] = set()
@@ -562,7 +405,7 @@ def collective_ops(hlo_text: str) -> tuple[list[CollectiveOp], Collectives]:
         return Counter({op: 1})
 
     # Keyed by the op as it runs once (count 1); the values count its runs per step.
-    walk = Walk(module.computations, collective, inside_loop)
+    walk = Walk(module, collective, inside_loop)
     runs = walk.per_run(module.entry) if module.entry is not None else Counter()
     ops = [dataclasses.replace(op, count=count) for op, count in runs.items() if count]
     notes = len(walk.unknown_loops), len(widened), len(sliced), len(padded)
@@ -601,11 +444,11 @@ def _as_reduce_scatter(op: CollectiveOp, sliced: int, devices: int) -> Counter[C
     return Counter({scatter: 1, dataclasses.replace(op, bytes=rest, operand_bytes=rest): 1})
 
 
-def collective_stats(hlo_text: str) -> dict[str, Any]:
+def collective_stats(module: Module) -> dict[str, Any]:
     """Per collective kind, `{"count", "bytes", "operand_bytes"}` per device per executed step.
 
     `bytes` are result bytes, `operand_bytes` input bytes, each summed over tuple elements.
     Kinds that do not occur are absent. If a `while` loop has no known trip count, its body is
     counted once and the number of such loops is given under "unknown_trip_count_loops".
     """
-    return collective_ops(hlo_text)[1].to_json()
+    return collective_ops(module)[1].to_json()

@@ -22,27 +22,23 @@ halves of async pairs (which name their start's computation again) are not walke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:  # hlo.py imports this module, so this one needs nothing of it at run time
-    from t5scale.analysis.hlo import Instruction
+from t5scale.analysis.hlo_module import NAME_PATTERN, Instruction, Module, operand_name
 
 Item = TypeVar("Item")  # what a walk counts: collectives, kernels
 
-_NAME = r"%?([\w.\-]+)"  # a computation's name, as hlo.NAME_PATTERN (not imported: see above)
 _CALLEE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + _NAME
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=" + NAME_PATTERN
 )
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_BODY = re.compile(r"\bbody=" + _NAME)
-_FUSED = re.compile(r"\bcalls=" + _NAME)
+_BODY = re.compile(r"\bbody=" + NAME_PATTERN)
+_FUSED = re.compile(r"\bcalls=" + NAME_PATTERN)
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,43 +70,29 @@ def called_names(instruction: Instruction) -> list[str]:
         if role != "to_apply" or instruction.opcode == "call"
     ]
     for listed in _CALLEE_LIST.findall(instruction.attributes):
-        callees += re.findall(_NAME, listed)
+        callees += re.findall(NAME_PATTERN, listed)
     return callees
 
 
-def operand_name(operand: str) -> str:
-    """An operand's instruction name; long operand lists carry /*index=N*/ comments."""
-    return _COMMENT.sub("", operand).split()[-1].lstrip("%")
-
-
-def trip_count(
-    instruction: Instruction,
-    computations: Mapping[str, Sequence[Instruction]] | None = None,
-    by_name: Mapping[str, Instruction] | None = None,
-) -> int | None:
+def trip_count(instruction: Instruction, module: Module | None = None) -> int | None:
     """Iterations of a `while`, from XLA's `known_trip_count` backend config (XLA:CPU and
-    XLA:GPU write it), else, given the module's computations, from the loop itself where it
-    counts `i` from a constant up to a constant by 1 (XLA:TPU writes no such config)."""
+    XLA:GPU write it), else, given its module, from the loop itself where it counts `i` from a
+    constant up to a constant by 1 (XLA:TPU writes no such config)."""
     found = _TRIP_COUNT.search(instruction.attributes)
     if found:
         return int(found.group(1))
-    if not computations:
-        return None
-    return _counted_trips(instruction, computations, by_name or _names(computations))
+    return None if module is None else _counted_trips(instruction, module)
 
 
-def _counted_trips(
-    loop: Instruction,
-    computations: Mapping[str, Sequence[Instruction]],
-    by_name: Mapping[str, Instruction],
-) -> int | None:
+def _counted_trips(loop: Instruction, module: Module) -> int | None:
     """c to n by 1: the condition's root is `get-tuple-element(state, k) < constant n`, the
     initial state's element k a constant c (maybe copied), the body's element k that element
     plus constant 1; None for any other loop."""
-    condition, body = (re.search(rf"\b{role}=" + _NAME, loop.attributes)
+    condition, body = (re.search(rf"\b{role}=" + NAME_PATTERN, loop.attributes)
                        for role in ("condition", "body"))  # fmt: skip
     if not (condition and body and loop.operands):
         return None
+    computations, by_name = module.computations, module.by_name
     test = computations.get(condition.group(1), [None])[-1]  # the root is printed last
     if test is None or test.opcode != "compare" or "direction=LT" not in test.attributes:
         return None
@@ -126,10 +108,6 @@ def _counted_trips(
     ) != [(False, True), (True, False)]:
         return None
     return max(limit - first, 0)
-
-
-def _names(computations: Mapping[str, Sequence[Instruction]]) -> dict[str, Instruction]:
-    return {i.name: i for body in computations.values() for i in body}
 
 
 def _source(operand: str | None, by_name: Mapping[str, Instruction]) -> Instruction | None:
@@ -166,15 +144,10 @@ def _tuple_element(
     return _source(value.operands[index], by_name)
 
 
-def calls(
-    instruction: Instruction,
-    computations: Mapping[str, Sequence[Instruction]] | None = None,
-    by_name: Mapping[str, Instruction] | None = None,
-) -> list[Call]:
-    """The computations an instruction runs, per run of it (module docstring)."""
-    trips = (
-        trip_count(instruction, computations, by_name) if instruction.opcode == "while" else None
-    )
+def calls(instruction: Instruction, module: Module | None = None) -> list[Call]:
+    """The computations an instruction runs, per run of it (module docstring); without its
+    module, a `while` without XLA's trip count is taken for one of unknown trip count."""
+    trips = trip_count(instruction, module) if instruction.opcode == "while" else None
     if trips is None:
         return [Call(callee, 1) for callee in called_names(instruction)]
     # Only the body: a loop of known trip count never evaluates its condition (module docstring).
@@ -189,12 +162,17 @@ def fused_name(instruction: Instruction) -> str | None:
     return found.group(1) if found else None
 
 
-def fused_body(
-    instruction: Instruction, computations: Mapping[str, Sequence[Instruction]]
-) -> Sequence[Instruction]:
+def fused_body(instruction: Instruction, module: Module) -> Sequence[Instruction]:
     """The instructions of the computation a fusion runs (`calls=`); none if it names none."""
     name = fused_name(instruction)
-    return computations.get(name, []) if name else []
+    return module.computations.get(name, []) if name else []
+
+
+def fused_parameter(body: Sequence[Instruction], position: int) -> Instruction | None:
+    """The parameter of a fused computation that the fusion's operand at `position` becomes."""
+    return next(
+        (i for i in body if i.opcode == "parameter" and i.operands[:1] == (str(position),)), None
+    )
 
 
 def _unmarked(item: Item, loop: Loop) -> Item:
@@ -212,26 +190,21 @@ class Walk(Generic[Item]):
 
     def __init__(
         self,
-        computations: Mapping[str, Sequence[Instruction]],
+        module: Module,
         find: Callable[[Instruction, str], Counter[Item] | None],
         in_loop: Callable[[Item, Loop], Item] = _unmarked,
     ):
-        self.computations = computations
+        self.module = module
         self.find, self.in_loop = find, in_loop
         self.unknown_loops: set[str] = set()  # names of the `while`s of unknown trip count met
         self._per_run: dict[str, Counter[Item]] = {}
-
-    @functools.cached_property
-    def by_name(self) -> dict[str, Instruction]:
-        """Every instruction by name: to follow a loop's counter to its constants."""
-        return _names(self.computations)
 
     def per_run(self, computation: str) -> Counter[Item]:
         """What one run of `computation` holds, loops counted relative to it."""
         if computation not in self._per_run:
             self._per_run[computation] = Counter()  # HLO has no recursion: guards bad input only
             total: Counter[Item] = Counter()
-            for instruction in self.computations.get(computation, []):
+            for instruction in self.module.computations.get(computation, []):
                 total.update(self.of_instruction(instruction, computation))
             self._per_run[computation] = total
         return self._per_run[computation]
@@ -243,12 +216,10 @@ class Walk(Generic[Item]):
 
     def called(self, instruction: Instruction) -> Counter[Item]:
         """What the computations an instruction runs hold, per run of the instruction."""
-        # Only a `while` without XLA's trip count needs the names (XLA:TPU's).
-        known = (self.computations, self.by_name) if instruction.opcode == "while" else ()
-        if instruction.opcode == "while" and trip_count(instruction, *known) is None:
+        if instruction.opcode == "while" and trip_count(instruction, self.module) is None:
             self.unknown_loops.add(instruction.name)
         total: Counter[Item] = Counter()
-        for call in calls(instruction, *known):
+        for call in calls(instruction, self.module):
             for item, count in self.per_run(call.computation).items():
                 if call.loop is not None:
                     item = self.in_loop(item, call.loop)

@@ -1,8 +1,8 @@
 """The kernels of a program XLA compiled for GPUs or TPUs, per executed step, from its scheduled
 HLO text.
 
-`read_program(compiled.as_text())` reads what launches on the GPU (or runs on the TPU: an
-operation is a "kernel" here) and in which order:
+`read_program(module)` reads from the parsed program (t5scale/analysis/hlo_module.py) what
+launches on the GPU (or runs on the TPU: an operation is a "kernel" here) and in which order:
 
 - kernels are the instructions of the ENTRY computation and of the computations it runs (`while`
   bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
@@ -52,28 +52,33 @@ import dataclasses
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
 from t5scale.analysis.collectives import CollectiveOp, format_bytes
 from t5scale.analysis.hlo import (
-    ARRAY_TYPE,
-    Instruction,
-    Module,
     async_done_types,
     collective_kind,
     collective_op,
     dcn_transfer,
-    dtype_of,
     inside_loop,
     marked_computations,
+)
+from t5scale.analysis.hlo_module import (
+    Instruction,
+    Module,
+    array_shape,
+    custom_call_target,
+    dtype_of,
+    operand_bytes,
     operand_name,
     operand_type,
-    parse_module,
     shape_bytes,
     tuple_elements,
+    users_of,
 )
-from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name
+from t5scale.analysis.hlo_walk import Loop, Walk, fused_body, fused_name, fused_parameter
 from t5scale.jsonform import JsonRecord
 
 KERNEL_CLASSES = ("gemm", "attention", "fusion", "copy", "other")
@@ -92,7 +97,6 @@ _MOVES_ONLY = frozenset(
     "pad concatenate tuple copy-start".split()
 )
 _SCRATCH = ("s8", "u8")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([^}]*)\}")
 _SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]')
@@ -207,11 +211,9 @@ class Program(JsonRecord):
         )
 
 
-def read_program(hlo_text: str) -> Program:
-    """The kernels and collectives of a compiled XLA:GPU program (module docstring)."""
-    module = parse_module(hlo_text)
-    header = hlo_text[: hlo_text.find("\n")]
-    devices = math.prod(int(count) for _, count in _DEVICES.findall(header))
+def read_program(module: Module) -> Program:
+    """The kernels and collectives of a parsed XLA:GPU or XLA:TPU program (module docstring)."""
+    devices = math.prod(int(count) for _, count in _DEVICES.findall(module.header))
     if module.entry is None:
         return Program(devices, (), ())
     reader = _Reader(module)
@@ -234,17 +236,8 @@ def read_program(hlo_text: str) -> Program:
     return Program(devices, kernels, collectives, len(unknown_loops))
 
 
-def _elements(type_text: str) -> tuple[str, tuple[int, ...]] | None:
-    """(dtype, dimensions) of the first array in a type."""
-    found = ARRAY_TYPE.search(type_text)
-    if not found:
-        return None
-    dims = found.group(2).split(",")
-    return found.group(1), tuple(int(d.strip().removeprefix("<=")) for d in dims if d.strip())
-
-
 def _scalar(type_text: str) -> bool:
-    shape = _elements(type_text)
+    shape = array_shape(type_text)
     return shape is not None and not shape[1]
 
 
@@ -262,8 +255,8 @@ class _Reader:
         self.signatures: list[Kernel] = []  # runs=0; the index is the kernel's identity
         self.index: dict[Kernel, int] = {}
         self._kernel_of: dict[str, int | None] = {}  # by instruction name (unique in a module)
-        self.kernels = Walk(module.computations, self.launched)
-        self.schedule = Walk(module.computations, self.scheduled, _inside_loop)
+        self.kernels = Walk(module, self.launched)
+        self.schedule = Walk(module, self.scheduled, _inside_loop)
         self._position = {
             instruction.name: position
             for body in module.computations.values()
@@ -303,9 +296,6 @@ class _Reader:
 
     def type_of(self, operand: str) -> str:
         return operand_type(operand, self.module.types)
-
-    def operand_bytes(self, instruction: Instruction) -> int:
-        return sum(shape_bytes(self.type_of(operand)) for operand in instruction.operands)
 
     def launched(self, instruction: Instruction, computation: str) -> Counter[int] | None:
         """The kernel an instruction launches; None if it launches none (the walk then counts
@@ -374,10 +364,11 @@ class _Reader:
         """The kernel an instruction launches (module docstring), its runs left at 0."""
         opcode, attributes = instruction.opcode, instruction.attributes
         result = instruction.result_type
-        read, written = self.operand_bytes(instruction), shape_bytes(result)
+        read = operand_bytes(instruction.operands, self.module.types)
+        written = shape_bytes(result)
         first = self.type_of(instruction.operands[0]) if instruction.operands else ""
         if opcode == "custom-call":
-            target = found.group(1) if (found := _TARGET.search(attributes)) else ""
+            target = custom_call_target(instruction)
             outputs = tuple_elements(result)
             if target.startswith("__cublas"):
                 flops = _gemm_flops(first, outputs[0], _CONTRACTING.search(attributes))
@@ -406,7 +397,7 @@ class _Reader:
         # the same kernel, whose start's result repeats its operands (a scan's whole stack for a
         # slice of it), so its bytes are read from the fused computation as a fusion's are.
         if opcode in ("fusion", "fusion-start"):
-            body = fused_body(instruction, self.module.computations)
+            body = fused_body(instruction, self.module)
             read, written = self.fusion_bytes(instruction, body)
             if dots := [inner for inner in body if inner.opcode in ("dot", "convolution")]:
                 flops = sum(self.signature(dot).flops for dot in dots)
@@ -429,13 +420,13 @@ class _Reader:
             return Kernel("copy", 0, 0.0, read, written)
         return Kernel("other", 0, 0.0, read, written)
 
-    def fusion_bytes(self, fusion: Instruction, body: list[Instruction]) -> tuple[int, int]:
+    def fusion_bytes(self, fusion: Instruction, body: Sequence[Instruction]) -> tuple[int, int]:
         """Bytes a fusion reads and writes, partial reads and in-place updates as such (also
         through the fusions XLA:TPU nests inside one, which slice a layer of a stack)."""
         read = 0
         for position, operand in enumerate(fusion.operands):
             full = shape_bytes(self.type_of(operand))
-            part = _touched(body, position, self.module.computations)
+            part = _touched(body, position, self.module)
             read += full if part is None else min(full, part)
         if not body:
             return read, shape_bytes(fusion.result_type)
@@ -459,18 +450,15 @@ class _Reader:
         return read, written
 
 
-def _touched(body: list[Instruction], position: int, computations, depth: int = 0) -> int | None:
+def _touched(
+    body: Sequence[Instruction], position: int, module: Module, depth: int = 0
+) -> int | None:
     """Bytes a fused computation reads of its parameter `position` where it only slices it or
     updates it in place (through bitcasts and nested fusions); None: all of it."""
-    parameter = next(
-        (i for i in body if i.opcode == "parameter" and i.operands[:1] == (str(position),)), None
-    )
+    parameter = fused_parameter(body, position)
     if parameter is None:
         return None
-    users: dict[str, list[tuple[Instruction, int]]] = {}
-    for inner in body:
-        for at, operand in enumerate(inner.operands):
-            users.setdefault(operand_name(operand), []).append((inner, at))
+    users = users_of(body)
 
     def touched(name: str) -> int | None:
         total = 0
@@ -482,11 +470,7 @@ def _touched(body: list[Instruction], position: int, computations, depth: int = 
             elif (
                 user.opcode == "fusion"
                 and depth < 4
-                and (
-                    nested := _touched(
-                        computations.get(fused_name(user), []), at, computations, depth + 1
-                    )  # fmt: skip
-                )
+                and (nested := _touched(fused_body(user, module), at, module, depth + 1))
                 is not None
             ):
                 total += nested
@@ -506,7 +490,7 @@ def _convolution_flops(lhs: str, rhs: str, out: str, attributes: str) -> float:
     land on the input, per spatial dimension (padding and dilation as the window says) × the
     kernel's input features (per group, as its shape holds them): XLA:TPU's matmuls, whose
     contraction may be a window over a spatial dimension."""
-    shapes = _elements(lhs), _elements(rhs), _elements(out)
+    shapes = array_shape(lhs), array_shape(rhs), array_shape(out)
     labels = _DIM_LABELS.search(attributes)
     if not (all(shapes) and labels):
         return 0.0
@@ -537,7 +521,7 @@ def _window_numbers(value: str) -> list[int]:
 
 def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:
     """2 × result elements × the product of the left operand's contracted dimensions."""
-    lhs_shape, out_shape = _elements(lhs), _elements(out)
+    lhs_shape, out_shape = array_shape(lhs), array_shape(out)
     if not (lhs_shape and out_shape and contracting):
         return 0.0
     contracted = math.prod(lhs_shape[1][d] for d in _numbers(contracting.group(1)))
@@ -549,7 +533,7 @@ def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match
     N, H], times the products of the pass (`_T5_ATTENTION_PRODUCTS`), and for causal ones the
     share (n + 1) / 2n of block pairs up to the diagonal, n the grid's blocks along its first
     axis (query blocks forward and for dq, key blocks for dk and dv)."""
-    q_shape, k_shape = _elements(query), _elements(keys)
+    q_shape, k_shape = array_shape(query), array_shape(keys)
     if not (q_shape and k_shape) or len(q_shape[1]) != 4:
         return 0.0
     (batch, q_len, heads, dim), k_len = q_shape[1], k_shape[1][1]
@@ -564,7 +548,7 @@ def _t5_attention_flops_tpu(named: re.Match, query: str, keys: str) -> float:
     """t5scale's TPU kernels (model/attention_tpu.py): as `_t5_attention_flops`, from q [B, N,
     T, H] and k [B, N, S, H] at their padded lengths (what the kernels run), causal ones over
     the blocks up to the diagonal: (n + 1) / 2n of them, n the blocks of 128 along T."""
-    q_shape, k_shape = _elements(query), _elements(keys)
+    q_shape, k_shape = array_shape(query), array_shape(keys)
     if not (q_shape and k_shape) or len(q_shape[1]) != 4:
         return 0.0
     (batch, heads, q_len, dim), k_len = q_shape[1], k_shape[1][2]
@@ -578,7 +562,7 @@ def _t5_attention_flops_tpu(named: re.Match, query: str, keys: str) -> float:
 def _attention_flops(query: str, attributes: str, backward: bool) -> float:
     """Fused attention: per product 2·B·N·T·S·H, the scores' B·N·T·S from cuDNN's backend
     config and H the query's last dimension; two products forward, five backward."""
-    scores, shape = _SCORES.search(attributes), _elements(query)
+    scores, shape = _SCORES.search(attributes), array_shape(query)
     if not (scores and shape):
         return 0.0
     per_product = 2.0 * math.prod(_numbers(scores.group(1))) * shape[1][-1]

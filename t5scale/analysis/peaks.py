@@ -14,6 +14,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from t5scale.target import Target
+
 # Dense (no sparsity) tensor-core FLOP/s per GPU, float32 as TF32: the one table of GPU peaks,
 # for MFU on a GPU and for the cluster files (ClusterConfig.gpu). Keyed by the device kind JAX
 # reports, as a prefix (the first that matches wins). From NVIDIA's datasheets, which give the
@@ -29,7 +31,7 @@ GPU_DATASHEET = {
 
 def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     """FLOP/s of a large matmul chain on one device in `dtype` (median of `repeats`)."""
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = Target.local().is_gpu
     size, inner = (8192, 20) if on_gpu else (4096, 1)  # GPU: time 20 products per sample
     matrix = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
 
@@ -50,10 +52,11 @@ def matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
 
 def _datasheet_gpu() -> str | None:
     """This process's GPU as GPU_DATASHEET names it; None elsewhere (the CPU, other GPUs)."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
+    here = Target.local()
+    if not here.is_gpu:
         return None
-    return next((gpu for gpu in GPU_DATASHEET if device.device_kind.startswith(gpu)), None)
+    kind = here.devices[0].device_kind
+    return next((gpu for gpu in GPU_DATASHEET if kind.startswith(gpu)), None)
 
 
 def datasheet_peak(dtype: str) -> float | None:
@@ -66,6 +69,6 @@ def device_peak(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the figure comes from)."""
     if (gpu := _datasheet_gpu()) is not None:
         return GPU_DATASHEET[gpu][dtype], f"datasheet, {gpu}, dense {dtype}"
-    device = jax.devices()[0]
     peak = matmul_peak(dtype, repeats=3)
-    return peak, f"measured: 4096² {dtype} matmul on {device.device_kind}, median of 3"
+    kind = Target.local().devices[0].device_kind
+    return peak, f"measured: 4096² {dtype} matmul on {kind}, median of 3"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from t5scale.analysis.collectives import CollectiveOp, Collectives
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_ops, mesh_axes
+from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import read_program
 from t5scale.analysis.memory import ModelStateBytes, compiled_memory
 from t5scale.analysis.records import (
@@ -77,13 +78,14 @@ def analyze_step(
 ) -> StepAnalysis:
     """Memory (XLA's analysis and the ZeRO formula), FLOPs and collectives of `compiled`, the
     train step of a run of `shape`, and with local SGD or DiLoCo of its compiled `outer_step`.
-    `remat`: an 'auto' choice (Setup.choose_remat); without one, the model's own policy."""
+    `remat`: an 'auto' choice (Setup.choose_remat); without one, the model's own policy. Each
+    program's text is parsed once: its collectives and its kernels are read from one Module."""
     model, layout = shape.model, shape.layout
     memory = compiled_memory(compiled)
     flops = training_flops_per_step(model, shape.batch_size, *shape.lengths)
     cost = compiled.cost_analysis() or {}  # None from XLA:GPU's deviceless compiles
-    text = compiled.as_text()
-    ops, collectives = collective_ops(text)
+    module = parse_module(compiled.as_text())
+    ops, collectives = collective_ops(module)
     return StepAnalysis(
         model=model.name,
         zero_stage=layout.stage.number,
@@ -112,7 +114,7 @@ def analyze_step(
         compiler=shape.compiler,
         attention=model.attention,
         scan_layers=model.scan_layers,
-        program=read_program(text) if shape.platform in ("gpu", "tpu") else None,
+        program=read_program(module) if shape.platform in ("gpu", "tpu") else None,
     )
 
 
@@ -163,7 +165,7 @@ def replica_sync(
     )  # fmt: skip
     if outer_step is None:
         return synchronous
-    outer_ops, _ = collective_ops(outer_step.as_text())
+    outer_ops, _ = collective_ops(parse_module(outer_step.as_text()))
     outer = totals(outer_ops)
     return dataclasses.replace(
         synchronous,

@@ -206,9 +206,9 @@ class _Saver:
     def save(self, step: int, state, data_position: int) -> None:
         if self.checkpoints is None:
             return
-        from t5scale.train.checkpoint import CheckpointMeta  # orbax: only runs that save
+        from t5scale.train.checkpoint import saved_meta  # orbax: only runs that save
 
-        meta = CheckpointMeta.saved(self.run, self.setup.form, step, data_position)
+        meta = saved_meta(self.run, self.setup.form, step, data_position)
         self.checkpoints.save(step, self.setup.form.to_canonical(state), meta)
         self.last_saved = step
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -41,6 +41,7 @@ from t5scale.model.mt5 import MT5, abstract_params
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout, make_layout
 from t5scale.parallel.zero import STAGES
+from t5scale.train.checkpoint_meta import CheckpointMeta
 from t5scale.train.config import RunConfig
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast, resolve
 from t5scale.train.replicas import (
@@ -51,9 +52,6 @@ from t5scale.train.replicas import (
     replica_mean,
     split_over_replicas,
 )
-
-if TYPE_CHECKING:  # checkpoint.py imports this module (and orbax)
-    from t5scale.train.checkpoint import CheckpointMeta
 
 # The largest canonical state (fp32 parameters and optimizer state) made whole on one device
 # before it is laid out; mt5_tiny's is 12 MiB, mt5_small's 3.6 GB.
