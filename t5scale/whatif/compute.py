@@ -32,12 +32,9 @@ Not counted: embedding look-ups, relative position buckets, kernel launch gaps, 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from t5scale.model.sizes import ModelConfig
-
-if TYPE_CHECKING:
-    from t5scale.whatif.gpu_cluster import ClusterConfig
+from t5scale.whatif.figures import GpuFigures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +122,7 @@ def step_compute(
     sequences: float,
     input_length: int,
     target_length: int,
-    cluster: ClusterConfig,
+    cluster: GpuFigures,
     tensor: int = 1,
 ) -> ComputeTime:
     """Compute time of one train step over `sequences` sequences on one GPU."""

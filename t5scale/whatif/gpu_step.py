@@ -23,15 +23,11 @@ one launch per kernel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
+from t5scale.whatif.figures import GpuFigures
 from t5scale.whatif.nccl import collective_seconds, full_bytes, placement
 from t5scale.whatif.program_time import ProgramTime, timed_program
-
-if TYPE_CHECKING:
-    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 # What one kernel costs beyond its own work. NVIDIA's "Getting Started with CUDA Graphs"
 # (developer.nvidia.com/blog/cuda-graphs/) times a 2.9 µs kernel at 3.8 µs per kernel when
@@ -44,7 +40,7 @@ _FLOAT32 = ("f32", "f64")
 
 def kernel_seconds(
     kernel: Kernel,
-    cluster: ClusterConfig,
+    cluster: GpuFigures,
     fit_factor: float = 1.0,
     launch_s: float = KERNEL_LAUNCH_S,
 ) -> float:
@@ -61,7 +57,7 @@ def kernel_seconds(
     return max(arithmetic, memory) / fit_factor + launch_s
 
 
-def collective_run_seconds(op: CollectiveOp, devices: int, cluster: ClusterConfig) -> float:
+def collective_run_seconds(op: CollectiveOp, devices: int, cluster: GpuFigures) -> float:
     """One run of a collective, placed on the nodes by its replica group."""
     where = placement(op.group, devices, cluster.gpus_per_node)
     return collective_seconds(op.kind, full_bytes(op), where, cluster)
@@ -69,7 +65,7 @@ def collective_run_seconds(op: CollectiveOp, devices: int, cluster: ClusterConfi
 
 def predict_program(
     program: Program,
-    cluster: ClusterConfig,
+    cluster: GpuFigures,
     devices: int | None = None,
     fit_factor: float = 1.0,
     launch_s: float = KERNEL_LAUNCH_S,

@@ -25,13 +25,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.memory import DcnBytes
-
-if TYPE_CHECKING:
-    from t5scale.whatif.gpu_cluster import ClusterConfig
+from t5scale.whatif.figures import GpuFigures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +50,14 @@ def placement(group: Sequence[int] | None, devices: int, gpus_per_node: int) -> 
     return Placement(len(members), len({m // gpus_per_node for m in members}))
 
 
-def bus_bandwidth(where: Placement, cluster: ClusterConfig) -> float:
+def bus_bandwidth(where: Placement, cluster: GpuFigures) -> float:
     if where.nodes == 1:
         return cluster.nvlink_bus_bandwidth
     network = cluster.network_bus_bandwidth * min(1.0, where.local / cluster.gpus_per_node)
     return min(cluster.nvlink_bus_bandwidth, network)
 
 
-def ring_latency(steps: int, network_steps: int, cluster: ClusterConfig) -> float:
+def ring_latency(steps: int, network_steps: int, cluster: GpuFigures) -> float:
     """Hop latencies of a ring pass of `steps` steps, `network_steps` of them between nodes."""
     return (steps - network_steps) * cluster.nvlink_latency_s + (
         network_steps * cluster.network_latency_s
@@ -68,7 +65,7 @@ def ring_latency(steps: int, network_steps: int, cluster: ClusterConfig) -> floa
 
 
 def collective_seconds(
-    kind: str, full_bytes: float, where: Placement, cluster: ClusterConfig
+    kind: str, full_bytes: float, where: Placement, cluster: GpuFigures
 ) -> float:
     """One collective of `kind` whose unsharded size is `full_bytes` (an all-gather's result, a
     reduce-scatter's or all-reduce's operand)."""

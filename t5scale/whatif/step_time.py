@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
@@ -49,12 +48,10 @@ from t5scale.analysis.records import StepAnalysis
 from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import ModelConfig
 from t5scale.whatif.compute import ComputeTime, step_compute
+from t5scale.whatif.figures import GpuFigures
 from t5scale.whatif.gpu_step import predict_program
 from t5scale.whatif.nccl import collective_seconds, full_bytes, placement
 from t5scale.xla_gpu import COMBINE_THRESHOLD_BYTES
-
-if TYPE_CHECKING:
-    from t5scale.whatif.gpu_cluster import ClusterConfig
 
 DATA_AXES = {"replica", "zero"}
 
@@ -150,12 +147,12 @@ def owned_parameters(analysis: StepAnalysis) -> float:
     return owned / analysis.zero if analysis.zero_stage >= 1 else owned
 
 
-def _memory_seconds(moved: float, cluster: ClusterConfig) -> float:
+def _memory_seconds(moved: float, cluster: GpuFigures) -> float:
     """Memory-bound work: bytes moved at the achieved memory bandwidth."""
     return moved / (cluster.memory_bandwidth * cluster.memory_efficiency)
 
 
-def update_seconds(analysis: StepAnalysis, cluster: ClusterConfig) -> float:
+def update_seconds(analysis: StepAnalysis, cluster: GpuFigures) -> float:
     """The optimizer update, memory-bound: it reads and writes the optimizer state this device
     owns, reads the owned gradients and reads and writes the owned parameters."""
     precision = analysis.precision
@@ -168,7 +165,7 @@ def update_seconds(analysis: StepAnalysis, cluster: ClusterConfig) -> float:
 
 
 def communication_seconds(
-    ops: Sequence[CollectiveOp], analysis: StepAnalysis, cluster: ClusterConfig, threshold: int
+    ops: Sequence[CollectiveOp], analysis: StepAnalysis, cluster: GpuFigures, threshold: int
 ) -> list[tuple[CollectiveOp, float]]:
     """Each collective as XLA's combiners launch it (`combined`), with its seconds per step on
     `cluster` (all its runs), placed on the nodes by its replica group."""
@@ -180,7 +177,7 @@ def communication_seconds(
 
 
 def outer_step_seconds(
-    analysis: StepAnalysis, cluster: ClusterConfig, threshold: int = COMBINE_THRESHOLD_BYTES
+    analysis: StepAnalysis, cluster: GpuFigures, threshold: int = COMBINE_THRESHOLD_BYTES
 ) -> tuple[float, int]:
     """(seconds of one outer step of local SGD or DiLoCo, H); (0, 1) for synchronous steps.
 
@@ -223,7 +220,7 @@ class StepTimePrediction(JsonRecord):
 def predict(
     analysis: StepAnalysis,
     model: ModelConfig,
-    cluster: ClusterConfig,
+    cluster: GpuFigures,
     overlap: bool = True,
     combine_threshold_bytes: int = COMBINE_THRESHOLD_BYTES,
 ) -> StepTimePrediction:
@@ -255,7 +252,7 @@ def predict(
 def _prediction(
     analysis: StepAnalysis,
     model: ModelConfig,
-    cluster: ClusterConfig,
+    cluster: GpuFigures,
     compute: float,
     update: float,
     communication: float,
@@ -314,7 +311,7 @@ def prediction_of(
 
 
 def predict_from_program(
-    analysis: StepAnalysis, model: ModelConfig, cluster: ClusterConfig, overlap: bool = True
+    analysis: StepAnalysis, model: ModelConfig, cluster: GpuFigures, overlap: bool = True
 ) -> StepTimePrediction:
     """`predict`'s record from the GPU path: the step XLA:GPU compiled for the cluster
     (analysis.program) timed kernel by kernel (gpu_step.py), its collectives as XLA

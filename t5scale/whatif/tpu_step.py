@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from t5scale.analysis.collectives import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
+from t5scale.whatif.figures import TpuFigures
 from t5scale.whatif.ici_dcn import dcn_op_seconds, op_seconds
 from t5scale.whatif.program_time import ProgramTime, timed_program
 from t5scale.xla_tpu import TpuTopology
-
-if TYPE_CHECKING:
-    from t5scale.whatif.tpu_pod import TpuPodConfig
 
 UNVALIDATED = (
     "TPU path, unvalidated: no published TPU step time of T5 or mT5 was found to check it "
@@ -39,7 +36,7 @@ UNVALIDATED = (
 )
 
 
-def operation_seconds(kernel: Kernel, pod: TpuPodConfig) -> float:
+def operation_seconds(kernel: Kernel, pod: TpuFigures) -> float:
     """One run of an operation: the slower of its FLOPs at the peak and its bytes at HBM's."""
     return max(
         kernel.flops / pod.peak_flops,
@@ -48,7 +45,7 @@ def operation_seconds(kernel: Kernel, pod: TpuPodConfig) -> float:
 
 
 def collective_seconds(
-    op: CollectiveOp, devices: Sequence, topology: TpuTopology, pod: TpuPodConfig
+    op: CollectiveOp, devices: Sequence, topology: TpuTopology, pod: TpuFigures
 ) -> float:
     """One run of one of the program's collectives: over the slice's ICI, or between slices
     over DCN; 0 for what neither times (an all-to-all)."""
@@ -61,7 +58,7 @@ def collective_seconds(
 
 
 def predict_tpu_program(
-    program: Program, pod: TpuPodConfig, topology: TpuTopology, devices: Sequence
+    program: Program, pod: TpuFigures, topology: TpuTopology, devices: Sequence
 ) -> ProgramTime:
     """Seconds per step of `program` on the pod's slices (module docstring). `devices`: the
     mesh's devices in order (their torus coordinates place each replica group)."""
