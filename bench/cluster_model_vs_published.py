@@ -99,7 +99,7 @@ def analysis_for(run, cluster, stage: int, gpus: int, per_rank: int, tensor: int
     """The step compiled by XLA's CPU compiler on emulated devices, or by its GPU compiler for
     the cluster's GPUs (cached by simulate)."""
     target = cluster_target(cluster, gpus, path)
-    staged = weak_scale(run, stage, gpus, per_rank, tensor=tensor, hosts=target.hosts)
+    staged = weak_scale(run, stage, gpus, per_rank, tensor=tensor, hosts=target.dcn_granules)
     return cached_analysis(staged, target)
 
 

@@ -70,7 +70,7 @@ def main() -> None:
             gpus = nodes * cluster.gpus_per_node
             for stage in args.stages:
                 target = cluster_target(cluster, gpus, "gpu")
-                staged = weak_scale(run, stage, gpus, 4, hosts=target.hosts)
+                staged = weak_scale(run, stage, gpus, 4, hosts=target.dcn_granules)
                 gpu = cached_analysis(staged, target, budget)
                 cpu_cells = "– | –"
                 if not args.no_cpu:
