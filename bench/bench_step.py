@@ -267,7 +267,7 @@ def print_table(rows: list[dict], workload: Workload, args, device_kind: str) ->
               f"{100 * row['mfu']:.0f}% | {ratio} |")  # fmt: skip
 
 
-def main() -> None:
+def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run and repeat")
@@ -293,6 +293,11 @@ def main() -> None:
     parser.add_argument("--no-t5scale", action="store_true", help="only the baseline")
     parser.add_argument("--out", help="write the results as JSON here too")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # the baseline's process
+    return parser
+
+
+def main() -> None:
+    parser = command_line()
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
