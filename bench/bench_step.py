@@ -43,7 +43,9 @@ from pathlib import Path
 
 from t5scale.analysis.flops import mfu, training_flops_per_step
 from t5scale.analysis.memory import cpu_memory_budget
+from t5scale.config import build_run_config, parse_gin
 from t5scale.data.config import DataConfig
+from t5scale.jsonform import to_json
 from t5scale.model.sizes import preset
 from t5scale.study.config import Point
 from t5scale.study.trial import TRIAL_PROGRAM, run_trial, write_result
@@ -112,10 +114,18 @@ def t5scale_spec(
             "max_seconds": TIMEOUT_S,
         },
         "peak_flops_per_s": machine["peak_flops_per_s"],
-        # Plain AdamW without clipping, exactly as the transformers baseline runs it.
-        "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"]
-        + (["ModelConfig.loss_chunk_tokens=0"] if head == "whole" else []),
+        "run": to_json(point.run(base_run(model, k, head))),
     }
+
+
+def base_run(model: str, k: int, head: str) -> RunConfig:
+    """The model's run before the point is applied, read from gin as the study reads it
+    (t5scale/config.py, study_runs). Plain AdamW without clipping, exactly as the transformers
+    baseline runs it."""
+    bindings = [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"]
+    parse_gin([f"gin/models/{model}.gin"],
+              bindings + (["ModelConfig.loss_chunk_tokens=0"] if head == "whole" else []))  # fmt: skip
+    return build_run_config()
 
 
 def transformers_spec(model: str, workload: Workload) -> dict:
