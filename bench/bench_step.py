@@ -43,7 +43,9 @@ from pathlib import Path
 
 from t5scale.analysis.flops import mfu, training_flops_per_step
 from t5scale.analysis.memory import cpu_memory_budget
+from t5scale.config import build_run_config, parse_gin
 from t5scale.data.config import DataConfig
+from t5scale.jsonform import to_json
 from t5scale.model.sizes import preset
 from t5scale.study.config import Point
 from t5scale.study.trial import TRIAL_PROGRAM, run_trial, write_result
@@ -112,10 +114,18 @@ def t5scale_spec(
             "max_seconds": TIMEOUT_S,
         },
         "peak_flops_per_s": machine["peak_flops_per_s"],
-        # Plain AdamW without clipping, exactly as the transformers baseline runs it.
-        "extra_bindings": [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"]
-        + (["ModelConfig.loss_chunk_tokens=0"] if head == "whole" else []),
+        "run": to_json(point.run(base_run(model, k, head))),
     }
+
+
+def base_run(model: str, k: int, head: str) -> RunConfig:
+    """The model's run before the point is applied, read from gin as the study reads it
+    (t5scale/config.py, study_runs). Plain AdamW without clipping, exactly as the transformers
+    baseline runs it."""
+    bindings = [f"STEPS_PER_EXECUTION={k}", "OptimizerConfig.grad_clip_norm=None"]
+    parse_gin([f"gin/models/{model}.gin"],
+              bindings + (["ModelConfig.loss_chunk_tokens=0"] if head == "whole" else []))  # fmt: skip
+    return build_run_config()
 
 
 def transformers_spec(model: str, workload: Workload) -> dict:
@@ -267,7 +277,7 @@ def print_table(rows: list[dict], workload: Workload, args, device_kind: str) ->
               f"{100 * row['mfu']:.0f}% | {ratio} |")  # fmt: skip
 
 
-def main() -> None:
+def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mt5_tiny", "mt5_small"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run and repeat")
@@ -293,6 +303,11 @@ def main() -> None:
     parser.add_argument("--no-t5scale", action="store_true", help="only the baseline")
     parser.add_argument("--out", help="write the results as JSON here too")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # the baseline's process
+    return parser
+
+
+def main() -> None:
+    parser = command_line()
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)

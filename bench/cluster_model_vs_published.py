@@ -2,6 +2,7 @@
 
     python bench/cluster_model_vs_published.py --calibrate   # the one fitted figure
     python bench/cluster_model_vs_published.py               # the validation table
+    python bench/cluster_model_vs_published.py --small       # the script's check: mt5_tiny
 
 Every published row is re-created as closely as t5scale can express it, with the run's own
 architecture, GPU count, tensor parallelism, per-rank batch, gradient accumulation, lengths
@@ -30,7 +31,7 @@ jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(512)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.whatif.compile import cached_analysis, cluster_target  # noqa: E402
+from t5scale.whatif.compile import cached_analysis  # noqa: E402
 from t5scale.whatif.gpu_step import predict_program  # noqa: E402
 from t5scale.whatif.step_time import predict, predict_from_program  # noqa: E402
 from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
@@ -95,11 +96,32 @@ OWN_H100_STEPS = [("mt5_small", "dots", 0.114), ("mt5_base", "full", 0.254),
                   ("mt5_large", "full", 0.672)]  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The rows' and the calibration's models and lengths: as published, or --small's."""
+
+    rows: list[Published]
+    own_steps: list[tuple[str, str, float]]
+    lengths: tuple[int, int]  # the rows' inputs and targets
+    calibration_lengths: tuple[int, int] = (1024, 229)
+
+
+PUBLISHED = Scale(ROWS, OWN_H100_STEPS, (512, 128))
+# --small checks the script, not the model: mt5_tiny at short lengths in place of each model,
+# on the first t5x row and the first NeMo row, and the first own step with --calibrate.
+SMALL = Scale(
+    [dataclasses.replace(row, preset="mt5_tiny", vocab=None) for row in (ROWS[0], ROWS[4])],
+    [("mt5_tiny", remat, measured) for _, remat, measured in OWN_H100_STEPS[:1]],
+    (32, 8),
+    (32, 8),
+)
+
+
 def analysis_for(run, cluster, stage: int, gpus: int, per_rank: int, tensor: int, path: str):
     """The step compiled by XLA's CPU compiler on emulated devices, or by its GPU compiler for
     the cluster's GPUs (cached by simulate)."""
-    target = cluster_target(cluster, gpus, path)
-    staged = weak_scale(run, stage, gpus, per_rank, tensor=tensor, hosts=target.hosts)
+    target = cluster.target(gpus, path)
+    staged = weak_scale(run, stage, gpus, per_rank, tensor=tensor, dcn_groups=target.dcn_groups)
     return cached_analysis(staged, target)
 
 
@@ -109,13 +131,15 @@ def predict_on(path: str, analysis, model, cluster, overlap: bool = True):
     return predict(analysis, model, cluster, overlap)
 
 
-def calibrate(path: str) -> None:
+def calibrate(path: str, scale: Scale) -> None:
     """The roofline fraction each own H100 step implies, and their geometric mean. The GPU
     path's roofline is each kernel's; its launches are not scaled."""
     fractions = []
-    for preset, remat, measured in OWN_H100_STEPS:
+    inputs, targets = scale.calibration_lengths
+    for preset, remat, measured in scale.own_steps:
         parse_gin([f"gin/models/{preset}.gin", "gin/clusters/h100.gin"],
-                  ["INPUT_LENGTH=1024", "TARGET_LENGTH=229", "ModelConfig.dtype='bfloat16'",
+                  [f"INPUT_LENGTH={inputs}", f"TARGET_LENGTH={targets}",
+                   "ModelConfig.dtype='bfloat16'",
                    f"ModelConfig.remat='{remat}'", "PrecisionConfig.mode='float32'",
                    "ClusterConfig.roofline_fraction=1.0", ATTENTION])  # fmt: skip
         run, cluster = build_run_config(), build_study_config("cluster")
@@ -140,14 +164,34 @@ def calibrate(path: str) -> None:
 ATTENTION = "ModelConfig.attention='dot'"
 
 
-def run_for(row: Published):
-    bindings = ["INPUT_LENGTH=512", "TARGET_LENGTH=128", "ModelConfig.dtype='bfloat16'",
+def run_for(row: Published, lengths: tuple[int, int]):
+    bindings = [f"INPUT_LENGTH={lengths[0]}", f"TARGET_LENGTH={lengths[1]}",
+                "ModelConfig.dtype='bfloat16'",
                 "ModelConfig.remat='dots'", f"TrainConfig.micro_batches={row.micro_batches}",
                 ATTENTION, *row.precision.split()]  # fmt: skip
     if row.vocab:
         bindings.append(f"ModelConfig.vocab_size={row.vocab}")
     parse_gin([f"gin/models/{row.preset}.gin", "gin/clusters/a100.gin"], bindings)
     return build_run_config(), build_study_config("cluster")
+
+
+def row_line(row: Published, scale: Scale, compiler: str) -> tuple[str, float]:
+    """The row's line of the table, and the model's error against the published figure."""
+    run, cluster = run_for(row, scale.lengths)
+    analysis = analysis_for(run, cluster, row.stage, row.gpus, row.per_rank, row.tensor, compiler)
+    model = predict_on(compiler, analysis, run.model, cluster, overlap=True)
+    bound = predict_on(compiler, analysis, run.model, cluster, overlap=False)
+    error = model.sequences_per_s / row.sequences_per_s - 1
+    source = "t5x" if row.source == T5X else "NeMo"
+    line = (
+        f"| {source} | {row.label} | {row.gpus} | {row.tensor} | {row.per_rank} × "
+        f"{row.micro_batches} | {row.sequences_per_s:,.0f} | {model.sequences_per_s:,.0f} | "
+        f"{100 * error:+.0f}% | {bound.sequences_per_s:,.0f} | "
+        f"{100 * (bound.sequences_per_s / row.sequences_per_s - 1):+.0f}% | "
+        f"{model.compute_s:.3f} | {model.exposed_communication_s:.3f} | "
+        f"{'yes' if model.fits else 'no'} ({model.xla_peak_bytes / 1e9:.0f}) |"
+    )
+    return line, error
 
 
 def main() -> None:
@@ -157,9 +201,11 @@ def main() -> None:
         "--compiler", choices=("cpu", "gpu"), default="cpu",
         help="the CPU path (emulated devices) or the GPU path (XLA:GPU's program; gpu-compile)",
     )  # fmt: skip
+    parser.add_argument("--small", action="store_true", help="mt5_tiny on two rows: a check")
     args = parser.parse_args()
+    scale = SMALL if args.small else PUBLISHED
     if args.calibrate:
-        calibrate(args.compiler)
+        calibrate(args.compiler, scale)
         return
     lines = [
         "| source | model | GPUs | TP | batch/rank × accumulation | published seq/s | "
@@ -169,24 +215,10 @@ def main() -> None:
     ]
     errors: dict[str, list[float]] = {}
     started = time.perf_counter()
-    for row in ROWS:
-        run, cluster = run_for(row)
-        analysis = analysis_for(
-            run, cluster, row.stage, row.gpus, row.per_rank, row.tensor, args.compiler
-        )
-        model = predict_on(args.compiler, analysis, run.model, cluster, overlap=True)
-        bound = predict_on(args.compiler, analysis, run.model, cluster, overlap=False)
-        error = model.sequences_per_s / row.sequences_per_s - 1
+    for row in scale.rows:
+        line, error = row_line(row, scale, args.compiler)
         errors.setdefault(row.source, []).append(error)
-        source = "t5x" if row.source == T5X else "NeMo"
-        lines.append(
-            f"| {source} | {row.label} | {row.gpus} | {row.tensor} | {row.per_rank} × "
-            f"{row.micro_batches} | {row.sequences_per_s:,.0f} | {model.sequences_per_s:,.0f} | "
-            f"{100 * error:+.0f}% | {bound.sequences_per_s:,.0f} | "
-            f"{100 * (bound.sequences_per_s / row.sequences_per_s - 1):+.0f}% | "
-            f"{model.compute_s:.3f} | {model.exposed_communication_s:.3f} | "
-            f"{'yes' if model.fits else 'no'} ({model.xla_peak_bytes / 1e9:.0f}) |"
-        )
+        lines.append(line)
         print(lines[-1], file=sys.stderr, flush=True)  # progress
     every = [abs(e) for found in errors.values() for e in found]
     lines += ["", "| rows | median absolute error | worst |", "|---|---|---|"]

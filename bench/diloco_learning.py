@@ -2,6 +2,8 @@
 
     python bench/diloco_learning.py [--steps 512] [--out docs/diloco_learning.json]
         [--plot docs/diloco_learning.png]
+    python bench/diloco_learning.py --steps 2 --batch_size 8 --validate_every 2 --replicas 2 \
+        --every 2 --modes diloco --out /tmp/d.json --plot /tmp/d.png   # the script's check
 
 Every run sees the same tokens: the same global batches of the shipped corpus (span corruption,
 seqio), split over 8 emulated CPU devices as replica × zero, ZeRO stage 1 inside each replica,
@@ -95,8 +97,11 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(REPLICAS), figsize=(11, 4), sharey=True)
-    for axis, replicas in zip(axes, REPLICAS, strict=True):
+    replica_counts = sorted({r["replicas"] for r in results})
+    figure, axes = plt.subplots(1, len(replica_counts), figsize=(11, 4), sharey=True,
+                                squeeze=False)  # fmt: skip
+    axes = axes[0]
+    for axis, replicas in zip(axes, replica_counts, strict=True):
         for r in (r for r in results if r["replicas"] == replicas):
             steps, losses = zip(*r["validation"], strict=True)
             label = "synchronous" if r["mode"] == "every_step" else f"{r['mode']} H={r['every']}"
@@ -117,12 +122,17 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--validate_every", type=int, default=64)
     parser.add_argument("--modes", default="diloco,local_sgd")
+    parser.add_argument("--replicas", type=int, nargs="+", default=REPLICAS)
+    parser.add_argument("--every", type=int, nargs="+", default=EVERY, help="H of each run")
     parser.add_argument("--out", type=Path, default=Path("docs/diloco_learning.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/diloco_learning.png"))
     args = parser.parse_args()
     done = json.loads(args.out.read_text()) if args.out.exists() else []
-    grid = [("every_step", r, 1) for r in REPLICAS] + [
-        (mode, r, every) for mode in args.modes.split(",") for r in REPLICAS for every in EVERY
+    grid = [("every_step", r, 1) for r in args.replicas] + [
+        (mode, r, every)
+        for mode in args.modes.split(",")
+        for r in args.replicas
+        for every in args.every
     ]
     for index, (mode, replicas, every) in enumerate(grid, 1):
         if any((d["mode"], d["replicas"], d["every"]) == (mode, replicas, every) for d in done):

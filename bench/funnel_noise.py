@@ -2,6 +2,7 @@
 how often it wins, and the device time saved against timing every grid point.
 
     python bench/funnel_noise.py [--runs 500] [--out docs/funnel_noise.json]
+    python bench/funnel_noise.py --runs 1 --grid-runs 1 --step-noises 0.1 --out /tmp/f.json
 
 Not a test (tests/test_study.py runs fewer seeds): the figures of docs/funnel.md. The grid, its
 true speeds and the noise model are t5scale/study/known_speeds.py's; the timing rule and the
@@ -57,13 +58,16 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=500)
+    parser.add_argument("--grid-runs", type=int, default=20, help="grids drawn for the saving")
+    parser.add_argument("--step-noises", type=float, nargs="+", default=STEP_NOISES)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "funnel_noise.json")
     args = parser.parse_args()
     rows = []
     for trial in TRIAL_NOISES:
-        for step in STEP_NOISES:
+        for step in args.step_noises:
             started = time.perf_counter()
-            row = known_speeds.survival_and_saving(known_speeds.Noise(step, trial), args.runs, 20)
+            noise = known_speeds.Noise(step, trial)
+            row = known_speeds.survival_and_saving(noise, args.runs, args.grid_runs)
             rows.append(row)
             print(f"noise {step:.0%} per step, {trial:.0%} per trial: best survived "
                   f"{row['best_survived']:.1%}, won "

@@ -27,7 +27,7 @@ jax.config.update("jax_platforms", "cpu")
 xla_cpu.emulate_cpu_devices(64)
 
 from t5scale.config import build_run_config, build_study_config, parse_gin  # noqa: E402
-from t5scale.whatif.compile import cached_analysis, cluster_target  # noqa: E402
+from t5scale.whatif.compile import cached_analysis  # noqa: E402
 from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
 
 MODELS = ("mt5_small", "mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
@@ -69,12 +69,12 @@ def main() -> None:
         for nodes in args.nodes:
             gpus = nodes * cluster.gpus_per_node
             for stage in args.stages:
-                target = cluster_target(cluster, gpus, "gpu")
-                staged = weak_scale(run, stage, gpus, 4, hosts=target.hosts)
+                target = cluster.target(gpus, "gpu")
+                staged = weak_scale(run, stage, gpus, 4, dcn_groups=target.dcn_groups)
                 gpu = cached_analysis(staged, target, budget)
                 cpu_cells = "– | –"
                 if not args.no_cpu:
-                    cpu_target = cluster_target(cluster, gpus, "cpu")
+                    cpu_target = cluster.target(gpus, "cpu")
                     cpu = cached_analysis(weak_scale(run, stage, gpus, 4), cpu_target, budget)
                     cpu_cells = f"{memory_cells(cpu)} | {cpu.compile_time_s:.0f}"
                 kernels = gpu.kernels

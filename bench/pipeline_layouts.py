@@ -4,6 +4,8 @@ size (Hagemann et al.: is micro-batch 1 the most efficient?).
 
     python bench/pipeline_layouts.py [--nodes 1 2 4 8 16 32 64] [--plot docs/pipeline_layouts.png]
     python bench/pipeline_layouts.py --tpu [--slices 1 2 4]   # mt5_xl on v5p-128 slices
+    python bench/pipeline_layouts.py --models mt5_tiny --nodes 1 --sweep --out /tmp/p.json \
+        --plot /tmp/p.png                                   # the script's check: one point
 
 Every point is `t5scale simulate` in-process: the step compiled by XLA:GPU for the cluster's
 GPUs (compile-only, t5scale/xla_gpu.py) and timed kernel by kernel, with its collectives (the
@@ -75,7 +77,7 @@ class Layout:
 
 
 def predict_tpu(model: str, layout: Layout, slices: int) -> dict | None:
-    from t5scale.config import build_cluster_config
+    from t5scale.config import build_hardware
 
     config = layout.config(slices * 8)  # 64 chips a slice: as 8 "nodes" of 8 for the grid
     if config is None:
@@ -83,14 +85,14 @@ def predict_tpu(model: str, layout: Layout, slices: int) -> dict | None:
     parse_gin([f"gin/models/{model}.gin", "gin/clusters/tpu_v5p.gin", "gin/precision/mixed.gin"],
               ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'",
                "DATA_SOURCE='synthetic'", "TpuPodConfig.slice='v5p-128'"])  # fmt: skip
-    run, pod = build_run_config(), build_cluster_config(required=True)
+    run, pod = build_run_config(), build_hardware(required=True)
     config = dataclasses.replace(config, nodes=(slices,), compiler="auto")
     started = time.perf_counter()
     (row,) = simulate(run, pod, config, show=lambda _: None).rows
     return {"slices": slices, "chips": row.devices} | _record(model, layout, config, row, started)
 
 
-def tpu_main(slice_counts: list[int], out: str) -> None:
+def tpu_main(model: str, slice_counts: list[int], out: str) -> None:
     tpu_layouts = [
         Layout("ZeRO 3", 3), Layout("ZeRO 1 + TP 4", 1, tensor=4, rows=PER_GPU * 4),
         Layout("TP 4 × PP 2", 1, 4, 2, PER_GPU), Layout("TP 4 × PP 4", 1, 4, 4, PER_GPU),
@@ -98,9 +100,9 @@ def tpu_main(slice_counts: list[int], out: str) -> None:
     rows = []
     for slices in slice_counts:
         for layout in tpu_layouts:
-            if (row := predict_tpu("mt5_xl", layout, slices)) is not None:
+            if (row := predict_tpu(model, layout, slices)) is not None:
                 rows.append(row)
-                print(f"mt5_xl {layout.name} {slices} × v5p-128: {row['step_s']:.3f} s/step, "
+                print(f"{model} {layout.name} {slices} × v5p-128: {row['step_s']:.3f} s/step, "
                       f"{row['tokens_per_s_per_device']:,.0f} tokens/s/chip "
                       f"({row['wall_s']:.0f} s)", flush=True)  # fmt: skip
                 Path(out).write_text(json.dumps(rows, indent=1))
@@ -195,14 +197,14 @@ def sweep_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], models: list[str], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(MODELS) + 1, figsize=(16, 4.5))
-    for axis, model in zip(axes, MODELS, strict=False):
+    figure, axes = plt.subplots(1, len(models) + 1, figsize=(16, 4.5))
+    for axis, model in zip(axes, models, strict=False):
         mine = [r for r in rows if r["model"] == model and not r.get("sweep")]
         for name in dict.fromkeys(r["layout"] for r in mine):
             points = sorted((r["nodes"], r["tokens_per_s_per_device"], r["fits"])
@@ -219,7 +221,7 @@ def plot(rows: list[dict], path: str) -> None:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     sweep = axes[-1]
-    for model in MODELS:
+    for model in models:
         points = sorted((r["micro_batch_rows"], r["tokens_per_s_per_device"]) for r in rows
                         if r["model"] == model and r.get("sweep"))  # fmt: skip
         if points:
@@ -240,17 +242,24 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--rows", type=int, default=1, help="pipeline micro-batch sequences")
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--out", default="docs/pipeline_layouts.json")
+    parser.add_argument(
+        "--models", nargs="+", help=f"default: {', '.join(MODELS)} (mt5_xl with --tpu)"
+    )
+    parser.add_argument("--out", help="default: docs/pipeline_layouts.json (_tpu.json with --tpu)")
     parser.add_argument("--plot", default="docs/pipeline_layouts.png")
     parser.add_argument("--tpu", action="store_true", help="mt5_xl on v5p-128 slices instead")
     parser.add_argument("--slices", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     if args.tpu:
-        tpu_main(args.slices, "docs/pipeline_layouts_tpu.json")
+        if args.models and len(args.models) > 1:
+            parser.error("--tpu takes one model")
+        model = args.models[0] if args.models else "mt5_xl"
+        tpu_main(model, args.slices, args.out or "docs/pipeline_layouts_tpu.json")
         return
+    models, out = args.models or list(MODELS), args.out or "docs/pipeline_layouts.json"
     rows = []
     started = time.perf_counter()
-    for model in MODELS:
+    for model in models:
         for nodes in args.nodes:
             for layout in layouts(nodes, args.rows):
                 if (row := predict(model, layout, nodes)) is not None:
@@ -264,12 +273,12 @@ def main() -> None:
                 rows.append(row | {"sweep": True})
                 print(f"{model} sweep micro-batch {rows_per_micro_batch}: "
                       f"{row['tokens_per_s_per_device']:,.0f} tokens/s/GPU", flush=True)  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    for model in MODELS:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
+    for model in models:
         print(table(rows, model), end="\n\n")
     print(sweep_table(rows))
-    plot(rows, args.plot)
+    plot(rows, models, args.plot)
     print(f"\n{len(rows)} points in {time.perf_counter() - started:.0f} s; plot: {args.plot}")
 
 

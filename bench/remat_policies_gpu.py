@@ -21,7 +21,7 @@ jax.config.update("jax_platforms", "cpu")
 import flax.linen as nn  # noqa: E402
 
 from t5scale import xla_gpu  # noqa: E402
-from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
+from t5scale.config import build_hardware, build_run_config, parse_gin  # noqa: E402
 from t5scale.model import mt5  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
 from t5scale.whatif.gpu_step import predict_program  # noqa: E402
@@ -54,7 +54,7 @@ def row(model: str, variant: str, remat: str = "dots") -> str:
             f"TARGET_LENGTH={TARGET}",
         ],
     )
-    cluster = build_cluster_config()
+    cluster = build_hardware()
     devices = xla_gpu.GpuTopology("h100_sxm", 1, 1).devices()
     started = time.process_time()
     step = build_setup(weak_scale(build_run_config(), 0, 1, BATCH), devices).compile()

@@ -2,6 +2,8 @@
 and 8 DGX A100 and DGX H100 nodes, ZeRO stages 1-3, mixed precision, full remat.
 
     python bench/seed_study_predicted.py [--plot docs/cluster_model_seed_study.png]
+    python bench/seed_study_predicted.py --models mt5_tiny --nodes 1 --stages 1 \
+        --plot /tmp/s.png                                  # the script's check: two programs
 
 Runs `t5scale simulate` in-process for each model and cluster (lengths 1024/229, 4 sequences
 per GPU) and prints one markdown table per model and a plot of seconds per step against nodes
@@ -35,22 +37,24 @@ MODELS = ("mt5_base", "mt5_large", "mt5_xl", "mt5_xxl")
 CLUSTERS = ("a100", "h100")
 
 
-def predict_grid(attention: str = "auto") -> dict[tuple[str, str], Simulation]:
+def predict_grid(
+    attention: str = "auto", models: tuple[str, ...] = MODELS, extra: tuple[str, ...] = ()
+) -> dict[tuple[str, str], Simulation]:
     """Each cluster's models in a thread of its own: one compiles while the other traces and
     reads its programs in Python (XLA's optimisation passes use one core). Each thread keeps
     its own XLA kernel cache (t5scale/xla_gpu.py), so it reuses its own kernels as before."""
     configured = {}
-    for model in MODELS:
+    for model in models:
         for cluster in CLUSTERS:  # gin is global: read every configuration before the threads
             parse_gin([f"gin/models/{model}.gin", f"gin/clusters/{cluster}.gin"],
                       ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'",
-                       f"ModelConfig.attention='{attention}'"])  # fmt: skip
+                       f"ModelConfig.attention='{attention}'", *extra])  # fmt: skip
             run, hardware = build_run_config(), build_study_config("cluster")
             configured[model, cluster] = (run, hardware, build_study_config("simulate"))
 
     def predict_cluster(cluster: str) -> dict[tuple[str, str], Simulation]:
         done = {}
-        for model in MODELS:
+        for model in models:
             done[model, cluster] = simulate(*configured[model, cluster], show=lambda _: None)
             print(f"{model} on {cluster}: done", flush=True)
         return done
@@ -70,9 +74,11 @@ def plot(
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(len(CLUSTERS), len(MODELS), figsize=(15, 7), sharex=True)
+    models = list(dict.fromkeys(model for model, _ in results))
+    figure, axes = plt.subplots(len(CLUSTERS), len(models), figsize=(15, 7), sharex=True,
+                                squeeze=False)  # fmt: skip
     for row, cluster in enumerate(CLUSTERS):
-        for column, model in enumerate(MODELS):
+        for column, model in enumerate(models):
             ax = axes[row][column]
             rows, highest = results[model, cluster].rows, 0.0
             for stage in sorted({r.stage for r in rows}):
@@ -105,11 +111,12 @@ def plot(
 def pivot(results: dict[tuple[str, str], Simulation]) -> str:
     """Seconds per step by model and stage (rows) and cluster and nodes (columns); * marks a
     configuration whose XLA peak does not fit the GPU's memory."""
-    nodes = results[MODELS[0], CLUSTERS[0]].rows
+    models = list(dict.fromkeys(model for model, _ in results))
+    nodes = results[models[0], CLUSTERS[0]].rows
     counts = sorted({r.nodes for r in nodes})
     header = " | ".join(f"{c.upper()} ×{n}" for c in CLUSTERS for n in counts)
     lines = [f"| model | stage | {header} |", "|---|---|" + "---|" * len(CLUSTERS) * len(counts)]
-    for model in MODELS:
+    for model in models:
         for stage in sorted({r.stage for r in nodes}):
             cells = []
             for cluster in CLUSTERS:
@@ -126,12 +133,17 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/cluster_model_seed_study.png")
     parser.add_argument("--attention", choices=["dot", "fused", "auto"], default="auto",
                         help="ModelConfig.attention of the predicted steps (docs/attention.md)")  # fmt: skip
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--nodes", type=int, nargs="+", help="default: SimulateConfig's")
+    parser.add_argument("--stages", type=int, nargs="+", help="default: SimulateConfig's")
     args = parser.parse_args()
+    extra = [f"SimulateConfig.{name}={getattr(args, name)}" for name in ("nodes", "stages")
+             if getattr(args, name)]  # fmt: skip
     started = time.perf_counter()
-    results = predict_grid(args.attention)
+    results = predict_grid(args.attention, tuple(args.models), tuple(extra))
     bound = {key: with_overlap(result, overlap=False) for key, result in results.items()}
     print("\n" + pivot(results))
-    for key in ((model, cluster) for cluster in CLUSTERS for model in MODELS):
+    for key in ((model, cluster) for cluster in CLUSTERS for model in args.models):
         print("\n" + format_simulation(results[key]))
     plot(results, bound, args.plot)
     print(f"\nplot: {args.plot}; {time.perf_counter() - started:.0f} s in all")

@@ -68,7 +68,7 @@ def main() -> None:
     rows = []
     for stage in range(4):
         staged = weak_scale(
-            run, stage, target.size, args.micro_batch_size, hosts=target.dcn_granules
+            run, stage, target.size, args.micro_batch_size, dcn_groups=target.dcn_groups
         )
         started = time.perf_counter()
         found = compile_for(staged, target).analysis.collectives.to_json()

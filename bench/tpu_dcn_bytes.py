@@ -24,7 +24,7 @@ start_jax()
 
 import jax  # noqa: E402
 
-from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
+from t5scale.config import build_hardware, build_run_config, parse_gin  # noqa: E402
 from t5scale.target import Target  # noqa: E402
 from t5scale.whatif.compile import refusal_of  # noqa: E402
 from t5scale.whatif.plan import compile_stage_plan  # noqa: E402
@@ -41,10 +41,10 @@ def point(model: str, slice_name: str, slices: int, stage: int, layout: str) -> 
         ["ModelConfig.dtype='bfloat16'", "DATA_SOURCE='synthetic'",
          f"TpuPodConfig.slice='{slice_name}'", f"TpuPodConfig.slices={slices}"],
     )  # fmt: skip
-    run, pod = build_run_config(), build_cluster_config(required=True)
+    run, pod = build_run_config(), build_hardware(required=True)
     target = Target.compile_only_tpus(pod.topology())
     replicas = slices if layout == "replica" else 1
-    staged = weak_scale(run, stage, target.size, 4, replicas=replicas, hosts=target.dcn_granules)
+    staged = weak_scale(run, stage, target.size, 4, replicas=replicas, dcn_groups=target.dcn_groups)
     row = {"model": model, "slice": slice_name, "slices": slices, "stage": stage, "layout": layout}
     started = time.perf_counter()
     try:

@@ -2,6 +2,8 @@
 large, xl and xxl, ZeRO stages 0-3, on 1, 2 and 4 slices of a v5p and of a v5e pod.
 
     python bench/tpu_seed_study.py --generation v5p [--plot docs/tpu_seed_study_v5p.png]
+    python bench/tpu_seed_study.py --generation v5e --slice v5e-8 --counts 1 --models mt5_tiny \
+        --out /tmp/t.json --plot /tmp/t.png             # the script's check: 4 programs
 
 Does stage 2 beat stage 3 across slices (over DCN) as the seed study found across nodes, and
 which stage fits where? Mixed precision, remat full, 4 sequences of 1024/229 per chip (weak
@@ -9,7 +11,7 @@ scaling), as bench/seed_study_predicted.py has the GPU clusters. Each step is co
 XLA:TPU for the slices' chips (the `tpu` extra; analyses cached, so a second run compiles
 nothing) and timed from its program (t5scale/whatif/tpu_step.py: unvalidated, a roofline lower
 bound). A stage whose ZeRO formula alone exceeds the chip's HBM is not compiled ("–").
-Results go to runs/tpu_seed_study_<generation>.json as each model finishes.
+Results go to runs/tpu_seed_study_<generation>.json (or --out) as each model finishes.
 """
 
 from __future__ import annotations
@@ -25,29 +27,42 @@ from t5scale.startup import start_jax  # first: JAX on the CPU, quietly, with li
 start_jax()
 
 from t5scale.analysis.memory import dcn_program_bytes  # noqa: E402
-from t5scale.config import build_cluster_config, build_run_config, parse_gin  # noqa: E402
-from t5scale.target import Target  # noqa: E402
+from t5scale.config import build_hardware, build_run_config, parse_gin  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
-from t5scale.whatif.simulate import SimulateConfig, simulate_tpu_pod  # noqa: E402
+from t5scale.whatif.simulate import SimulateConfig, simulate  # noqa: E402
 from t5scale.whatif.tpu_pod import TpuPodConfig  # noqa: E402
 from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
-from t5scale.xla_tpu import TpuTopology  # noqa: E402
 
 MODELS = ("mt5_small", "mt5_large", "mt5_xl", "mt5_xxl")
 SLICES = {"v5p": "v5p-128", "v5e": "v5e-64"}  # 64 chips each: a 4x4x4 cube, an 8x8 torus
 COUNTS = (1, 2, 4)
 
 
-def predict(generation: str, model: str) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The study's slices: SLICES[generation] and COUNTS unless told."""
+
+    generation: str
+    slice: str
+    counts: tuple[int, ...] = COUNTS
+
+
+def shown_models(rows: list[dict]) -> list[str]:
+    """The models the rows have, MODELS' first in their order."""
+    found = {r["model"] for r in rows}
+    return [m for m in dict.fromkeys([*MODELS, *(r["model"] for r in rows)]) if m in found]
+
+
+def predict(grid: Grid, model: str) -> list[dict]:
     """One row per stage and slice count: the prediction, or why there is none."""
     parse_gin([f"gin/models/{model}.gin", "gin/precision/mixed.gin",
-               f"gin/clusters/tpu_{generation}.gin"],
+               f"gin/clusters/tpu_{grid.generation}.gin"],
               ["ModelConfig.dtype='bfloat16'", "ModelConfig.remat='full'", "DATA_SOURCE='synthetic'",
-               f"TpuPodConfig.slice='{SLICES[generation]}'"])  # fmt: skip
-    run, pod = build_run_config(), build_cluster_config(required=True)
+               f"TpuPodConfig.slice='{grid.slice}'"])  # fmt: skip
+    run, pod = build_run_config(), build_hardware(required=True)
     rows = []
     for stage in range(4):
-        for count in COUNTS:
+        for count in grid.counts:
             config = SimulateConfig(nodes=(count,), stages=(stage,), micro_batch_size=4)
             started = time.perf_counter()
             if (state := model_state_per_chip(run, pod, stage, count)) > pod.device_memory_gb * 1e9:
@@ -55,7 +70,7 @@ def predict(generation: str, model: str) -> list[dict]:
                 print(f"{model} stage {stage} × {count}: not compiled (ZeRO formula "
                       f"{state / 1e9:.0f} GB a chip)", flush=True)  # fmt: skip
                 continue
-            result = simulate_tpu_pod(run, pod, config, show=lambda _: None)
+            result = simulate(run, pod, config, show=lambda _: None)
             if result.refused:  # XLA:TPU refused the program for memory
                 said = result.refused[0].refusal.words
                 rows.append({"model": model, "stage": stage, "slices": count, "failed": said})
@@ -76,23 +91,23 @@ def predict(generation: str, model: str) -> list[dict]:
 
 def model_state_per_chip(run, pod: TpuPodConfig, stage: int, slices: int) -> float:
     """The ZeRO formula's bytes a chip, as simulate would lay the run (no compile)."""
-    target = Target.compile_only_tpus(TpuTopology(pod.topology().slice, slices))
+    target = pod.group_target(slices)
     form = build_setup(
-        weak_scale(run, stage, target.size, 4, hosts=target.dcn_granules), target
+        weak_scale(run, stage, target.size, 4, dcn_groups=target.dcn_groups), target
     ).form
     return form.model_state_bytes().per_device(form.layout.stage, form.layout.zero_size).total
 
 
-def table(rows: list[dict], generation: str) -> str:
+def table(rows: list[dict], grid: Grid) -> str:
     """Seconds per step by model and stage (rows) and slice count (columns); * marks a step
     whose XLA peak exceeds the chip's HBM, – one not compiled (its ZeRO formula alone does),
     "failed" one XLA:TPU refused to compile."""
-    lines = [f"| model | stage | {' | '.join(f'{SLICES[generation]} ×{n}' for n in COUNTS)} |",
-             "|---|---|" + "---|" * len(COUNTS)]  # fmt: skip
-    for model in MODELS:
+    lines = [f"| model | stage | {' | '.join(f'{grid.slice} ×{n}' for n in grid.counts)} |",
+             "|---|---|" + "---|" * len(grid.counts)]  # fmt: skip
+    for model in shown_models(rows):
         for stage in range(4):
             cells = []
-            for count in COUNTS:
+            for count in grid.counts:
                 found = [
                     r
                     for r in rows
@@ -110,14 +125,15 @@ def table(rows: list[dict], generation: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], generation: str, path: str) -> None:
+def plot(rows: list[dict], grid: Grid, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(MODELS), figsize=(15, 3.8))
-    for ax, model in zip(axes, MODELS, strict=True):
+    models = shown_models(rows)
+    figure, axes = plt.subplots(1, len(models), figsize=(15, 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
         for stage in range(4):
             mine = [
                 r for r in rows if r["model"] == model and r["stage"] == stage and "step_s" in r
@@ -130,14 +146,14 @@ def plot(rows: list[dict], generation: str, path: str) -> None:
                 if not r["fits"]:
                     ax.plot(r["slices"], r["step_s"], "o", color="white", markersize=4)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(COUNTS), [str(n) for n in COUNTS])
-        ax.set_title(f"{model}, {SLICES[generation]} slices", fontsize=10)
+        ax.set_xticks(list(grid.counts), [str(n) for n in grid.counts])
+        ax.set_title(f"{model}, {grid.slice} slices", fontsize=10)
         ax.set_xlabel("slices (over DCN)")
         ax.set_ylim(bottom=0)
         if ax.lines:
             ax.legend(fontsize=7, title="○: does not fit", title_fontsize=7)
-    axes[0].set_ylabel("seconds per step (TPU path, unvalidated)")
-    figure.suptitle(f"t5scale simulate on TPU {generation}: mixed precision, remat full, 4 × "
+    axes[0][0].set_ylabel("seconds per step (TPU path, unvalidated)")
+    figure.suptitle(f"t5scale simulate on TPU {grid.generation}: mixed precision, remat full, 4 × "
                     "1024/229 sequences per chip (weak scaling)")  # fmt: skip
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -148,17 +164,22 @@ def main() -> None:
     parser.add_argument("--generation", choices=sorted(SLICES), default="v5p")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--plot", help="a PNG of seconds per step against slices, per model")
+    parser.add_argument("--slice", help="the slice (default: the generation's 64 chips)")
+    parser.add_argument("--counts", default=",".join(map(str, COUNTS)), help="slice counts")
+    parser.add_argument("--out", type=Path, help="default: runs/tpu_seed_study_<generation>.json")
     args = parser.parse_args()
-    out = Path(f"runs/tpu_seed_study_{args.generation}.json")
+    counts = tuple(int(n) for n in args.counts.split(","))
+    grid = Grid(args.generation, args.slice or SLICES[args.generation], counts)
+    out = args.out or Path(f"runs/tpu_seed_study_{args.generation}.json")
     out.parent.mkdir(exist_ok=True)
     rows = json.loads(out.read_text()) if out.exists() else []
     started = time.perf_counter()
     for model in args.models.split(","):
-        rows = [r for r in rows if r["model"] != model] + predict(args.generation, model)
+        rows = [r for r in rows if r["model"] != model] + predict(grid, model)
         out.write_text(json.dumps(rows, indent=1))
-    print("\n" + table(rows, args.generation))
+    print("\n" + table(rows, grid))
     if args.plot:
-        plot(rows, args.generation, args.plot)
+        plot(rows, grid, args.plot)
     print(f"\n{out}; {time.perf_counter() - started:.0f} s in all")
 
 

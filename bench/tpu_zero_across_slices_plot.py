@@ -1,11 +1,12 @@
 """The TPU seed study's mt5_large before and after ZeRO across slices was mended (issue 60):
 docs/tpu_zero_across_slices.json (its provenance inside) → docs/tpu_zero_across_slices.png.
 
-    python bench/tpu_zero_across_slices_plot.py
+    python bench/tpu_zero_across_slices_plot.py [--data JSON] [--out PNG]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -18,7 +19,14 @@ DATA = Path("docs/tpu_zero_across_slices.json")
 
 
 def main() -> None:
-    data = json.loads(DATA.read_text())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--out", type=Path, help="the PNG (default: beside --data)")
+    args = parser.parse_args()
+    plot(json.loads(args.data.read_text()), args.out or args.data.with_suffix(".png"))
+
+
+def plot(data: dict, out: Path) -> None:
     slices = data["slices"]
     pods = [name for name in data if name.startswith("v5")]
     figure, axes = plt.subplots(1, len(pods), figsize=(11, 4))
@@ -39,8 +47,8 @@ def main() -> None:
     axes[0].set_ylabel("seconds per step (TPU path, unvalidated)")
     figure.suptitle("ZeRO across TPU slices, mended: stage 2 moves what ZeRO says")
     figure.tight_layout()
-    figure.savefig(DATA.with_suffix(".png"), dpi=110)
-    print(DATA.with_suffix(".png"))
+    figure.savefig(out, dpi=110)
+    print(out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ its dry run: the whole work list, each item in its own process, on the CPU with 
 kernels under Pallas's interpreter and the predictions from the same runs compiled for an H100
 without one. So the check cannot rot between GPUs."""
 
-import importlib.util
+import importlib
 import json
 import math
 import subprocess
@@ -15,9 +15,8 @@ from conftest import REPO
 from t5scale.startup import cuda_plugin_installed
 
 SCRIPT = REPO / "bench" / "gpu_check.py"
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)  # dataclasses ask
-_spec.loader.exec_module(gpu_check)
+sys.path.insert(0, str(SCRIPT.parent))  # the script's sibling modules, as a script has them
+gpu_check = importlib.import_module("gpu_check")
 
 
 def run_check(out, *flags: str) -> subprocess.CompletedProcess:

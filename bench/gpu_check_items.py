@@ -1,0 +1,249 @@
+"""The GPU check's device and step items (bench/gpu_check.py), each run in a process of its
+own: imports JAX, measures, appends its JSON lines to OUT/results.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from gpu_check_list import Results, Shapes
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+
+def start_jax(dry_run: bool):
+    if dry_run:
+        from t5scale.xla_cpu import emulate_cpu_devices
+
+        emulate_cpu_devices(1)
+    import jax
+
+    return jax
+
+
+def timed(function, *arguments, repeats: int) -> float:
+    """Median seconds of `function(*arguments)` to block_until_ready, after one warm-up."""
+    import jax
+
+    jax.block_until_ready(function(*arguments))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*arguments))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def device_item(results: Results, shapes: Shapes, dry_run: bool) -> None:
+    jax = start_jax(dry_run)
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    driver = _nvidia_smi("driver_version,name,memory.total")
+    import flax
+    import optax
+
+    results.write(
+        device=device.device_kind, platform=device.platform, driver=driver,
+        jax=jax.__version__, flax=flax.__version__, optax=optax.__version__,
+        python=sys.version.split()[0],
+    )  # fmt: skip
+    size, products = shapes.matmul
+    matrix = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+
+    @jax.jit
+    def chain(product):
+        for _ in range(products):  # a chain, so that none is optimised away
+            product = product @ matrix
+        return product
+
+    seconds = timed(chain, matrix, repeats=5)
+    results.write(bf16_matmul_flops=products * 2 * size**3 / seconds, matmul_size=size)
+    length = (1024 if not dry_run else 16) * MIB  # bf16 elements: 2 GiB on the card
+    array = jnp.ones((length,), jnp.bfloat16)
+    seconds = timed(jax.jit(lambda x: x + 1), array, repeats=10)
+    results.write(copy_bytes_per_s=2 * array.nbytes / seconds, copy_bytes=array.nbytes)
+
+
+def _nvidia_smi(fields: str) -> str | None:
+    try:
+        query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+TIMED_STEPS_S = 30.0  # at most this long timing one step (at least three timed steps)
+
+
+def step_item(
+    results: Results, shapes: Shapes, dry_run: bool, peak: float | None, **options: Any
+) -> None:
+    jax = start_jax(dry_run)
+    from t5scale.train.setup import build_setup
+
+    run = step_run(shapes, **options)
+    setup = build_setup(run)
+    step = setup.compile()
+    if not _write_memory(results, setup, step):
+        return  # nothing runs: XLA's own estimate says it does not fit (docs/gpu_check.md)
+    seconds, metrics = _time_steps(jax, setup, step, run, shapes)
+    step_s = _write_times(results, setup, run, shapes, peak, seconds, metrics)
+    program = step if step.setup.target.is_gpu else h100_program(run)
+    if program is None:
+        results.write(prediction=None, why="no GPU program: jax's CUDA plugin is not installed")
+        return
+    _write_prediction(results, jax.devices()[0], program, run, step_s)
+
+
+def _write_memory(results: Results, setup, step) -> bool:
+    """XLA's peak against the memory the device has, written; whether the step fits."""
+    from t5scale.analysis.memory import compiled_memory, device_memory_budget
+
+    memory = compiled_memory(step.compiled)
+    budget = device_memory_budget(setup.mesh)
+    xla_peak = memory.peak_estimate_bytes
+    results.write(
+        attention_ran=setup.run.model.attention,
+        compile_s=step.compile_time_s,
+        xla_peak_bytes=xla_peak,
+        memory_limit_bytes=budget,
+        fits=xla_peak <= budget,
+    )
+    return xla_peak <= budget
+
+
+def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any]:
+    """Seconds of each step, warm-ups first, and the last step's metrics."""
+    from t5scale.data.synthetic import synthetic_batch
+
+    state = setup.create_state()
+    batches = [
+        jax.device_put(
+            synthetic_batch(run.data, run.train.batch_size, run.model.vocab_size, 0, i),
+            setup.batch_sharding(),
+        )
+        for i in range(3)
+    ]
+    seconds = []
+    for i in range(shapes.warmup_steps + shapes.timed_steps):
+        start = time.perf_counter()
+        state, metrics = step.compiled(state, batches[i % len(batches)])
+        jax.block_until_ready((state, metrics))
+        seconds.append(time.perf_counter() - start)
+        if sum(seconds) > TIMED_STEPS_S and i >= shapes.warmup_steps + 2:
+            break  # a step far slower than expected: three timed steps say so, and save time
+    return seconds, metrics
+
+
+def _write_times(
+    results: Results,
+    setup,
+    run,
+    shapes: Shapes,
+    peak: float | None,
+    seconds: list[float],
+    metrics,
+) -> float:
+    """The timed steps' median, tokens/s and MFU, written; the median."""
+    from t5scale.analysis.flops import mfu, training_flops_per_step
+    from t5scale.analysis.memory import allocator_peak
+    from t5scale.analysis.peaks import datasheet_peak
+
+    timed_s = seconds[shapes.warmup_steps :]
+    step_s = statistics.median(timed_s)
+    tokens = run.train.batch_size * (run.data.input_length + run.data.target_length)
+    flops = training_flops_per_step(run.model, run.train.batch_size, run.data.input_length,
+                                    run.data.target_length)  # fmt: skip
+    datasheet = datasheet_peak(run.model.dtype)
+    results.write(
+        step_s=step_s, steps_s=timed_s, warmup_s=seconds[: shapes.warmup_steps],
+        tokens_per_s=tokens / step_s, loss=float(metrics.loss),
+        mfu_measured_peak=mfu(flops, step_s, peak, 1) if peak else None,
+        mfu_datasheet=mfu(flops, step_s, datasheet, 1) if datasheet else None,
+        allocator_peak_bytes=allocator_peak(setup.mesh),
+    )  # fmt: skip
+    return step_s
+
+
+def _write_prediction(results: Results, device, program, run, step_s: float) -> None:
+    """The cluster model's step for the card's program (or the H100's), and its error."""
+    # The program itself, so that what the model made of it can be read again without a GPU.
+    with zipfile.ZipFile(results.path.parent / "programs.zip", "a", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(results.item.replace(" ", "_") + ".hlo.txt", program.compiled.as_text())
+    from t5scale.whatif.gpu_step import predict_program
+    from t5scale.whatif.step_time import predict_from_program
+
+    analysis, cluster = program.analysis, cluster_for(device)
+    predicted = predict_from_program(analysis, run.model, cluster)
+    timed = predict_program(analysis.program, cluster, 1)
+    results.write(
+        predicted_step_s=predicted.step_s, predicted_compute_s=predicted.compute_s,
+        predicted_by_class_s=timed.compute_by_class_s, predicted_launch_s=timed.launch_s,
+        prediction_error=predicted.step_s / step_s - 1, cluster=cluster.name,
+        kernels={kind: getattr(analysis.kernels, kind).count
+                 for kind in ("gemm", "attention", "fusion", "copy")},
+    )  # fmt: skip
+
+
+def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool):
+    """The timed run: mixed precision, AdamW without clipping (as bench/bench_step.py)."""
+    from t5scale.data.config import DataConfig
+    from t5scale.model.sizes import preset
+    from t5scale.train.config import RunConfig, TrainConfig
+    from t5scale.train.optim import OptimizerConfig
+    from t5scale.train.precision import PrecisionConfig
+
+    model_config = dataclasses.replace(preset(model), dtype="bfloat16", remat=remat,
+                                       attention=attention, scan_layers=scan_layers)  # fmt: skip
+    return RunConfig(
+        model=model_config,
+        optimizer=OptimizerConfig(grad_clip_norm=None),
+        train=TrainConfig(batch_size=shapes.batch),
+        data=DataConfig(input_length=shapes.input_length, target_length=shapes.target_length),
+        precision=PrecisionConfig(mode="mixed"),
+    )
+
+
+def h100_target():
+    """One H100 to compile for without one (XLA:GPU through jax's CUDA plugin), or None where
+    the plugin is missing."""
+    from t5scale import xla_gpu
+    from t5scale.startup import cuda_plugin_installed
+    from t5scale.target import Target
+
+    if not cuda_plugin_installed():
+        return None
+    return Target.compile_only_gpus(xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1))
+
+
+def h100_program(run):
+    """The dry run's stand-in for the card's program: the same run compiled for one H100
+    without one, or None where jax's CUDA plugin is missing."""
+    from t5scale.train.setup import build_setup
+
+    target = h100_target()
+    return None if target is None else build_setup(run, target).compile()
+
+
+def cluster_for(device):
+    """The cluster file of this GPU: gin/clusters/h200.gin on an H200, else h100.gin."""
+    from t5scale.config import build_hardware, parse_gin
+
+    kind = getattr(device, "device_kind", "")
+    name = "h200" if "H200" in kind else "h100"
+    parse_gin([str(ROOT / f"gin/clusters/{name}.gin")], [])
+    return build_hardware(required=True)
+
+
+def predict_h100(analysis, run) -> float:
+    from t5scale.whatif.step_time import predict_from_program
+
+    return predict_from_program(analysis, run.model, cluster_for(None)).step_s

@@ -1,0 +1,92 @@
+"""What the GPU check (bench/gpu_check.py) runs: the sizes, the work list, and its results file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The sizes one check runs at: the card's, or the dry run's."""
+
+    batch: int
+    input_length: int
+    target_length: int
+    heads: int  # the kernels' check: heads of d_kv 64
+    models: tuple[str, str]  # (large, small)
+    timed_steps: int = 10
+    warmup_steps: int = 2
+    matmul: tuple[int, int] = (8192, 20)  # size, products per sample
+    remats: tuple[str, ...] = ("dots", "full")  # the large model's
+    unrolled: bool = True  # the unrolled layers' step too
+
+
+GPU = Shapes(32, 1024, 229, 16, ("mt5_large", "mt5_small"))
+# The dry run checks the script: remat 'full' and the unrolled layers are the same code as the
+# loop with 'dots' under other settings, and its two models are one (a run listed runs once).
+DRY_RUN = Shapes(2, 96, 23, 2, ("mt5_tiny", "mt5_tiny"), 3, 1, (256, 2), ("dots",), False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One entry of the work list: `estimate_s`, its wall time on one H100 (docs/gpu_check.md)."""
+
+    name: str
+    estimate_s: float
+    kind: str  # device | kernels | step
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def work_list(shapes: Shapes) -> list[Item]:
+    """The items in the order they run: the answers worth most first."""
+    large, small = shapes.models
+
+    def step(role: str, remat: str, attention: str, estimate: float, unrolled=False) -> Item:
+        model = large if role == "large" else small
+        layers = "unrolled" if unrolled else "loop"
+        options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
+        return Item(f"step {model} {remat} {attention} {layers}", estimate, "step", options)
+
+    items = [
+        # estimates: the H100's walls of 2026-11-28 (the H200's for the fp32 kernels; the
+        # kernels' item since compiles its fused programs again to count their FLOPs)
+        Item("device", 14, "device"),
+        Item("kernels bfloat16", 95, "kernels", {"dtype": "bfloat16"}),
+        step("large", "dots", "fused", 36),
+        step("large", "dots", "dot", 35),  # compiled only: it does not fit an 80 GB H100
+        step("large", "full", "fused", 36),
+        step("large", "full", "dot", 53),
+        step("small", "dots", "fused", 37),
+        step("small", "dots", "dot", 49),
+        step("large", "dots", "fused", 200, unrolled=True),  # cut at 182 s on the H100
+        # last: 'auto' no longer runs the kernels in fp32, and their fp32 takes the longest
+        Item("kernels float32", 109, "kernels", {"dtype": "float32"}),
+    ]
+    items = [
+        item for item in items
+        if item.options.get("remat", "dots") in shapes.remats
+        and (shapes.unrolled or item.options.get("scan_layers", True))
+    ]  # fmt: skip
+    return list({item.name: item for item in items}.values())
+
+
+class Results:
+    """OUT/results.jsonl, one line per result, written at once (a run cut short keeps them)."""
+
+    def __init__(self, path: Path, item: str):
+        self.path, self.item = path, item
+
+    def write(self, **fields: Any) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"item": self.item, **fields}, default=float) + "\n")
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def lines_of(path: Path, item: str) -> list[dict[str, Any]]:
+    return [line for line in read_lines(path) if line["item"] == item]

@@ -1,0 +1,137 @@
+"""The GPU check's tables (OUT/gpu_check.md, bench/gpu_check.py), from its results.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpu_check_list import DRY_RUN, GPU, Item, read_lines, work_list
+
+
+def tables(path: Path) -> str:
+    lines = read_lines(path)
+    merged: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        if "attention" not in line:
+            merged.setdefault(line["item"], {}).update(line)
+    text = ["# GPU check", "", *_device(merged.get("device", {}))]
+    text += _kernel_rows(lines) + _attention_rate(lines) + _step_rows(merged)
+    for name, row in merged.items():
+        if row.get("status") not in (None, "done"):
+            text.append(f"\n{name}: {row['status']} — {row.get('why')}")
+    return "\n".join(text) + "\n"
+
+
+def _device(device: dict[str, Any]) -> list[str]:
+    text = [
+        f"Device: {device.get('device', '?')} (driver, name, memory: {device.get('driver')}); "
+        f"jax {device.get('jax')}, flax {device.get('flax')}, optax {device.get('optax')}, "
+        f"Python {device.get('python')}."
+    ]
+    if "bf16_matmul_flops" in device:
+        text.append(
+            f"Measured: bf16 matmul chain ({device['matmul_size']}³, median of 5) "
+            f"{device['bf16_matmul_flops'] / 1e12:,.0f} TFLOP/s; device-to-device copy "
+            f"{device.get('copy_bytes_per_s', 0) / 1e12:,.2f} TB/s (read + written, median of 10)."
+        )
+    if device.get("platform") == "cpu":
+        text.append(
+            "A dry run on the CPU (mt5_tiny, small lengths, Pallas's interpreter): it checks the "
+            "script, not a GPU. Its predictions are one H100's and do not compare with its times."
+        )
+    return text
+
+
+def _kernel_rows(lines: list[dict[str, Any]]) -> list[str]:
+    text = ["", "## Kernels: fused against the einsum path ('dot')", "",
+            "| attention | dtype | q × k | out | dq | dk | dv | d_bias | vs exact (fused / dot, "
+            "worst) | verdict | fwd+bwd fused | fwd+bwd dot | fused TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for line in lines:
+        if "verdict" not in line:
+            continue
+        errors = line["errors"]["fused_vs_dot"]
+        cells = [f"{errors[n]:.1e}" if n in errors else "–"
+                 for n in ("out", "dq", "dk", "dv", "d_bias")]  # fmt: skip
+        exact = (max(line["errors"]["fused_vs_exact"].values()),
+                 max(line["errors"]["dot_vs_exact"].values()))  # fmt: skip
+        text.append(
+            f"| {line['attention']} | {line['dtype']} | {line['q']} × {line['k']} | "
+            + " | ".join(cells)
+            + f" | {exact[0]:.1e} / {exact[1]:.1e} | {line['verdict']} | "
+            f"{line['ms_fused']:.2f} ms | {line['ms_dot']:.2f} ms | "
+            f"{_tflops(line.get('fused_flops'), line['ms_fused'])} |"
+        )
+    return text
+
+
+def _step_rows(merged: dict[str, dict[str, Any]]) -> list[str]:
+    """The steps' table, and their predictions by kernel class."""
+    text = ["", "## Steps, and the cluster model's prediction for the same program", "",
+            "| model | remat | attention | layers | compile | step (median) | tokens/s | "
+            "MFU (measured peak) | MFU (datasheet) | XLA peak | allocator peak | predicted "
+            "| error | status |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for item in work_list(GPU) + work_list(DRY_RUN):
+        if item.kind == "step" and item.name in merged:
+            text.append(_step_row(item, merged[item.name]))
+    text += ["", "The prediction by kernel class (seconds per step; launches are in each class):",
+             "", "| step | gemm | attention | fusion | copy | other | of which launches |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for item in work_list(GPU) + work_list(DRY_RUN):
+        classes = merged.get(item.name, {}).get("predicted_by_class_s")
+        if item.kind == "step" and classes:
+            cells = " | ".join(f"{classes.get(kind, 0):.4f}"
+                               for kind in ("gemm", "attention", "fusion", "copy", "other"))  # fmt: skip
+            launches = merged[item.name]["predicted_launch_s"]
+            text.append(f"| {item.name.removeprefix('step ')} | {cells} | {launches:.4f} |")
+    return text
+
+
+def _tflops(flops: float | None, milliseconds: float) -> str:
+    return "–" if not flops else f"{flops / milliseconds / 1e9:,.1f}"
+
+
+def _attention_rate(lines: list[dict[str, Any]]) -> list[str]:
+    """The bf16 fused kernels' FLOP-weighted rate over the three attentions, and its share of
+    the datasheet peak: a cluster file's `attention_efficiency` (gin/clusters/h100.gin)."""
+    cases = [line for line in lines
+             if line.get("dtype") == "bfloat16" and line.get("fused_flops")]  # fmt: skip
+    if not cases:
+        return []
+    flops = sum(line["fused_flops"] for line in cases)
+    rate = flops / (1e-3 * sum(line["ms_fused"] for line in cases))
+    text = (f"\nThe bf16 fused kernels, FLOP-weighted (the kernel inventory's count, "
+            f"{flops / 1e9:,.1f} GFLOP): {rate / 1e12:,.1f} TFLOP/s")  # fmt: skip
+    datasheet = cases[0].get("datasheet_flops")
+    if datasheet:
+        text += f", {rate / datasheet:.3f} of the datasheet peak (`attention_efficiency`)"
+    return [text + "."]
+
+
+def _step_row(item: Item, row: dict[str, Any]) -> str:
+    def gib(value):
+        return "–" if value is None else f"{value / 2**30:.1f} GiB"
+
+    def percent(value):
+        return "–" if value is None else f"{100 * value:.1f}%"
+
+    options = item.options
+    layers = "loop" if options["scan_layers"] else "unrolled"
+    step = row.get("step_s")
+    status = row.get("status", "?")
+    if row.get("fits") is False:
+        status = f"does not fit ({gib(row['memory_limit_bytes'])} usable)"
+    compile_s = row.get("compile_s")
+    return (
+        f"| {options['model']} | {options['remat']} | "
+        f"{row.get('attention_ran', options['attention'])} | {layers} | "
+        + ("–" if compile_s is None else f"{compile_s:.0f} s")
+        + " | "
+        + ("– | –" if step is None else f"{step:.4f} s | {row['tokens_per_s']:,.0f}")
+        + f" | {percent(row.get('mfu_measured_peak'))} | "
+        f"{percent(row.get('mfu_datasheet'))} | {gib(row.get('xla_peak_bytes'))} | "
+        f"{gib(row.get('allocator_peak_bytes'))} | "
+        + ("–" if "predicted_step_s" not in row else f"{row['predicted_step_s']:.4f} s")
+        + f" | {percent(row.get('prediction_error'))} | {status} |"
+    )
