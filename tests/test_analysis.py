@@ -12,7 +12,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from t5scale.analysis.collectives import collective_summary, format_bytes  # noqa: E402
+from t5scale.analysis.collective_ops import collective_summary, format_bytes  # noqa: E402
 from t5scale.analysis.flops import (  # noqa: E402
     forward_flops_breakdown,
     forward_flops_per_sequence,

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from conftest import REPO, cli_inline, tiny_setup
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import first_group
 from t5scale.analysis.peaks import GPU_DATASHEET

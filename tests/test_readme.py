@@ -96,7 +96,7 @@ def map_problems(text: str, root: Path) -> list[str]:
     problems += [
         f"the module {module} is not named in the map"
         for module in sorted(modules)
-        if module.count("/") == 1 and module not in named
+        if module not in named
     ]
     return problems
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import REPO, cli_inline, run_cli
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program, ScheduledCollective
 from t5scale.analysis.memory import model_state_bytes, zero3_collective_bytes
 from t5scale.cli import IN_CHILD, main
@@ -331,7 +331,7 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-128"), slices=2))
     staged = weak_scale(run, 3, target.size, 2, dcn_groups=target.dcn_groups)
     analysis = compile_for(staged, target).analysis
-    found = analysis.collectives
+    found = analysis.collective_ops
     assert analysis.mesh == {
         "replica": 1,
         "pipeline": 1,

@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from t5scale.analysis.collectives import format_bytes
+from t5scale.analysis.collective_ops import format_bytes
 from t5scale.analysis.memory import dcn_program_bytes, outer_dcn_formula_bytes
 from t5scale.config import build_hardware, build_run_config, parse_gin
 from t5scale.parallel.zero import get_stage

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from t5scale.analysis.collectives import KINDS, CollectiveOp, Collectives
+from t5scale.analysis.collective_ops import KINDS, CollectiveOp, Collectives
 from t5scale.analysis.hlo_module import (
     Instruction,
     Module,

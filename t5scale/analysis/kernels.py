@@ -56,7 +56,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from t5scale.analysis.collectives import CollectiveOp, format_bytes
+from t5scale.analysis.collective_ops import CollectiveOp, format_bytes
 from t5scale.analysis.hlo import (
     async_done_types,
     collective_kind,

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Self
 
-from t5scale.analysis.collectives import CollectiveOp, Collectives
+from t5scale.analysis.collective_ops import CollectiveOp, Collectives
 from t5scale.analysis.kernels import KernelInventory, Program
 from t5scale.jsonform import JsonRecord
 from t5scale.model.sizes import RENAMED_REMATS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from t5scale.analysis.collectives import CollectiveOp, Collectives
+from t5scale.analysis.collective_ops import CollectiveOp, Collectives
 from t5scale.analysis.flops import training_flops_per_step
 from t5scale.analysis.hlo import collective_ops, mesh_axes
 from t5scale.analysis.hlo_module import parse_module

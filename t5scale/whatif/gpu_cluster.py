@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.peaks import GPU_DATASHEET
 from t5scale.analysis.records import StepAnalysis
 from t5scale.errors import ConfigError, check_field_types

@@ -23,7 +23,7 @@ one launch per kernel.
 
 from __future__ import annotations
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
 from t5scale.whatif.figures import GpuFigures
 from t5scale.whatif.nccl import collective_seconds, full_bytes, placement

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.records import StepAnalysis
 from t5scale.model.sizes import ModelConfig
 from t5scale.target import Target

@@ -25,7 +25,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.xla_tpu import TpuSlice
 
 # "T_min … typically around 1us" per hop (the book's sharding chapter).

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.memory import DcnBytes
 from t5scale.whatif.figures import GpuFigures
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.flops import mfu
 from t5scale.analysis.hlo import mesh_axes
 from t5scale.analysis.records import StepAnalysis

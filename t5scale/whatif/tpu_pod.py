@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.records import StepAnalysis
 from t5scale.errors import ConfigError, check_field_types
 from t5scale.model.sizes import ModelConfig

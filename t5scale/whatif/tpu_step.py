@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from t5scale.analysis.collectives import CollectiveOp
+from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
 from t5scale.whatif.figures import TpuFigures
 from t5scale.whatif.ici_dcn import dcn_op_seconds, op_seconds
