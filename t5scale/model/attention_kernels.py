@@ -96,7 +96,7 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
     q_block = pl.program_id(0)
     rows, row_valid = _span(block_q, q_len, q_block)
     q = _load(q_ref, rows, row_valid)
-    q_segments = _load(q_segments_ref, rows, row_valid)[:, None]
+    q_segments = _load(q_segments_ref, rows, row_valid)
 
     def step(j, carry):
         acc, running_max, total = carry
@@ -104,8 +104,10 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
         logits = _logits(
             q, _load(k_ref, keys, key_valid), bias_ref, rows, keys, (row_valid, key_valid)
         )
-        k_segments = _load(k_segments_ref, keys, key_valid)[None, :]  # past the end: 0, masked
-        mask = allowed(q_segments, k_segments, causal, q_block * block_q, j * block_k)
+        k_segments = _load(k_segments_ref, keys, key_valid)  # past the end: 0, masked
+        mask = allowed(
+            q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
+        )
         logits = jnp.where(mask, logits, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         p = jnp.exp(logits - new_max[:, None])
@@ -139,14 +141,16 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int)
     k_block = pl.program_id(0)
     keys, key_valid = _span(block_k, k_len, k_block)
     k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
-    k_segments = _load(k_segments_ref, keys, key_valid)[None, :]
+    k_segments = _load(k_segments_ref, keys, key_valid)
 
     def step(i, carry):
         dk, dv = carry
         rows, row_valid = _span(block_q, q_len, i)
         q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
-        q_segments = _load(q_segments_ref, rows, row_valid)[:, None]
-        mask = allowed(q_segments, k_segments, causal, i * block_q, k_block * block_k)
+        q_segments = _load(q_segments_ref, rows, row_valid)
+        mask = allowed(
+            q_segments[:, None], k_segments[None, :], causal, i * block_q, k_block * block_k
+        )
         lse = _load(lse_ref, rows, row_valid)
         p = _probabilities(q, k, bias_ref, rows, keys, (row_valid, key_valid), lse, mask)
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
@@ -175,13 +179,15 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
         # one indexer per access: Pallas's interpreter cannot store through `ref.at[b].at[...]`
         q, d_out = _load(q_ref, (b, rows), row_valid), _load(d_out_ref, (b, rows), row_valid)
         lse, delta = _load(lse_ref, (b, rows), row_valid), _load(delta_ref, (b, rows), row_valid)
-        q_segments = _load(q_segments_ref, (b, rows), row_valid)[:, None]
+        q_segments = _load(q_segments_ref, (b, rows), row_valid)
 
         def step(j, dq):
             keys, key_valid = _span(block_k, k_len, j)
             k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
-            k_segments = _load(k_segments_ref, (b, keys), key_valid)[None, :]
-            mask = allowed(q_segments, k_segments, causal, q_block * block_q, j * block_k)
+            k_segments = _load(k_segments_ref, (b, keys), key_valid)
+            mask = allowed(
+                q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
+            )
             valid = (row_valid, key_valid)
             p = _probabilities(q, k, bias_ref, rows, keys, valid, lse, mask)
             d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
@@ -218,7 +224,7 @@ def forward_pass(
     blocks: Blocks,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """The forward kernel on arguments in the kernels' form (`kernel_arguments`): the output
+    """The forward kernel on arguments in the kernels' form (`_kernel_arguments`): the output
     and the log-sum-exp per query [batch, heads, q], which the backward pass takes."""
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
@@ -335,14 +341,6 @@ def backward_pass(
     return dq, dk, dv, d_bias
 
 
-def triton_passes(causal: bool, blocks: Blocks, interpret: bool) -> Passes:
-    """The forward kernel and the two backward kernels, on arguments in the kernels' form."""
-    options = {"causal": causal, "blocks": blocks, "interpret": interpret}
-    return Passes(
-        functools.partial(forward_pass, **options), functools.partial(backward_pass, **options)
-    )
-
-
 def _block(length: int, preferred: int) -> int:
     """The preferred block, or for a shorter sequence the power of two that covers it (>= 16)."""
     return min(preferred, max(16, pl.next_power_of_2(length)))
@@ -399,6 +397,8 @@ def flash_attention(
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
 
     def passes(blocks: Blocks) -> Passes:
-        return place(triton_passes(causal, blocks, interpret))
+        options = {"causal": causal, "blocks": blocks, "interpret": interpret}
+        forward, backward = (functools.partial(f, **options) for f in (forward_pass, backward_pass))
+        return place(Passes(forward, backward))
 
     return in_kernel_form(q, k, v, bias, q_segments, k_segments, causal, blocks, passes)
