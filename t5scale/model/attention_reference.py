@@ -28,8 +28,9 @@ def allowed(q_segments, k_segments, causal: bool, q_start=0, k_start=0) -> jax.A
     block's first query at `q_start`, its first key at `k_start`)."""
     mask = (q_segments == k_segments) & (k_segments > 0)
     if causal:
-        rows = q_start + lax.broadcasted_iota(jnp.int32, mask.shape, mask.ndim - 2)
-        columns = k_start + lax.broadcasted_iota(jnp.int32, mask.shape, mask.ndim - 1)
+        square = mask.shape[-2:]  # the same for every example
+        rows = q_start + lax.broadcasted_iota(jnp.int32, square, 0)
+        columns = k_start + lax.broadcasted_iota(jnp.int32, square, 1)
         mask = mask & (columns <= rows)
     return mask
 
