@@ -13,8 +13,7 @@ backward pass), `constrain(array, logical_axes)` to the main activations (tensor
 `embed(table, tokens, dtype)` looks up the encoder's and decoder's tokens, together (stage 3
 looks them up in a table split by vocabulary) and `attend` runs the fused attention with the
 kernels the caller names in `kernels` (on each device's heads: t5scale/parallel/attention.py).
-They default to the identity, a plain gather
-and the fused attention on whole arrays.
+They default to the identity, a plain gather and the fused attention on whole arrays.
 """
 
 from __future__ import annotations
