@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,10 @@ from conftest import (
 from t5scale.config import build_run_config, parse_gin
 from t5scale.model.attention_kernels import Blocks, flash_attention
 from t5scale.model.attention_reference import packed_segment_ids
+from t5scale.model.fused_attention import fused_attention
 from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
+from t5scale.parallel.attention import kernels_for
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.startup import cuda_plugin_installed, libtpu_installed
 from t5scale.train.precision import PrecisionConfig
@@ -122,10 +126,49 @@ def test_attention_is_named_for_what_the_target_runs(asked, dtype, on_gpus, else
     assert attention_for(model, fused_kernels=False).attention == elsewhere
 
 
+def test_the_kernels_are_named_by_the_devices_target():
+    """The backend the model is handed (ShardingHooks.kernels): the interpreter for CPU devices,
+    Triton for GPUs, Mosaic for TPUs, as far as this machine can compile for them."""
+    from jax.sharding import Mesh
+
+    def backend(devices):
+        return kernels_for(Mesh(np.array(devices[:1]), ("x",)))
+
+    assert backend(jax.devices()) == "interpreted"
+    if cuda_plugin_installed():
+        from t5scale.xla_gpu import GpuTopology
+
+        assert backend(GpuTopology("h100_sxm").devices()) == "triton"
+    if libtpu_installed():
+        from t5scale.xla_tpu import TpuSlice, TpuTopology
+
+        assert backend(TpuTopology(TpuSlice.named("v5e-8")).devices()) == "mosaic"
+
+
+def test_the_model_asks_no_device_which_kernels_compile():
+    """t5scale/model imports nothing of t5scale above it (the targets, XLA's GPU and TPU
+    compilers): the kernels' backend reaches the model as a value."""
+    modules = "t5scale.model.mt5, t5scale.model.hf_export, t5scale.model.head"
+    code = f"import sys, {modules}; print(*sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = {m for m in run.stdout.split() if m.startswith("t5scale.")}
+    assert {m for m in loaded if not m.startswith("t5scale.model")} == {
+        "t5scale.errors",
+        "t5scale.startup",
+    }
+
+
+def test_an_unknown_backend_is_rejected():
+    q = jnp.zeros((1, 4, 1, 16))
+    segments = jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        fused_attention(q, q, q, None, segments, segments, False, "cuda")
+
+
 def test_the_models_own_fused_attention_equals_the_einsum_path():
-    """Without a mesh (the model's default `attend`, attention_kernels.attend_locally): 'fused'
-    runs the kernels (Pallas's interpreter on the CPU), 'fused_reference' their arithmetic as
-    einsums; both give the 'dot' model's logits, padding and all."""
+    """Without a mesh (the model's default `attend`, fused_attention on whole arrays): 'fused'
+    runs the kernels (Pallas's interpreter, the default ShardingHooks.kernels), 'fused_reference'
+    their arithmetic as einsums; both give the 'dot' model's logits, padding and all."""
     model = dataclasses.replace(TINY_MODEL, attention="dot")
     rng = np.random.default_rng(0)
     encoder_tokens = jnp.asarray(rng.integers(0, model.vocab_size, (2, 12)), jnp.int32)

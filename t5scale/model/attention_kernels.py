@@ -1,12 +1,8 @@
 """T5's attention as one fused kernel per pass: a Pallas (Triton) flash attention that takes
-T5's additive position bias and packed segment ids, and never forms a [batch, heads, q, k]
-tensor (docs/attention.md says why this route and not cuDNN's).
-
-    softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
-
-where a query attends to a key when both are in the same packed segment, the key is not
-padding (segment 0) and, for causal attention, the key is not ahead of the query. `bias` is
-[heads, q, k] (the relative position bias, shared by the batch) or None (cross attention).
+T5's additive position bias [heads, q, k] (shared by the batch; None in cross attention) and
+packed segment ids, and never forms a [batch, heads, q, k] tensor (docs/attention.md says why
+this route and not cuDNN's). What it computes, as einsums, and its mask: attention_reference.py;
+its custom_vjp: attention_vjp.py; its placement on the mesh: t5scale/parallel/attention.py.
 
 Forward: one program per (query block, example, head) streams the key blocks with an online
 softmax (FlashAttention-2) and keeps the log-sum-exp. Backward, in two kernels, recomputing the
@@ -18,25 +14,22 @@ Lengths need not be whole blocks: the last block's rows past the end are loaded 
 padding, segment 0) and never stored, so the arguments are used as they are, with no padded copy
 of them in the program. The head dimension is padded to a power of two where it is not one.
 `interpret=True` runs the same kernels through XLA on any backend (the tests, on the CPU).
-
-What the kernels compute, as einsums: t5scale/model/attention_reference.py. Their placement on
-the mesh (each device's heads, inside the train step): t5scale/parallel/attention.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.attention_reference import MASKED, reference_attention
-from t5scale.target import Target
+from t5scale.model.attention_reference import MASKED, allowed, check_lengths
+from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +39,6 @@ class Blocks:
     q: int = 64
     k: int = 64
     num_warps: int = 4
-
-
-def _allowed(q_segments, k_segments, q_start, k_start, causal: bool):
-    """[q block, k block]: which query may attend to which key."""
-    allowed = (q_segments[:, None] == k_segments[None, :]) & (k_segments[None, :] > 0)
-    if causal:
-        q_pos = q_start + lax.broadcasted_iota(jnp.int32, allowed.shape, 0)
-        k_pos = k_start + lax.broadcasted_iota(jnp.int32, allowed.shape, 1)
-        allowed = allowed & (k_pos <= q_pos)
-    return allowed
 
 
 def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -122,8 +105,10 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
             q, _load(k_ref, keys, key_valid), bias_ref, rows, keys, (row_valid, key_valid)
         )
         k_segments = _load(k_segments_ref, keys, key_valid)  # past the end: 0, masked
-        allowed = _allowed(q_segments, k_segments, q_block * block_q, j * block_k, causal)
-        logits = jnp.where(allowed, logits, MASKED)
+        mask = allowed(
+            q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
+        )
+        logits = jnp.where(mask, logits, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         p = jnp.exp(logits - new_max[:, None])
         rescale = jnp.exp(running_max - new_max)
@@ -143,9 +128,9 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
     _store(lse_ref, rows, running_max + jnp.log(total), row_valid)
 
 
-def _probabilities(q, k, bias_ref, rows, columns, valid, lse, allowed):
+def _probabilities(q, k, bias_ref, rows, columns, valid, lse, mask):
     logits = _logits(q, k, bias_ref, rows, columns, valid)
-    return jnp.where(allowed, jnp.exp(logits - lse[:, None]), 0.0)
+    return jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
 
 
 def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
@@ -163,9 +148,11 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int)
         rows, row_valid = _span(block_q, q_len, i)
         q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
         q_segments = _load(q_segments_ref, rows, row_valid)
-        allowed = _allowed(q_segments, k_segments, i * block_q, k_block * block_k, causal)
+        mask = allowed(
+            q_segments[:, None], k_segments[None, :], causal, i * block_q, k_block * block_k
+        )
         lse = _load(lse_ref, rows, row_valid)
-        p = _probabilities(q, k, bias_ref, rows, keys, (row_valid, key_valid), lse, allowed)
+        p = _probabilities(q, k, bias_ref, rows, keys, (row_valid, key_valid), lse, mask)
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
         delta = _load(delta_ref, rows, row_valid)
         d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
@@ -198,9 +185,11 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
             keys, key_valid = _span(block_k, k_len, j)
             k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
             k_segments = _load(k_segments_ref, (b, keys), key_valid)
-            allowed = _allowed(q_segments, k_segments, q_block * block_q, j * block_k, causal)
+            mask = allowed(
+                q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
+            )
             valid = (row_valid, key_valid)
-            p = _probabilities(q, k, bias_ref, rows, keys, valid, lse, allowed)
+            p = _probabilities(q, k, bias_ref, rows, keys, valid, lse, mask)
             d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
             if has_bias:  # this program alone writes these rows: add example b's share
                 (d_bias_ref,) = d_bias
@@ -235,7 +224,7 @@ def forward_pass(
     blocks: Blocks,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """The forward kernel on arguments in the kernels' form (`kernel_arguments`): the output
+    """The forward kernel on arguments in the kernels' form (`_kernel_arguments`): the output
     and the log-sum-exp per query [batch, heads, q], which the backward pass takes."""
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
@@ -352,48 +341,16 @@ def backward_pass(
     return dq, dk, dv, d_bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
-    return forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)[0]
-
-
-def _attention_forward(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret):
-    out, lse = forward_pass(q, k, v, bias, q_segments, k_segments, causal, blocks, interpret)
-    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
-
-
-def _attention_backward(causal, blocks, interpret, residuals, d_out):
-    q, k, v, bias, q_segments, k_segments, out, lse = residuals
-    dq, dk, dv, d_bias = backward_pass(
-        q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, blocks, interpret
-    )
-    no_gradient = np.zeros(q_segments.shape, jax.dtypes.float0)
-    return dq, dk, dv, d_bias, no_gradient, np.zeros(k_segments.shape, jax.dtypes.float0)
-
-
-_attention.defvjp(_attention_forward, _attention_backward)
-
-
 def _block(length: int, preferred: int) -> int:
     """The preferred block, or for a shorter sequence the power of two that covers it (>= 16)."""
     return min(preferred, max(16, pl.next_power_of_2(length)))
 
 
-def kernel_arguments(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bias: jax.Array | None,
-    q_segments: jax.Array,
-    k_segments: jax.Array,
-    causal: bool,
-    blocks: Blocks,
-) -> tuple[tuple[jax.Array | None, ...], Blocks]:
+def _kernel_arguments(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
     """The arguments as the kernels take them (int32 segment ids; the head dimension a power of
     two >= 16, zero-padded where it is not one) and the blocks for these lengths."""
+    check_lengths(q, k, causal)
     q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
-    if causal and q_len != k_len:
-        raise ValueError(f"causal attention needs as many queries as keys, got {q_len}, {k_len}")
     blocks = dataclasses.replace(blocks, q=_block(q_len, blocks.q), k=_block(k_len, blocks.k))
     if causal:  # the diagonal walk assumes one block size
         blocks = dataclasses.replace(blocks, k=blocks.q)
@@ -404,8 +361,22 @@ def kernel_arguments(
     return (q, k, v, bias, *segments), blocks
 
 
-def without_head_padding(out: jax.Array, dim: int) -> jax.Array:
-    """The kernels' output [batch, q, heads, padded dim] cut back to the heads' `dim`."""
+def in_kernel_form(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    q_segments: jax.Array,
+    k_segments: jax.Array,
+    causal: bool,
+    blocks: Blocks,
+    passes: Callable[[Blocks], Passes],
+) -> jax.Array:
+    """`passes(blocks fitted to these lengths)` on the arguments as the kernels take them,
+    their output cut back to the heads' dim."""
+    arguments, blocks = _kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, blocks)
+    out = differentiable(*arguments, passes(blocks))
+    dim = q.shape[3]
     return out if out.shape[3] == dim else out[..., :dim]
 
 
@@ -419,34 +390,15 @@ def flash_attention(
     causal: bool = False,
     blocks: Blocks = Blocks(),
     interpret: bool = False,
+    place: Placement = whole_arrays,
 ) -> jax.Array:
     """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
     [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
-    arguments, blocks = kernel_arguments(q, k, v, bias, q_segments, k_segments, causal, blocks)
-    return without_head_padding(_attention(*arguments, causal, blocks, interpret), q.shape[3])
 
+    def passes(blocks: Blocks) -> Passes:
+        options = {"causal": causal, "blocks": blocks, "interpret": interpret}
+        forward, backward = (functools.partial(f, **options) for f in (forward_pass, backward_pass))
+        return place(Passes(forward, backward))
 
-def attend_locally(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bias: jax.Array | None,
-    q_segments: jax.Array,
-    k_segments: jax.Array,
-    causal: bool = False,
-    kernels: bool = True,
-) -> jax.Array:
-    """The model's default `attend` (no mesh): `flash_attention` on the whole arrays, compiled
-    by Triton where the devices at hand take the kernels (GPUs), run by Pallas's interpreter
-    elsewhere; with `kernels=False` ('fused_reference') the kernels' arithmetic as einsums."""
-    if not kernels:
-        return reference_attention(q, k, v, bias, q_segments, k_segments, causal)
-    # Asked at trace time, of the devices at hand: without a mesh the program runs on them.
-    here = Target.local()
-    if here.is_tpu:
-        from t5scale.model.attention_tpu import tpu_flash_attention
-
-        return tpu_flash_attention(q, k, v, bias, q_segments, k_segments, causal)
-    interpret = not here.fused_kernels
-    return flash_attention(q, k, v, bias, q_segments, k_segments, causal, interpret=interpret)
+    return in_kernel_form(q, k, v, bias, q_segments, k_segments, causal, blocks, passes)

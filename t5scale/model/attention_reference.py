@@ -1,12 +1,10 @@
-"""What t5scale's fused attention kernels compute (t5scale/model/attention_kernels.py), as
+"""What t5scale's fused attention kernels compute (attention_kernels.py, attention_tpu.py), as
 einsums over the [batch, heads, q, k] scores in XLA, and its backward pass in the closed form
-the kernels use.
+the kernels use; the mask rule the kernels share.
 
     softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
 
-where a query attends to a key when both are in the same packed segment, the key is not padding
-(segment 0) and, for causal attention, the key is not ahead of the query. It runs where the
-kernels do not ('fused_reference': the fused route's placement with this arithmetic).
+It runs where the kernels do not ('fused_reference': the fused route with this arithmetic).
 """
 
 from __future__ import annotations
@@ -14,10 +12,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from t5scale.model.attention_vjp import Passes
 
 # Finite: a row with every key masked (a padding query) then gets p = 1 everywhere instead of
 # NaN; its output is never used (nothing attends to padding, and the loss skips it).
 MASKED = -1e30
+
+
+def allowed(q_segments, k_segments, causal: bool, q_start=0, k_start=0) -> jax.Array:
+    """Which query may attend to which key, over the last two dimensions (queries, keys) that
+    the query segments (a column) and key segments (a row) broadcast to: both in the same packed
+    segment, the key not padding (segment 0) and, when causal, not ahead of the query (the
+    block's first query at `q_start`, its first key at `k_start`)."""
+    mask = (q_segments == k_segments) & (k_segments > 0)
+    if causal:
+        square = mask.shape[-2:]  # the same for every example
+        rows = q_start + lax.broadcasted_iota(jnp.int32, square, 0)
+        columns = k_start + lax.broadcasted_iota(jnp.int32, square, 1)
+        mask = mask & (columns <= rows)
+    return mask
+
+
+def check_lengths(q: jax.Array, k: jax.Array, causal: bool) -> None:
+    """Causal attention's mask is the square's lower triangle: as many queries as keys."""
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal attention needs as many queries as keys, got {q.shape[1]}, {k.shape[1]}"
+        )
 
 
 def reference_attention(
@@ -40,10 +63,8 @@ def _probabilities(q, k, bias, q_segments, k_segments, causal: bool) -> jax.Arra
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     if bias is not None:
         logits = logits + bias[None].astype(jnp.float32)
-    allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
-    if causal:
-        allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None]
-    return jax.nn.softmax(jnp.where(allowed[:, None], logits, MASKED), axis=-1)
+    mask = allowed(q_segments[:, :, None], k_segments[:, None, :], causal)
+    return jax.nn.softmax(jnp.where(mask[:, None], logits, MASKED), axis=-1)
 
 
 def reference_backward(
@@ -57,7 +78,7 @@ def reference_backward(
     causal: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """reference_attention's gradients (dq, dk, dv, the bias's or None) for the output's
-    cotangent `d_out`, in closed form, the kernels' arithmetic: dv = pᵀ·dout,
+    cotangent `d_out`, in the kernels' closed form: dv = pᵀ·dout,
     ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds."""
     p = _probabilities(q, k, bias, q_segments, k_segments, causal)
     d_out32 = d_out.astype(jnp.float32)
@@ -68,6 +89,20 @@ def reference_backward(
     dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
     d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
+
+
+def reference_passes(causal: bool) -> Passes:
+    """The kernels' passes as einsums: the backward pass in closed form, recomputing the
+    probabilities as the kernels do (it needs no log-sum-exp: a zero stand-in of its shape)."""
+
+    def forward(q, k, v, bias, q_segments, k_segments):
+        out = reference_attention(q, k, v, bias, q_segments, k_segments, causal)
+        return out, jnp.zeros(out.shape[:1] + out.shape[2:3] + out.shape[1:2], jnp.float32)
+
+    def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
+        return reference_backward(q, k, v, bias, q_segments, k_segments, d_out, causal)
+
+    return Passes(forward, backward)
 
 
 def packed_segment_ids(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:

@@ -1,11 +1,9 @@
 """T5's attention as Pallas kernels for TPUs (Mosaic): t5scale's fused attention
-(t5scale/model/attention_kernels.py, Triton, for GPUs) written again for the TPU's blocks, with
-the same arithmetic and the same promise: T5's position bias [heads, q, k] is read by head and
-block, shared by the batch, its gradient summed over the batch inside the kernel, and no
-[batch, heads, q, k] array is ever in the program (jax's own TPU flash attention takes the
-bias batch-sized: docs/attention.md, "On TPUs").
-
-    softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
+(attention_kernels.py, Triton, for GPUs) written again for the TPU's blocks, with the same
+arithmetic (attention_reference.py) and the same promise: T5's position bias [heads, q, k] is
+read by head and block, shared by the batch, its gradient summed over the batch inside the
+kernel, and no [batch, heads, q, k] array is ever in the program (jax's own TPU flash attention
+takes the bias batch-sized: docs/attention.md, "On TPUs").
 
 The kernels take [batch, heads, length, dim] and lengths padded to whole blocks of BLOCK (128:
 the TPU's lanes; padding is segment 0, so nothing attends to it), and run on a grid whose last
@@ -26,12 +24,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from t5scale.model.attention_reference import MASKED
+from t5scale.model.attention_reference import MASKED, allowed, check_lengths
+from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
 
 BLOCK = 128
 
@@ -46,12 +44,8 @@ def _logits(q, k, bias_ref, q_segments, k_segments, i, j, causal: bool) -> jax.A
     logits = _dot(q, k, 1, 1)
     if bias_ref is not None:
         logits = logits + bias_ref[...].astype(jnp.float32)
-    allowed = (q_segments == k_segments) & (k_segments > 0)  # (BLOCK, 1) against (1, BLOCK)
-    if causal:
-        rows = i * BLOCK + lax.broadcasted_iota(jnp.int32, logits.shape, 0)
-        columns = j * BLOCK + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        allowed = allowed & (columns <= rows)
-    return jnp.where(allowed, logits, MASKED)
+    mask = allowed(q_segments, k_segments, causal, i * BLOCK, j * BLOCK)  # (BLOCK, 1), (1, BLOCK)
+    return jnp.where(mask, logits, MASKED)
 
 
 def _visits(i, j, causal: bool):
@@ -261,8 +255,8 @@ def _kernel_form(q, k, v, bias, q_segments, k_segments):
         bias = jnp.pad(bias, ((0, 0), (0, q_pad), (0, k_pad)))
     return (
         heads_first(q, q_pad), heads_first(k, k_pad), heads_first(v, k_pad), bias,
-        jnp.pad(q_segments.astype(jnp.int32), ((0, 0), (0, q_pad)))[:, :, None],
-        jnp.pad(k_segments.astype(jnp.int32), ((0, 0), (0, k_pad)))[:, None, :],
+        jnp.pad(q_segments, ((0, 0), (0, q_pad)))[:, :, None],
+        jnp.pad(k_segments, ((0, 0), (0, k_pad)))[:, None, :],
     )  # fmt: skip
 
 
@@ -270,7 +264,7 @@ def _length_first(x: jax.Array, length: int) -> jax.Array:
     return x.transpose(0, 2, 1, 3)[:, :length]
 
 
-def forward(q, k, v, bias, q_segments, k_segments, causal: bool, interpret: bool = False):
+def _forward(q, k, v, bias, q_segments, k_segments, causal: bool, interpret: bool = False):
     """(output [batch, q, heads, dim], log-sum-exp [batch, heads, q]) of q [batch, q, heads,
     dim] over k, v [batch, k, heads, dim]."""
     q_len = q.shape[1]
@@ -278,9 +272,9 @@ def forward(q, k, v, bias, q_segments, k_segments, causal: bool, interpret: bool
     return _length_first(out, q_len), lse[:, :, :q_len, 0]
 
 
-def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal: bool,
+def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal: bool,
              interpret: bool = False):  # fmt: skip
-    """(dq, dk, dv, the bias's gradient or None), as `forward` lays them out."""
+    """(dq, dk, dv, the bias's gradient or None), as `_forward` lays them out."""
     q_len, k_len = q.shape[1], k.shape[1]
     q_pad = -q_len % BLOCK
     arguments = _kernel_form(q, k, v, bias, q_segments, k_segments)
@@ -296,7 +290,6 @@ def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal: boo
     return _length_first(dq, q_len), _length_first(dk, k_len), _length_first(dv, k_len), d_bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def tpu_flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -306,28 +299,13 @@ def tpu_flash_attention(
     k_segments: jax.Array,
     causal: bool = False,
     interpret: bool = False,
+    place: Placement = whole_arrays,
 ) -> jax.Array:
     """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
     [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
-    return forward(q, k, v, bias, q_segments, k_segments, causal, interpret)[0]
-
-
-def _attention_forward(q, k, v, bias, q_segments, k_segments, causal, interpret):
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[1]}, "
-                         f"{k.shape[1]}")  # fmt: skip
-    out, lse = forward(q, k, v, bias, q_segments, k_segments, causal, interpret)
-    return out, (q, k, v, bias, q_segments, k_segments, out, lse)
-
-
-def _attention_backward(causal, interpret, residuals, d_out):
-    q, k, v, bias, q_segments, k_segments, out, lse = residuals
-    dq, dk, dv, d_bias = backward(
-        q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal, interpret
-    )
-    return (dq, dk, dv, d_bias, np.zeros(q_segments.shape, jax.dtypes.float0),
-            np.zeros(k_segments.shape, jax.dtypes.float0))  # fmt: skip
-
-
-tpu_flash_attention.defvjp(_attention_forward, _attention_backward)
+    check_lengths(q, k, causal)
+    options = {"causal": causal, "interpret": interpret}
+    passes = Passes(functools.partial(_forward, **options), functools.partial(_backward, **options))
+    segments = (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
+    return differentiable(q, k, v, bias, *segments, place(passes))

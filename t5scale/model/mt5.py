@@ -11,9 +11,9 @@ Hooks connect the model to the parallel layout without the model knowing about m
 (ZeRO stage 3 all-gathers the layer's shards there, in the forward pass and again in the
 backward pass), `constrain(array, logical_axes)` to the main activations (tensor parallelism),
 `embed(table, tokens, dtype)` looks up the encoder's and decoder's tokens, together (stage 3
-looks them up in a table split by vocabulary) and `attend` runs the fused attention (on each
-device's heads: t5scale/parallel/attention.py). They default to the identity, a plain gather
-and the fused attention on whole arrays.
+looks them up in a table split by vocabulary) and `attend` runs the fused attention with the
+kernels the caller names in `kernels` (on each device's heads: t5scale/parallel/attention.py).
+They default to the identity, a plain gather and the fused attention on whole arrays.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5scale.model.attention_kernels import attend_locally
+from t5scale.model.fused_attention import Backend, fused_attention
 from t5scale.model.sizes import ModelConfig
 
 Axes = tuple[str, ...]
@@ -85,10 +85,13 @@ def _look_up(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingHooks:
-    # attend(q, k, v, position bias or None, q segments, k segments, causal, kernels): fused
-    # attention on this device's heads, with the kernels (ModelConfig.attention 'fused') or
-    # their arithmetic as einsums (kernels=False: 'fused_reference').
-    attend: Callable[..., jax.Array] = attend_locally
+    # attend(q, k, v, position bias or None, q segments, k segments, causal, backend): fused
+    # attention on this device's heads (fused_attention.Backend: 'reference' for
+    # ModelConfig.attention 'fused_reference', `kernels` for 'fused').
+    attend: Callable[..., jax.Array] = fused_attention
+    # The kernels that compile for the devices, as the caller's target answers it
+    # (parallel/attention.kernels_for); the interpreter runs anywhere.
+    kernels: Backend = "interpreted"
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.
@@ -148,8 +151,8 @@ class Attention(_Module):
         key = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wk), head_axes)
         value = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wv), head_axes)
         if self.cfg.fused_route:
-            kernels = self.cfg.attention == "fused"  # 'fused_reference': their arithmetic
-            context = self.hooks.attend(q, key, value, *bias, causal=self.causal, kernels=kernels)
+            backend = self.hooks.kernels if self.cfg.attention == "fused" else "reference"
+            context = self.hooks.attend(q, key, value, *bias, causal=self.causal, backend=backend)
         else:
             logits = jnp.einsum("bqhk,bshk->bhqs", q, key).astype(jnp.float32) + bias
             probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)

@@ -52,7 +52,7 @@ from t5scale.model.head import loss_sums, model_loss_sums
 from t5scale.model.mt5 import EMBEDDING, LM_HEAD, MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
-from t5scale.parallel.attention import attend_on_mesh
+from t5scale.parallel.attention import attend_on_mesh, kernels_for
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import pipeline
@@ -161,7 +161,9 @@ def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
     """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs,
     in the parameters' dtype."""
     hooks = ShardingHooks(
-        constrain=_constrain, attend=functools.partial(attend_on_mesh, layout.mesh)
+        constrain=_constrain,
+        attend=functools.partial(attend_on_mesh, layout.mesh),
+        kernels=kernels_for(layout.mesh),
     )
     if layout.stage.shard_parameters:
         gather = functools.partial(gather_layer, layout, precision.param_dtype)

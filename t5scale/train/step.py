@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
-from t5scale.model.mt5 import LM_HEAD, MT5
+from t5scale.model.mt5 import LM_HEAD, MT5, ShardingHooks
 from t5scale.model.sizes import ModelConfig
+from t5scale.parallel.attention import kernels_for
 from t5scale.parallel.layout import StateLayout
 from t5scale.parallel.mesh import DATA_AXES
 from t5scale.train import replicas as replicas_module
@@ -271,7 +272,7 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
     A forward pass only, so it is left to XLA's automatic partitioning: the parameters keep
     their at-rest shardings and XLA gathers what stage 3 shards (and cuts off its padding).
     """
-    module = MT5(model)
+    module = MT5(model, ShardingHooks(kernels=kernels_for(layout.mesh)))
 
     def evaluate(params, batch: Batch) -> LossSums:
         params = layout.unpad(params)
