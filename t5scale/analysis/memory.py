@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from t5scale.analysis.records import MemoryPerDevice, ZeroFormulaBytes
 from t5scale.data.config import DataConfig
 from t5scale.jsonform import JsonRecord
+from t5scale.model.mt5 import layer_stacks, vocabulary_tables
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.zero import ZeroStage
 
@@ -141,10 +142,8 @@ def zero3_collective_bytes(
     from the parameters' shapes (in the dtype they are gathered in), as t5scale's step writes
     its collectives; `vocabulary_parallel` False: the tables gathered as the rest outside the
     layers are (t5scale/parallel/vocab.py, pays_off)."""
-    layers = model_state_bytes(
-        [params["encoder"]["layers"], params["decoder"]["layers"]], {}
-    ).parameters
-    tables = model_state_bytes([params["embedding"], params["lm_head"]], {}).parameters
+    layers = model_state_bytes(list(layer_stacks(params)), {}).parameters
+    tables = model_state_bytes(list(vocabulary_tables(params)), {}).parameters
     norms_and_positions = model_state_bytes(params, {}).parameters - layers - tables
     # The zero group's activations that travel instead of the vocabulary-split tables, per
     # micro-batch: token ids and targets (as float32), the decoder's output and the embedded rows.

@@ -275,15 +275,41 @@ def backward_pass(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The two backward kernels: (dq, dk, dv, the bias's gradient or None) from the forward
     pass's output and log-sum-exp and the output's cotangent `d_out`."""
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    bias_args = [] if bias is None else [bias]
+    operands = (q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
+    call = functools.partial(
+        _backward_call, q=q, k=k, bias=bias, causal=causal, blocks=blocks, interpret=interpret
+    )
+    dk, dv = _dkv_call(call, q, k, v, bias is not None, blocks.k)(*operands)
+    dq, *d_bias = _dq_call(call, q, k, bias, blocks.q)(*operands)
+    return dq, dk, dv, d_bias[0].astype(bias.dtype) if bias is not None else None
+
+
+def _backward_call(
+    kernel, grid, in_specs, out_specs, out_shape, name: str, *, q, k, bias, causal, blocks,
+    interpret,
+):  # fmt: skip
+    """A backward kernel's pallas_call, with the settings both share."""
+    sizes = {"causal": causal, "has_bias": bias is not None, "block_q": blocks.q,
+             "block_k": blocks.k}  # fmt: skip
+    return pl.pallas_call(
+        functools.partial(kernel, **sizes),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
+        interpret=interpret,
+        name=name + ("_causal" if causal else ""),
+    )
+
+
+def _dkv_call(call, q: jax.Array, k: jax.Array, v: jax.Array, has_bias: bool, block_k: int):
+    """dk, dv: one program per (key block, example, head), over its example's and head's
+    queries."""
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
-    has_bias = bias is not None
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
-    bias_args = [bias] if has_bias else []
-    sizes = {"causal": causal, "has_bias": has_bias, "block_q": blocks.q, "block_k": blocks.k}
-
-    # dk, dv: one program per (key block, example, head), over its example's and head's queries
     q_spec, kv_spec = (
         pl.BlockSpec((None, n, None, dim), lambda j, b, h: (b, 0, h, 0)) for n in (q_len, k_len)
     )
@@ -298,24 +324,23 @@ def backward_pass(
         per_query,
         per_query,
     ]
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **sizes),
-        grid=(pl.cdiv(k_len, blocks.k), batch, heads),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
-        interpret=interpret,
-        name="t5_attention_backward_dkv" + ("_causal" if causal else ""),
-    )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
+    shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    grid = (pl.cdiv(k_len, block_k), batch, heads)
+    return call(_dkv_kernel, grid, in_specs, [kv_spec, kv_spec], shapes,
+                "t5_attention_backward_dkv")  # fmt: skip
 
-    # dq and the bias's gradient: one program per (query block, head), the examples in turn
+
+def _dq_call(call, q: jax.Array, k: jax.Array, bias: jax.Array | None, block_q: int):
+    """dq and the bias's gradient: one program per (query block, head), the examples in
+    turn."""
+    batch, q_len, heads, dim = q.shape
+    k_len = k.shape[1]
     q_spec, kv_spec = (
         pl.BlockSpec((batch, n, None, dim), lambda i, h: (0, 0, h, 0)) for n in (q_len, k_len)
     )
     per_query = pl.BlockSpec((batch, None, q_len), lambda i, h: (0, h, 0))
     bias_spec = pl.BlockSpec((None, q_len, k_len), lambda i, h: (h, 0, 0))
-    in_specs = [q_spec, kv_spec, kv_spec, *([bias_spec] if has_bias else [])]
+    in_specs = [q_spec, kv_spec, kv_spec, *([bias_spec] if bias is not None else [])]
     in_specs += [
         pl.BlockSpec((batch, q_len), lambda i, h: (0, 0)),
         pl.BlockSpec((batch, k_len), lambda i, h: (0, 0)),
@@ -324,21 +349,11 @@ def backward_pass(
         per_query,
     ]
     out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    if has_bias:
+    if bias is not None:
         out_specs.append(bias_spec)
         out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
-    dq, *d_bias = pl.pallas_call(
-        functools.partial(_dq_kernel, **sizes),
-        grid=(pl.cdiv(q_len, blocks.q), heads),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=params,
-        interpret=interpret,
-        name="t5_attention_backward_dq" + ("_causal" if causal else ""),
-    )(q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
-    d_bias = d_bias[0].astype(bias.dtype) if has_bias else None
-    return dq, dk, dv, d_bias
+    grid = (pl.cdiv(q_len, block_q), heads)
+    return call(_dq_kernel, grid, in_specs, out_specs, out_shape, "t5_attention_backward_dq")
 
 
 def _block(length: int, preferred: int) -> int:

@@ -39,6 +39,7 @@ NEG_INF = -1e10
 # The parameters of the vocabulary: the input embedding [V, d] and the output projection [d, V]
 # (mT5 does not tie them), by their names in the parameter tree.
 EMBEDDING, LM_HEAD = "embedding", "lm_head"
+ENCODER, DECODER, LAYERS = "encoder", "decoder", "layers"  # module names in the tree
 
 
 def _keep_params(params, path: tuple[str, ...]):
@@ -354,37 +355,54 @@ def decoder_attention_biases(
     return self_bias, _mask_to_bias(cross_mask)
 
 
-class LayerStack(_Module):
-    """`num_layers` layers of the encoder (or the decoder) alone, with the parameters
-    {"layers": ...} of Encoder's (Decoder's): a pipeline stage's share of a stack
-    (t5scale/train/pipeline.py)."""
-
-    decoder: bool = False
-    num_layers: int = 1
-
-    @nn.compact
-    def __call__(self, *inputs) -> jax.Array:
-        layer, broadcast = (DecoderLayer, 3) if self.decoder else (EncoderLayer, 1)
-        layers = _stack(layer, self, self.num_layers, broadcast)
-        out, _ = layers(self.cfg, self.hooks, name="layers")(*inputs)
-        return out
-
-
 class Encoder(_Module):
-    @nn.compact
+    """The encoder; its parts (position bias, layers, final norm) are methods of their own, so
+    that a pipeline stage applies `num_layers` of the layers alone (t5scale/train/pipeline.py)."""
+
+    num_layers: int | None = None  # None: the config's
+
+    def setup(self) -> None:
+        count = self.cfg.num_encoder_layers if self.num_layers is None else self.num_layers
+        self.relpos_bias = RelativePositionBias(self.cfg, self.hooks, True)
+        self.layers = _stack(EncoderLayer, self, count, 1)(self.cfg, self.hooks)
+        self.final_norm = RMSNorm(self.cfg, self.hooks)
+
+    def position_bias(self, length: int) -> jax.Array:
+        return self.relpos_bias(length, length)
+
+    def run_layers(self, x: jax.Array, bias: AttentionBias) -> jax.Array:
+        return self.layers(x, bias)[0]
+
+    def finish(self, x: jax.Array) -> jax.Array:
+        return self.final_norm(x)
+
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        length = x.shape[1]
-        position_bias = RelativePositionBias(self.cfg, self.hooks, True, name="relpos_bias")(
-            length, length
-        )
-        bias = encoder_attention_bias(self.cfg, position_bias, segment_ids)
-        layers = _stack(EncoderLayer, self, self.cfg.num_encoder_layers, 1)
-        x, _ = layers(self.cfg, self.hooks, name="layers")(x, bias)
-        return RMSNorm(self.cfg, self.hooks, name="final_norm")(x)
+        bias = encoder_attention_bias(self.cfg, self.position_bias(x.shape[1]), segment_ids)
+        return self.finish(self.run_layers(x, bias))
 
 
 class Decoder(_Module):
-    @nn.compact
+    """The decoder, in parts as the Encoder."""
+
+    num_layers: int | None = None  # None: the config's
+
+    def setup(self) -> None:
+        count = self.cfg.num_decoder_layers if self.num_layers is None else self.num_layers
+        self.relpos_bias = RelativePositionBias(self.cfg, self.hooks, False)
+        self.layers = _stack(DecoderLayer, self, count, 3)(self.cfg, self.hooks)
+        self.final_norm = RMSNorm(self.cfg, self.hooks)
+
+    def position_bias(self, length: int) -> jax.Array:
+        return self.relpos_bias(length, length)
+
+    def run_layers(
+        self, y: jax.Array, encoded: jax.Array, self_bias: AttentionBias, cross_bias: AttentionBias
+    ) -> jax.Array:
+        return self.layers(y, encoded, self_bias, cross_bias)[0]
+
+    def finish(self, y: jax.Array) -> jax.Array:
+        return self.final_norm(y)
+
     def __call__(
         self,
         y: jax.Array,
@@ -392,16 +410,10 @@ class Decoder(_Module):
         segment_ids: jax.Array,
         encoder_segment_ids: jax.Array,
     ) -> jax.Array:
-        length = y.shape[1]
-        position_bias = RelativePositionBias(self.cfg, self.hooks, False, name="relpos_bias")(
-            length, length
-        )
         self_bias, cross_bias = decoder_attention_biases(
-            self.cfg, position_bias, segment_ids, encoder_segment_ids
+            self.cfg, self.position_bias(y.shape[1]), segment_ids, encoder_segment_ids
         )
-        layers = _stack(DecoderLayer, self, self.cfg.num_decoder_layers, 3)
-        y, _ = layers(self.cfg, self.hooks, name="layers")(y, encoded, self_bias, cross_bias)
-        return RMSNorm(self.cfg, self.hooks, name="final_norm")(y)
+        return self.finish(self.run_layers(y, encoded, self_bias, cross_bias))
 
 
 class MT5(_Module):
@@ -432,8 +444,8 @@ class MT5(_Module):
         input_length = encoder_input_tokens.shape[1]
         x = self.constrain(rows[:, :input_length], ("batch", "length", "embed"))
         y = self.constrain(rows[:, input_length:], ("batch", "length", "embed"))
-        encoded = Encoder(cfg, self.hooks, name="encoder")(x, encoder_segment_ids)
-        decoded = Decoder(cfg, self.hooks, name="decoder")(
+        encoded = Encoder(cfg, self.hooks, name=ENCODER)(x, encoder_segment_ids)
+        decoded = Decoder(cfg, self.hooks, name=DECODER)(
             y, encoded, decoder_segment_ids, encoder_segment_ids
         )
         if not project:
@@ -453,3 +465,30 @@ def abstract_params(
     enc = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)
     dec = jax.ShapeDtypeStruct((batch_size, target_length), jnp.int32)
     return jax.eval_shape(model.init, jax.random.key(0), enc, dec)["params"]
+
+
+# The parameter tree's layout, for code outside model/ (flax names each part after its module).
+
+
+def encoder_params(params: Any) -> Any:
+    return params[ENCODER]
+
+
+def decoder_params(params: Any) -> Any:
+    return params[DECODER]
+
+
+def layer_stacks(params: Any) -> tuple[Any, Any]:
+    """The encoder's and the decoder's stacked layers (a leading layer axis each)."""
+    return encoder_params(params)[LAYERS], decoder_params(params)[LAYERS]
+
+
+def vocabulary_tables(params: Any) -> tuple[Any, Any]:
+    """The embedding table and the output layer."""
+    return params[EMBEDDING], params[LM_HEAD]
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Fresh parameters, unboxed (no logical axes)."""
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return nn.meta.unbox(MT5(cfg).init(rng, tokens, tokens)["params"])

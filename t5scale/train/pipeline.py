@@ -40,12 +40,13 @@ from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import (
     EMBEDDING,
     LM_HEAD,
-    LayerStack,
-    RelativePositionBias,
-    RMSNorm,
+    Decoder,
+    Encoder,
     ShardingHooks,
     decoder_attention_biases,
+    decoder_params,
     encoder_attention_bias,
+    encoder_params,
 )
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.collectives import to_varying
@@ -135,25 +136,20 @@ def pipelined_loss_sums(
     rows = hooks.embed(params[EMBEDDING], tokens, model.dtype)
     encoder_rows, decoder_rows = rows[..., :input_length, :], rows[..., input_length:, :]
 
-    def apply(module, tree: Any, *args):
-        return module.apply({"params": tree}, *args)
-
-    encoder, decoder = params["encoder"], params["decoder"]
-    encoder_position = apply(
-        RelativePositionBias(model, hooks, True), encoder["relpos_bias"], input_length,
-        input_length,
-    )  # fmt: skip
-    decoder_position = apply(
-        RelativePositionBias(model, hooks, False), decoder["relpos_bias"], target_length,
-        target_length,
-    )  # fmt: skip
-    encoder_layers = LayerStack(model, hooks, False, model.num_encoder_layers // stages)
-    decoder_layers = LayerStack(model, hooks, True, model.num_decoder_layers // stages)
+    # The model's own encoder and decoder, each with this stage's share of its layers.
+    encoder = Encoder(model, hooks, num_layers=model.num_encoder_layers // stages)
+    decoder = Decoder(model, hooks, num_layers=model.num_decoder_layers // stages)
+    encoder_tree, decoder_tree = (
+        {"params": encoder_params(params)},
+        {"params": decoder_params(params)},
+    )
+    encoder_position = encoder.apply(encoder_tree, input_length, method=Encoder.position_bias)
+    decoder_position = decoder.apply(decoder_tree, target_length, method=Decoder.position_bias)
 
     def encoder_block(x: jax.Array, index: jax.Array) -> jax.Array:
         segments = lax.dynamic_index_in_dim(micro.encoder_segment_ids, index, keepdims=False)
         bias = encoder_attention_bias(model, encoder_position, segments)
-        return apply(encoder_layers, {"layers": encoder["layers"]}, x, bias)
+        return encoder.apply(encoder_tree, x, bias, method=Encoder.run_layers)
 
     def decoder_block(carried: tuple[jax.Array, jax.Array], index: jax.Array):
         y, encoded = carried
@@ -161,19 +157,27 @@ def pipelined_loss_sums(
             lax.dynamic_index_in_dim(ids, index, keepdims=False)
             for ids in (micro.decoder_segment_ids, micro.encoder_segment_ids)
         )
-        self_bias, cross_bias = decoder_attention_biases(
-            model, decoder_position, segments, encoder_segments
-        )
-        y = apply(decoder_layers, {"layers": decoder["layers"]}, y, encoded, self_bias, cross_bias)
-        return y, encoded
+        biases = decoder_attention_biases(model, decoder_position, segments, encoder_segments)
+        return decoder.apply(decoder_tree, y, encoded, *biases, method=Decoder.run_layers), encoded
 
     encoded = run_schedule(encoder_block, encoder_rows, stages, manual_axes)
-    encoded = apply(RMSNorm(model, hooks), encoder["final_norm"], encoded)
+    encoded = encoder.apply(encoder_tree, encoded, method=Encoder.finish)
     decoded = run_schedule(
         decoder_block, (decoder_rows, encoded), stages, manual_axes, keep=lambda out: out[0]
     )
-    decoded = apply(RMSNorm(model, hooks), decoder["final_norm"], decoded)
+    decoded = decoder.apply(decoder_tree, decoded, method=Decoder.finish)
+    return _my_share_of_the_loss(model, hooks, params, micro, decoded, z_loss, stages)
 
+
+def _my_share_of_the_loss(
+    model: ModelConfig, hooks: ShardingHooks, params: Any, micro: Batch, decoded: jax.Array,
+    z_loss: float, stages: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """The loss sums of this stage's M/PP of the micro-batches, from the last stage's output."""
+    micro_batches, target_length = (
+        micro.decoder_input_tokens.shape[0],
+        micro.decoder_input_tokens.shape[-1],
+    )
     mine = spread_from_first(decoded, stages)
     share = micro_batches // stages
     start = lax.axis_index(AXIS) * share

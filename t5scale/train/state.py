@@ -28,7 +28,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
 from t5scale.errors import ConfigError
-from t5scale.model.mt5 import MT5, abstract_params
+from t5scale.model.mt5 import abstract_params, init_params, layer_stacks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout, make_layout
 from t5scale.parallel.zero import STAGES
@@ -129,8 +128,7 @@ class StateForm:
         stages = self.layout.pipeline_stages
         if stages == 1:
             return whole
-        stacked = sum(x.size for x in jax.tree.leaves([params["encoder"]["layers"],
-                                                       params["decoder"]["layers"]]))  # fmt: skip
+        stacked = sum(x.size for x in jax.tree.leaves(layer_stacks(params)))
         count = whole.count - stacked + stacked // stages
         return ModelStateBytes(
             *(round(size * count / whole.count) for size in dataclasses.astuple(whole)[:3]), count
@@ -315,8 +313,7 @@ def _canonical_initializer(
     The random values do not depend on the mesh (partitionable threefry)."""
 
     def init(rng: jax.Array) -> TrainState:
-        tokens = jnp.zeros((1, 8), jnp.int32)
-        params = nn.meta.unbox(MT5(model).init(rng, tokens, tokens)["params"])
+        params = init_params(model, rng)
         state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
         return state if replicas is None else _local_canonical(state, replicas, outer_tx)
 
