@@ -71,7 +71,7 @@ def main() -> None:
             run, stage, target.size, args.micro_batch_size, dcn_groups=target.dcn_groups
         )
         started = time.perf_counter()
-        found = compile_for(staged, target).analysis.collective_ops.to_json()
+        found = compile_for(staged, target).analysis.collectives.to_json()
         seconds = time.perf_counter() - started
         for kind, (field, formula) in expected(stage, params, run, staged.train.batch_size).items():
             program = found.get(kind, {}).get(field, 0)

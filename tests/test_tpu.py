@@ -331,7 +331,7 @@ def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu
     target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5p-128"), slices=2))
     staged = weak_scale(run, 3, target.size, 2, dcn_groups=target.dcn_groups)
     analysis = compile_for(staged, target).analysis
-    found = analysis.collective_ops
+    found = analysis.collectives
     assert analysis.mesh == {
         "replica": 1,
         "pipeline": 1,

@@ -90,15 +90,15 @@ def test_each_stage_compiles_for_two_h100_nodes_with_its_shards_and_collectives(
         arguments[stage] = memory.argument_bytes
         # The stage's collectives, each one an async pair on the GPU.
         big = {
-            kind for kind, total in analysis.collective_ops.by_kind.items() if total.bytes > SCALARS
+            kind for kind, total in analysis.collectives.by_kind.items() if total.bytes > SCALARS
         }
-        assert big == STAGE_COLLECTIVES[stage], (stage, analysis.collective_ops.by_kind)
+        assert big == STAGE_COLLECTIVES[stage], (stage, analysis.collectives.by_kind)
         # The GPU program's kernels: cuBLAS GEMMs, fusions, copies and the collectives' pairs.
         kernels = analysis.kernels
         assert kernels.gemm.count > 0 and kernels.gemm.flops > 0 and kernels.fusion.count > 0
         assert (
             kernels.collective.count
-            >= sum(t.count for t in analysis.collective_ops.by_kind.values())
+            >= sum(t.count for t in analysis.collectives.by_kind.values())
             > 0
         )
         text = step.compiled.as_text()

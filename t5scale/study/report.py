@@ -319,7 +319,7 @@ def _timed_row(point: PointKey, record: TrialRecord, compile_time: dict[str, flo
         f"{_or_dash(timing.mfu and 100 * timing.mfu, '{:.1f}%')} | {analysis.memory_per_device.peak_estimate_bytes / GIB:.2f} | "
         f"{_gib(timing.allocator_peak_bytes)} | "
         f"{state.zero_formula_bytes.total / GIB:.2f} ({state.zero_formula}) | "
-        f"{compiled_s:.1f} | {analysis.collective_ops.summary()} |"
+        f"{compiled_s:.1f} | {analysis.collectives.summary()} |"
     )
 
 

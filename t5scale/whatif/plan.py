@@ -141,7 +141,7 @@ class StagePlan:
             "device_memory_bytes": self.device_memory_bytes,
             "fits": self.fits,
             "fits_model_state": self.fits_model_state,
-            "collectives": analysis.collective_ops.to_json(),
+            "collectives": analysis.collectives.to_json(),
             # XLA:GPU's program per step, loops multiplied out (None from the CPU compiler)
             "kernels": analysis.kernels.to_json() if analysis.kernels else None,
             "flops_per_step": analysis.flops_per_step.to_json(),
@@ -309,7 +309,7 @@ def _stage_row(stage: StagePlan, pipelines: bool = False) -> str:
     measured = state.xla_parameters_and_optimizer_bytes + state.gradient_bytes
     collectives = ", ".join(
         f"{kind} {total.count}× {format_bytes(total.bytes)}"
-        for kind, total in analysis.collective_ops.by_kind.items()
+        for kind, total in analysis.collectives.by_kind.items()
     )
     chosen = analysis.remat
     remat = f" (remat auto → {chosen.policy})" if chosen.requested == "auto" else ""
