@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "t5scale"
 GROUND = ("errors", "jsonform", "startup", "target", "xla_cpu", "xla_gpu", "xla_tpu", "__init__")
 LAYERS = [GROUND, ("model", "data"), ("parallel",), ("analysis",), ("train",), ("whatif",),
-          ("study",), ("config",), ("cli",)]  # fmt: skip
+          ("study",), ("config",), ("commands",), ("cli",)]  # fmt: skip
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 
 
