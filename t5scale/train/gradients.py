@@ -341,8 +341,8 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
 def accumulate_gradients(
     loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int, dtype
 ) -> tuple[Any, tuple[jax.Array, jax.Array]]:
-    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums),
-    in a scan; one micro-batch without one.
+    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums), in a
+    scan; one micro-batch without one.
 
     Why not a scan of length 1: XLA:TPU's expensive-invariant-code-motion pass hoists the layer
     loops out of such a loop before the loop is simplified away, and copies of them stay: the
@@ -407,12 +407,9 @@ def _local_gradients(
 def gradient_fn(
     model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
 ):
-    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums
-    over the global batch), as a shard_map.
-
-    Where replicas step on their own, every parameter, gradient and loss sum has a leading axis
-    of one entry per replica, and the batch is split into the replicas' slices on a leading
-    axis."""
+    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums over
+    the global batch), as a shard_map; where replicas step on their own, everything has a leading
+    replica axis."""
     local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
     param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
     if layout.sync_replicas:
