@@ -366,9 +366,8 @@ def inside_loop(op: CollectiveOp, loop: Loop) -> CollectiveOp:
 
 
 def collective_ops(module: Module) -> tuple[list[CollectiveOp], Collectives]:
-    """Every collective of a parsed program that moves data, with how often it runs per
-    executed step, and their totals per kind with notes: loops of unknown trip count (their
-    bodies counted once) and collectives XLA:CPU widened (counted at their 16-bit size)."""
+    """Every collective that moves data, with its runs per executed step, and their totals per kind
+    with the module docstring's notes."""
     done_types = async_done_types(module)
     users = users_of(i for body in module.computations.values() for i in body)
     widening, slicing = _Widening(module, users), _Slicing(module, users)
@@ -445,10 +444,6 @@ def _as_reduce_scatter(op: CollectiveOp, sliced: int, devices: int) -> Counter[C
 
 
 def collective_stats(module: Module) -> dict[str, Any]:
-    """Per collective kind, `{"count", "bytes", "operand_bytes"}` per device per executed step.
-
-    `bytes` are result bytes, `operand_bytes` input bytes, each summed over tuple elements.
-    Kinds that do not occur are absent. If a `while` loop has no known trip count, its body is
-    counted once and the number of such loops is given under "unknown_trip_count_loops".
-    """
+    """Per kind, `{"count", "bytes", "operand_bytes"}` per device per executed step: result and
+    input bytes, summed over tuple elements; absent kinds are left out."""
     return collective_ops(module)[1].to_json()

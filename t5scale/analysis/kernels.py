@@ -1,49 +1,44 @@
-"""The kernels of a program XLA compiled for GPUs or TPUs, per executed step, from its scheduled
-HLO text.
-
-`read_program(module)` reads from the parsed program (t5scale/analysis/hlo_module.py) what
-launches on the GPU (or runs on the TPU: an operation is a "kernel" here) and in which order:
+"""The kernels of a program XLA compiled for GPUs or TPUs, per executed step, from its scheduled HLO
+text (parsed by t5scale/analysis/hlo_module.py). An operation that runs on a TPU is a "kernel" here
+too.
 
 - kernels are the instructions of the ENTRY computation and of the computations it runs (`while`
-  bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion:
-  a fusion is one kernel. Parameters, tuples, get-tuple-element, bitcasts and constants launch
-  nothing, nor do the control instructions themselves;
+  bodies, `call`, `conditional` branches, `async-start` wrappers), never those inside a fusion: a
+  fusion is one kernel. Parameters, tuples, get-tuple-element, bitcasts, constants and the control
+  instructions themselves launch nothing;
 - loops multiply, as t5scale/analysis/hlo_walk.py walks them: a `while` body runs its known trip
-  count per run of its caller and its condition never (XLA's WhileThunk does not evaluate it);
-  a loop of unknown trip count has its body and condition counted once, and is noted;
-- classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention`
-  (cuDNN's fused attention, `__cudnn$fmha…`, and t5scale's own kernels, Triton custom calls
-  named `t5_attention_…`: t5scale/model/attention_kernels.py), `copy` (kernels that move data
-  and compute nothing: copy, transpose, slices, dynamic-update-slice, pad, concatenate, and
-  fusions made only of those, index arithmetic on scalars aside; so layout changes, cuBLAS's
-  operand padding and the layer scans' stacking and unstacking, which XLA runs as dynamic-slice
-  fusions, are copies, while a fusion that also converts or adds is a `fusion`), `fusion`
-  (every other fusion, XLA's own or Triton's), `collective` and `other`;
-- bytes: what a kernel reads (its operands) and writes (its result), partial accesses at what
-  they touch: an operand that a fusion only slices reads the slices, the buffer that a
-  dynamic-update-slice updates in place reads nothing and writes the update (the layer scans
-  stack every layer's activations so). Libraries' scratch results (cuBLAS's and cuDNN's
-  `s8`/`u8` workspaces) are left out;
-- FLOPs: a GEMM's 2 × result elements × contracted size; fused attention 2 × B·N·T·S·H per
-  product, two products forward and five backward (the four gradient products and the scores
-  recomputed, as flash attention runs it); t5scale's kernels two forward, four for dk and dv
-  and three for dq (each recomputes the scores), causal ones only up to the diagonal block:
-  a share (n + 1) / 2n of the blocks, n the blocks along the grid's first axis;
+  count per run of its caller and its condition never (XLA's WhileThunk does not evaluate it); a
+  loop of unknown trip count has its body and condition counted once, and is noted;
+- classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention` (cuDNN's
+  `__cudnn$fmha…`, and t5scale's Triton kernels `t5_attention_…`:
+  t5scale/model/attention_kernels.py), `copy` (kernels that move data and compute nothing: copy,
+  transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made only of those, index
+  arithmetic on scalars aside; so layout changes, cuBLAS's operand padding and the layer scans'
+  stacking and unstacking are copies, while a fusion that also converts or adds is a `fusion`),
+  `fusion` (every other fusion), `collective` and `other`;
+- bytes: what a kernel reads (its operands) and writes (its result), partial accesses at what they
+  touch: an operand that a fusion only slices reads the slices, the buffer that a
+  dynamic-update-slice updates in place reads nothing and writes the update (the layer scans stack
+  every layer's activations so). Libraries' scratch results (cuBLAS's and cuDNN's `s8`/`u8`
+  workspaces) are left out;
+- FLOPs: a GEMM's 2 × result elements × contracted size; fused attention 2 × B·N·T·S·H per product,
+  two products forward and five backward (the four gradient products and the scores recomputed, as
+  flash attention runs it); t5scale's kernels two forward, four for dk and dv and three for dq (each
+  recomputes the scores), causal ones only up to the diagonal block: a share (n + 1) / 2n of the
+  blocks, n the blocks along the grid's first axis;
 - collectives: an async `-start`/`-done` pair is one collective, counted at its start, with the
-  kernels scheduled between the two in the same computation: those it can hide behind. A pair
-  the scheduler left nothing between is marked `is_sync` by XLA and runs on the compute stream,
-  like a synchronous collective. XLA keeps both halves in one computation (its collective
-  pipeliner moves whole pairs out of loops), so a window never spans two iterations;
+  kernels scheduled between the two in the same computation: those it can hide behind. A pair the
+  scheduler left nothing between is marked `is_sync` by XLA and runs on the compute stream, like a
+  synchronous collective. XLA keeps both halves in one computation (its collective pipeliner moves
+  whole pairs out of loops), so a window never spans two iterations;
 - XLA:TPU: a matmul is a `convolution` whose contraction may be a window over a padded spatial
-  dimension (FLOPs: 2 × output batch × output features × the (output, window) position pairs
-  that land on the input × input features); an async collective is a fusion whose computation
-  is marked AsyncCollectiveStart, ended by one marked AsyncCollectiveDone, with continuation
-  fusions between that compute and carry it (kernels; their printed copies of the collective
-  are not counted); a transfer between slices is a `send` to the megascale runtime, ended by
-  its `send-done`.
+  dimension; an async collective is a fusion whose computation is marked AsyncCollectiveStart, ended
+  by one marked AsyncCollectiveDone, with continuation fusions between that compute and carry it
+  (kernels; their printed copies of the collective are not counted); a transfer between slices is a
+  `send` to the megascale runtime, ended by its `send-done`.
 
-Kernels of equal class, dtype, FLOPs and bytes are one `Kernel` record with the runs of all of
-them, so a program's JSON form stays small; collectives likewise.
+Kernels of equal class, dtype, FLOPs and bytes are one `Kernel` record with the runs of all of them,
+so a program's JSON form stays small; collectives likewise.
 """
 
 from __future__ import annotations
@@ -345,7 +340,6 @@ class _Reader:
         return tuple(sorted(launched.items()))
 
     def kernel(self, instruction: Instruction) -> int | None:
-        """The index of the kernel this instruction launches, None if it launches none."""
         if instruction.name not in self._kernel_of:
             self._kernel_of[instruction.name] = self._new_kernel(instruction)
         return self._kernel_of[instruction.name]
@@ -486,10 +480,9 @@ def _inside_loop(collective: ScheduledCollective, loop: Loop) -> ScheduledCollec
 
 
 def _convolution_flops(lhs: str, rhs: str, out: str, attributes: str) -> float:
-    """2 × the output's batch and features × the (output position, window position) pairs that
-    land on the input, per spatial dimension (padding and dilation as the window says) × the
-    kernel's input features (per group, as its shape holds them): XLA:TPU's matmuls, whose
-    contraction may be a window over a spatial dimension."""
+    """2 × the output's batch and features × the (output position, window position) pairs that land
+    on the input (padding and dilation as the window says) × the kernel's input features per group.
+    """
     shapes = array_shape(lhs), array_shape(rhs), array_shape(out)
     labels = _DIM_LABELS.search(attributes)
     if not (all(shapes) and labels):
@@ -529,10 +522,8 @@ def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:
 
 
 def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match | None) -> float:
-    """t5scale's attention kernels: per product 2·B·N·T·S·H from q [B, T, N, H] and k [B, S,
-    N, H], times the products of the pass (`_T5_ATTENTION_PRODUCTS`), and for causal ones the
-    share (n + 1) / 2n of block pairs up to the diagonal, n the grid's blocks along its first
-    axis (query blocks forward and for dq, key blocks for dk and dv)."""
+    """Module docstring's FLOPs from q [B, T, N, H] and k [B, S, N, H]; n is the query blocks
+    forward and for dq, key blocks for dk and dv."""
     q_shape, k_shape = array_shape(query), array_shape(keys)
     if not (q_shape and k_shape) or len(q_shape[1]) != 4:
         return 0.0
@@ -545,9 +536,8 @@ def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match
 
 
 def _t5_attention_flops_tpu(named: re.Match, query: str, keys: str) -> float:
-    """t5scale's TPU kernels (model/attention_tpu.py): as `_t5_attention_flops`, from q [B, N,
-    T, H] and k [B, N, S, H] at their padded lengths (what the kernels run), causal ones over
-    the blocks up to the diagonal: (n + 1) / 2n of them, n the blocks of 128 along T."""
+    """As `_t5_attention_flops`, from q [B, N, T, H] and k [B, N, S, H] at their padded lengths
+    (what model/attention_tpu.py's kernels run); n is the blocks of 128 along T."""
     q_shape, k_shape = array_shape(query), array_shape(keys)
     if not (q_shape and k_shape) or len(q_shape[1]) != 4:
         return 0.0
@@ -560,8 +550,7 @@ def _t5_attention_flops_tpu(named: re.Match, query: str, keys: str) -> float:
 
 
 def _attention_flops(query: str, attributes: str, backward: bool) -> float:
-    """Fused attention: per product 2·B·N·T·S·H, the scores' B·N·T·S from cuDNN's backend
-    config and H the query's last dimension; two products forward, five backward."""
+    """The scores' B·N·T·S from cuDNN's backend config, H the query's last dimension."""
     scores, shape = _SCORES.search(attributes), array_shape(query)
     if not (scores and shape):
         return 0.0

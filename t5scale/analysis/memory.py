@@ -118,7 +118,6 @@ def model_state_bytes(
 
 
 def compiled_memory(compiled) -> MemoryPerDevice:
-    """XLA's per-device memory analysis of a compiled program."""
     analysis = compiled.memory_analysis()
     argument, output = analysis.argument_size_in_bytes, analysis.output_size_in_bytes
     temp, alias = analysis.temp_size_in_bytes, analysis.alias_size_in_bytes

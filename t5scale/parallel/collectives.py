@@ -74,8 +74,6 @@ def psum_as_flat_buffers(tree: Any, axes) -> Any:
 
 
 def _rows(x: jax.Array, parts: int) -> jax.Array:
-    """x flattened into rows of 128 values where each of its `parts` shards fills whole rows,
-    else into one row."""
     lanes = 128 if x.size % (128 * parts) == 0 else x.size // parts
     return x.reshape(-1, max(lanes, 1))
 

@@ -81,14 +81,10 @@ def loss_sums(
     z_loss: float,
     constrain,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss, cross-entropy sum, z-loss sum) of this device's examples of `batch` (their target
-    tokens [b, T] and loss weights), from the decoder's output [b, T, d] and this device's
-    slice of lm_head [d, V/N] (columns at or past the vocabulary size, the padding of a
-    vocabulary the zero size does not divide, take no part): what t5scale.model.head computes
-    from the whole head, in chunks, for the group's tokens against this slice. The loss's
-    gradient is that of the group's loss with respect to the slice and this slice's part of the
-    group's decoder output (t5scale/model/head.py); the all-gather's transpose sums those parts
-    back to the devices whose examples they are."""
+    """(loss, cross-entropy sum, z-loss sum) of this device's examples of `batch`, from the
+    decoder's output [b, T, d] and this device's slice of lm_head [d, V/N], whose columns past the
+    vocabulary size (padding) take no part; the gradient as t5scale/model/head.py's module docstring
+    says, its parts summed back to their examples by the all-gather's transpose."""
     targets, weights = batch.decoder_target_tokens, batch.decoder_loss_weights
     group_decoded = lax.all_gather(decoded, AXIS, axis=0, tiled=True)
     group_targets = _gather_ids(targets, group_decoded)

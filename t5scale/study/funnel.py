@@ -243,7 +243,6 @@ def winners(
 
 
 def synchronisation_words(point: Point) -> str:
-    """How the point's replicas synchronise, in words."""
     if point.sync == "every_step":
         return "synchronised every step"
     mode, _, every = point.sync.partition("/")

@@ -1,38 +1,26 @@
-"""The gradient computation of one train step: a shard_map, manual over the data-parallel axes.
+"""The gradient computation of one train step: a shard_map manual over the data-parallel axes
+(`replica`, `zero`) and automatic over `tensor`, with the stage's collectives written out, because
+XLA on the CPU does not turn all-reduce + slice into reduce-scatter by itself (docs/concepts.md,
+"The step", walks through the stages).
 
-`gradient_fn` is manual over (`replica`, `zero`) and automatic over `tensor`. Inside it the
-stage's collectives are written out, because XLA on the CPU does not turn all-reduce + slice
-into reduce-scatter by itself. The pieces, in the order a step runs them:
+In the order a step runs them: stage 3's gathers (`gather_layer` where each scanned layer runs,
+forward and again backward; `gather_outside_layers` once per micro-batch), the loss
+(`dense_loss_sums`, or `vocabulary_parallel_loss_sums` at stage 3 while that moves less:
+t5scale/parallel/vocab.py), accumulation over micro-batches (`accumulate_gradients`; stage 2
+reduce-scatters each micro-batch's, `reduce_scatter_micro_batch`) and the reduction after the last
+(`all_reduce_gradients`). Where replicas step on their own (local SGD, DiLoCo:
+t5scale/train/replicas.py) nothing is reduced over `replica`: each replica's parameters, gradients
+and loss sums travel on a leading axis split over it.
 
-- **stage 3's gathers**: parameters enter as `zero` shards. Each scanned layer's are all-gathered
-  where the layer runs (`gather_layer`, in the forward pass and again in the backward pass: they
-  are never kept), the small rest (final norms, position tables) once per micro-batch before the
-  model runs (`gather_outside_layers`); the transpose of each all-gather is the gradient's
-  reduce-scatter.
-- **the loss** of a micro-batch: dense (`dense_loss_sums`), or at stage 3 with the embedding and
-  output projection used where they lie, split by vocabulary, while that moves less than
-  gathering them (`vocabulary_parallel_loss_sums`, t5scale/parallel/vocab.py).
-- **accumulation** over micro-batches (`accumulate_gradients`): stages 0 and 1 sum gradients
-  locally into a full-size accumulator, stage 2 reduce-scatters each micro-batch's gradients
-  into a 1/N one (`reduce_scatter_micro_batch`).
+Gradients are reduced and accumulated in the precision's gradient dtype
+(t5scale/train/precision.py). A tree the stage scatters over `zero` is padded
+(t5scale/parallel/layout.py): gathers cut the padding off, and gradients are padded before they are
+reduce-scattered. Where the mesh spans the slow network each gradient reduction moves its leaf as
+one flat buffer (collectives.as_flat_buffer).
 
-Gradients are reduced and accumulated in the precision's gradient dtype (t5scale/train/
-precision.py): bf16 in mixed precision (fp32 with its fp32 option), fp32 otherwise. A tree the
-stage scatters over `zero` is padded (t5scale/parallel/layout.py): gathers cut the padding off
-before the model sees a parameter, and gradients are padded before they are reduce-scattered.
-- **the reduction** after the last micro-batch (`all_reduce_gradients`): over every
-  data-parallel device where the gradient is whole, over `replica` where `zero` scattered it.
-  When replicas step on their own (local SGD, DiLoCo: t5scale/train/replicas.py) nothing is
-  reduced over `replica`: each replica's parameters come in on a leading axis split over it, and
-  its gradients and loss sums go out the same way.
-
-Where the mesh spans the slow network (TPU slices, GPU nodes) each gradient reduction moves its
-leaf as one flat buffer (collectives.as_flat_buffer), so that XLA:TPU reduces inside the slice
-first and hands DCN each chip's share once (docs/cluster_model.md, "ZeRO across slices").
-
-Every explicit collective is ordered (t5scale/parallel/collectives.py); the embedding's gather
-comes last, so the encoder cannot start, and in the backward pass the reverse chain cannot
-begin, while any other runs.
+Every explicit collective is ordered (t5scale/parallel/collectives.py); the embedding's gather comes
+last, so the encoder cannot start, and in the backward pass the reverse chain cannot begin, while
+any other runs.
 """
 
 from __future__ import annotations
@@ -341,8 +329,8 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
 def accumulate_gradients(
     loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int, dtype
 ) -> tuple[Any, tuple[jax.Array, jax.Array]]:
-    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums),
-    in a scan; one micro-batch without one.
+    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums), in a
+    scan; one micro-batch without one.
 
     Why not a scan of length 1: XLA:TPU's expensive-invariant-code-motion pass hoists the layer
     loops out of such a loop before the loop is simplified away, and copies of them stay: the
@@ -407,12 +395,9 @@ def _local_gradients(
 def gradient_fn(
     model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
 ):
-    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums
-    over the global batch), as a shard_map.
-
-    Where replicas step on their own, every parameter, gradient and loss sum has a leading axis
-    of one entry per replica, and the batch is split into the replicas' slices on a leading
-    axis."""
+    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums over
+    the global batch), as a shard_map; where replicas step on their own, everything has a leading
+    replica axis."""
     local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
     param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
     if layout.sync_replicas:

@@ -1,29 +1,15 @@
-"""Pipeline parallelism for the encoder-decoder: the loss of a step's micro-batches, run through
-the `pipeline` mesh axis as a GPipe schedule inside the gradient's shard_map.
+"""Pipeline parallelism for the encoder-decoder: the loss of a step's micro-batches, run through the
+`pipeline` mesh axis as a GPipe schedule inside the gradient's shard_map (docs/concepts.md,
+"Pipeline stages", says why this layout and schedule).
 
-**The layout.** Each stage holds 1/PP of the encoder's layers and 1/PP of the decoder's (the
-stacked `layers` dimension split over `pipeline`: t5scale/parallel/layout.py), so every stage
-works in both phases. NeMo's split instead puts the encoder on the first stages and the decoder
-on the rest (`pipeline_model_parallel_split_rank`), and each half idles while the other phase
-runs. Everything outside the stacks (the embedding, the position tables, the final norms, the
-output projection) is replicated over `pipeline`; its gradients are summed over it.
-
-**The schedule** is GPipe, run once per phase: the encoder's M micro-batches pass stage 0 → 1
-→ … → PP−1 in M + PP − 1 ticks, then the decoder's the same way. In tick t stage s works on
-micro-batch t − s, and where that is not one of the M (the fill and the drain) it computes on
-what it holds and nothing keeps the result: the idle fraction is (PP − 1) / (M + PP − 1), in
-both phases. Activations move only by collective permutes around the ring of stages, one per
-tick: the last stage's output wraps round to stage 0, which keeps the encoder's output of each
-micro-batch for the decoder phase; there the encoder's output travels beside the decoder's
-activations (as in Megatron's T5), so that every stage's cross-attention has it. A circular
-schedule (each stage holding several non-adjacent chunks of layers) would shrink the bubble by
-its number of repeats, but needs M ≥ PP per repeat and stores the stacks out of their order;
-see docs/concepts.md for why GPipe came first.
-
-**The head.** After the decoder phase stage 0 holds every micro-batch's output; it sends M/PP
-of them to each other stage (collective permutes again), so that the output projection and the
-loss, which cost as much as several layers at mT5's 250k vocabulary, are split over the stages
-instead of computed PP times.
+Each stage holds 1/PP of the encoder's layers and 1/PP of the decoder's, so every stage works in
+both phases; everything outside the stacks is replicated over `pipeline` and its gradients summed
+over it. Each phase runs M + PP − 1 ticks: in tick t stage s works on micro-batch t − s, and in the
+fill and drain on what it holds, the result dropped. Activations move only by collective permutes
+around the ring of stages; the wrap-around brings each micro-batch's encoder output back to stage 0,
+and in the decoder phase it travels beside the decoder's activations for cross-attention. Stage 0
+then sends M/PP decoder outputs to each other stage, so that the 250k-vocabulary head is split over
+the stages instead of computed PP times.
 """
 
 from __future__ import annotations

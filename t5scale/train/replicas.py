@@ -154,12 +154,10 @@ def specs_over_replicas(specs: Any) -> Any:
 def outer_step_per_device(
     outer_tx: optax.GradientTransformation, dtype, replicas: int, outer: OuterState, current: Any
 ) -> tuple[OuterState, Any]:
-    """One device's part of the outer step, inside a shard_map manual over every mesh axis:
-    (the new outer state, the parameters every replica restarts from, with a leading axis of
-    one). `current` is this replica's fp32 parameters (leading axis of one), laid out as the
-    anchor; Δ = anchor − the replicas' mean is summed over `replica` in `dtype`, all leaves in
-    one all-reduce, each leaf a flat buffer (between TPU slices a leaf in its own shape may
-    cross DCN padded: parallel/collectives.py, as_flat_buffer)."""
+    """One device's part of the outer step, inside a shard_map manual over every mesh axis: (the new
+    outer state, the parameters every replica restarts from, leading axis of one). `current`: this
+    replica's fp32 parameters, laid out as the anchor; Δ is summed over `replica` in `dtype`, in one
+    all-reduce of flat buffers (collectives.as_flat_buffer)."""
     differences = jax.tree.map(lambda a, p: (a - p[0]).astype(dtype), outer.anchor, current)
     total = collectives.psum_as_flat_buffers(differences, "replica")
     delta = jax.tree.map(lambda d: d.astype(jnp.float32) / replicas, total)

@@ -86,20 +86,18 @@ class StateForm:
 
     @functools.cached_property
     def canonical(self) -> TrainState:
-        """The canonical form's shapes in its shardings."""
         return _abstract_canonical(self.model, self.tx, self.layout, self.replicas, self.outer_tx)
 
     @functools.cached_property
     def state(self) -> TrainState:
-        """The state's shapes in their at-rest shardings: the conversion's of the canonical
-        shapes (so the model is initialised, abstractly, once)."""
+        """At-rest shapes, converted from the canonical ones (so the model is initialised,
+        abstractly, once)."""
         shapes = jax.eval_shape(self._laid_out, _bare(self.canonical))
         shardings = _at_rest_shardings(self.layout, self.tx, shapes, self.precision, self.outer_tx)
         return _with_shardings(shapes, shardings)
 
     @property
     def shardings(self) -> TrainState:
-        """The state's at-rest shardings."""
         return jax.tree.map(lambda leaf: leaf.sharding, self.state)
 
     @property
@@ -189,7 +187,6 @@ class StateForm:
         return jax.jit(self._laid_out, out_shardings=self.shardings)
 
     def to_canonical(self, state: TrainState) -> TrainState:
-        """The state's canonical form, what a checkpoint holds."""
         if self.is_canonical:
             return state
         if not self.layout.padded and self.outer_tx is None:  # mixed: the master and moments
@@ -231,14 +228,12 @@ class StateForm:
         return (meta.sync.mode, meta.sync.replicas_apart) == (self.sync.mode, self.replicas)
 
     def _laid_out(self, canonical: TrainState) -> TrainState:
-        """The state as the stage, precision and replica sync keep it, from its canonical form
-        (not jitted)."""
+        """The state as the stage, precision and replica sync keep it (not jitted)."""
         if canonical.outer is None:
             return self._one_laid_out(canonical)
         return self._for_each_replica(self._one_laid_out, LeafLayout.pad, canonical)
 
     def _canonical_of(self, state: TrainState) -> TrainState:
-        """The canonical form of a state (not jitted)."""
         if state.outer is None:
             return self._one_canonical_of(state)
         return self._for_each_replica(self._one_canonical_of, LeafLayout.unpad, state)
@@ -286,9 +281,7 @@ class StateForm:
 
 
 def build_form(run: RunConfig, mesh: Mesh, tx: optax.GradientTransformation) -> StateForm:
-    """The form of `run`'s state on `mesh`: the stage's layout, the precision, the replica sync
-    and the abstract state and canonical form in their shardings; a ConfigError or MeshError in
-    one line where the state cannot be laid out so."""
+    """A ConfigError or MeshError in one line where `run`'s state cannot be laid out on `mesh`."""
     layout = make_layout(run.parallel, mesh, abstract_params(run.model))
     layout = dataclasses.replace(layout, sync_replicas=not run.sync.local)
     if layout.padded and run.optimizer.name == "adafactor" and layout.stage.shard_optimizer_state:
@@ -327,9 +320,8 @@ def _abstract_canonical(
     replicas: int | None,
     outer_tx: optax.GradientTransformation | None,
 ) -> TrainState:
-    """The canonical form's shapes in its shardings: everything split over `zero` where the
-    model's shapes allow, as stage 3 would (so that little is whole on one device while a
-    checkpoint restores)."""
+    """Everything split over `zero` where the model's shapes allow, as stage 3 would, so that little
+    is whole on one device while a checkpoint restores."""
     shapes = jax.eval_shape(
         _canonical_initializer(model, tx, replicas, outer_tx), jax.random.key(0)
     )

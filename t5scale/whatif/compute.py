@@ -1,32 +1,28 @@
-"""Compute time of one train step on one GPU: a roofline of the step's own operations.
+"""Compute time of one train step on one GPU: a roofline of the step's own operations
+(docs/cluster_model.md, "Compute, per model size"), so that efficiency depends on the model: narrow
+layers, long attention rows and the 250k-vocabulary head's logits make memory-bound work.
 
-Each matmul runs at the slower of its FLOPs at the GEMM rate (`peak × gemm_efficiency`) and its
-bytes (both inputs and the output, once) at the achieved memory bandwidth; each memory-bound
-operation (norms, residual adds, the gated activation, softmax, the loss over the vocabulary)
-at its bytes read and written. This is what makes efficiency depend on the model: mt5_small's
-narrow layers and long attention rows give memory-bound work a larger share than mt5_xxl's, and
-the 250k-vocabulary head's logits are a large memory-bound term of their own.
+Each matmul runs at the slower of its FLOPs at `peak × gemm_efficiency` and its bytes (both inputs
+and the output, once) at the achieved memory bandwidth; each memory-bound operation at its bytes
+read and written. Counted per sequence, at the device's share under tensor parallelism (heads, d_ff
+and the vocabulary split over `tensor`):
 
-Counted per sequence, with the device's share under tensor parallelism (heads, d_ff and the
-vocabulary split over `tensor`):
+- forward: the matmuls of mT5's layers (q·k·v·o, the gated FFN's wi_0, wi_1, wo, attention's scores
+  and weighted values per head, cross-attention's k and v over the encoder's tokens) and the output
+  projection; elementwise: per layer and token one read and write of the hidden state per norm and
+  residual add, the gated activation's three d_ff-wide tensors, a read and a write of the attention
+  probabilities; the loss reads the logits three times in fp32 (log-sum-exp, target logit, and the
+  backward's softmax) and writes them once;
+- backward: twice the forward's matmul work (input and weight gradients) and twice its elementwise
+  bytes (the gradient in and out), plus what the remat policy recomputes there
+  (t5scale/model/mt5.py's `remat_policy`): `dots` the elementwise work; `minimal` attention's scores
+  and weighted values too; `full` the layers' whole forward.
 
-- forward: the matmuls of mT5's layers (q·k·v·o, the gated FFN's wi_0, wi_1, wo, attention's
-  scores and weighted values per head, cross-attention's k and v over the encoder's tokens) and
-  the output projection; elementwise: per layer and token one read and write of the hidden
-  state per norm and residual add, the gated activation's three d_ff-wide tensors, a read and
-  a write of the attention probabilities; the loss reads the logits three times in fp32
-  (log-sum-exp, target logit, and the backward's softmax) and writes them once;
-- backward: twice the forward's matmul work (input and weight gradients) and twice its
-  elementwise bytes (the gradient in and out), plus what the remat policy recomputes there
-  (t5scale/model/mt5.py's `remat_policy`): `dots` keeps every matmul output and recomputes the
-  elementwise work; `minimal` keeps only the unbatched matmuls' outputs, so attention's scores
-  and weighted values are recomputed too; `full` recomputes the layers' whole forward.
-
-The whole is scaled by `ClusterConfig.roofline_fraction`, the share of its roofline a compiled
-step reaches, calibrated once on t5scale's own one-GPU measurements (docs/cluster_model.md).
+The whole is scaled by `ClusterConfig.roofline_fraction`, calibrated once on t5scale's own one-GPU
+measurements (docs/cluster_model.md).
 
 Not counted: embedding look-ups, relative position buckets, kernel launch gaps, the optimizer
-(timed separately, memory-bound, in step_time.py).
+(step_time.py times it).
 """
 
 from __future__ import annotations

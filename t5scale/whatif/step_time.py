@@ -1,36 +1,28 @@
-"""Seconds per step on a GPU cluster, from a compiled step's analysis (step_analysis.json).
+"""Seconds per step on a GPU cluster, from a compiled step's analysis (step_analysis.json): the CPU
+path, which assumes what launch/xla_gpu_flags.sh makes XLA:GPU combine and overlap
+(docs/cluster_model.md, "Overlap, from the program's structure").
 
 step = compute (compute.py) + optimizer update + the communication left exposed.
 
-What overlaps what is read from the compiled program's structure, assuming what
-launch/xla_gpu_flags.sh turns on for GPUs (XLA's latency-hiding scheduler, pipelined
-collectives). Each ZeRO collective (its group spans no `tensor`) is placed by the loops around
-it, which JAX names in the HLO: the layer scans end in `encoder/while` or `decoder/while`, and
-the backward pass's carry `transpose(` in their name.
+Each ZeRO collective (its group spans no `tensor`) is placed by the loops around it, which JAX names
+in the HLO (the layer scans end in `encoder/while` or `decoder/while`, the backward pass's carry
+`transpose(`), into one of CLASSES:
 
-- `forward` / `backward`: inside a layer loop (stage 3's gather of the next layer's parameters,
-  a layer's gradient reduce-scatter): hides behind that pass's layer compute, but for one
-  layer's worth (the first gather, the last reduction: fill and drain);
-- `gradient`: a reduce-scatter or all-reduce outside the layer loops (the gradients' reduction
-  at stages 0–2): the pipeliner moves a stacked gradient's reduction into the backward loop, so
-  it hides behind the backward compute that the layer collectives left free, but for one
-  layer's worth; one that runs once per step after gradient accumulation (outside the
-  micro-batch loop) only behind the last micro-batch's share;
-- `exposed`: everything else — collectives over `tensor` (activations the next operation waits
-  for), the update's all-gather of new parameters (stages 1–2: nothing is left to hide it
-  behind), non-layer gathers, and scalars (≤ 1 KiB: the loss, the gradient norm that clipping
-  waits for).
+- `forward` / `backward`: inside a layer loop; hides behind that pass's layer compute, but for one
+  layer's worth (fill and drain);
+- `gradient`: a reduce-scatter or all-reduce outside the layer loops; hides behind the backward
+  compute the layer collectives left free, but for one layer's worth; one that runs once per step
+  after gradient accumulation only behind the last micro-batch's share;
+- `exposed`: everything else — collectives over `tensor`, the update's all-gather at stages 1–2,
+  non-layer gathers, and scalars (≤ 1 KiB: the loss, the gradient norm that clipping waits for).
 
-`overlap=False` exposes everything, the other bound.
+XLA's GPU combiners merge ZeRO collectives of one kind, group and computation into messages of up to
+`combine_threshold_bytes` (128 MiB in launch/xla_gpu_flags.sh); the CPU compiler that made the
+analysed program does not, so the model does (tensor parallelism's all-reduces each wait for the
+compute before).
 
-XLA's GPU combiners merge independent collectives of one kind over one group in one
-computation into messages of up to `combine_threshold_bytes` (launch/xla_gpu_flags.sh sets
-128 MiB), so stage 3's dozen per-layer gathers pay one launch and one ring's latency, not
-twelve. The CPU compiler that made the analysed program does not combine them; the model does,
-for ZeRO collectives only (tensor parallelism's all-reduces each wait for the compute before).
-
-Not modelled: compute slowed by communication kernels sharing the GPU, contention between
-concurrent collectives.
+Not modelled: compute slowed by communication kernels sharing the GPU, contention between concurrent
+collectives.
 """
 
 from __future__ import annotations
@@ -262,7 +254,6 @@ def _prediction(
     outer: float,
     every: int,
 ) -> StepTimePrediction:
-    """The step's seconds from its parts on a GPU cluster (`prediction_of`)."""
     peak = cluster.peak_flops_float32 if model.dtype == "float32" else cluster.peak_flops
     return prediction_of(
         analysis, peak, cluster.device_memory_gb, compute, communication, exposed, by_kind,
