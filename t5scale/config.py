@@ -141,8 +141,8 @@ def build_study_config(name: str = "study"):
 
 def build_hardware(required: bool = False) -> Hardware | None:
     """The hardware a cluster file (gin/clusters/) binds, a GPU cluster (ClusterConfig) or a
-    TPU pod (TpuPodConfig), or None where none is given; a ConfigError naming the figures not given where one
-    is `required` or partly given."""
+    TPU pod (TpuPodConfig), or None where none is given; a ConfigError naming the figures not
+    given where one is `required` or partly given."""
     for name, kind in (("cluster", ClusterConfig), ("tpu_pod", TpuPodConfig)):
         needed = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]
         missing = [field for field in needed if not _bound(f"{kind.__name__}.{field}")]
