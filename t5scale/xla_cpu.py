@@ -35,6 +35,7 @@ import types
 import jax
 
 from t5scale.errors import UnsupportedJaxError
+from t5scale.target import Target
 
 SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
@@ -50,7 +51,7 @@ def patch_cpu_collectives() -> bool:
     """Once the distributed runtime (if any) is up: on the CPU backend, give every collective
     its own channel and a plain reducer (2. and 3. above) and say True; on any other backend
     change nothing and say False. An UnsupportedJaxError where this jax cannot be patched."""
-    if jax.default_backend() != "cpu":
+    if Target.local().platform != "cpu":
         return False
     if not give_collectives_distinct_channels():
         raise UnsupportedJaxError(

@@ -81,3 +81,18 @@ def test_only_model_knows_the_parameter_trees_keys():
         if tree_keys.search(line)
     ]
     assert outside == []
+
+
+def test_only_target_asks_a_device_for_its_platform():
+    """t5scale/target.py (with the compile-only machinery it wraps) answers "which platform";
+    everything else asks a Target."""
+    asks = re.compile(r"default_backend\(\)|(devices?(\(\))?(\[0\])?|device)\.platform\b")
+    machinery = {"target.py", "xla_gpu.py", "xla_tpu.py"}
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in python_files(PACKAGE)
+        if path.name not in machinery
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if asks.search(line)
+    ]
+    assert found == []

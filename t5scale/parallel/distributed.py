@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import jax
 
 from t5scale.errors import PROCESSES_FAILED, DistributedError, JoinError, check_field_types
+from t5scale.target import Target
 
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
@@ -250,7 +251,7 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
     devices = jax.local_devices()
     print(
         f"process {spec.process_id}/{spec.num_processes} ({spec.source}) on "
-        f"{socket.gethostname()}: {len(devices)} local {devices[0].platform} devices "
+        f"{socket.gethostname()}: {len(devices)} local {Target.of(devices).platform} devices "
         f"{_id_ranges([d.id for d in devices])}, {jax.device_count()} in all; joined "
         f"{spec.coordinator_address} in {time.perf_counter() - started:.1f} s",
         flush=True,
