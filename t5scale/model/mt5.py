@@ -377,8 +377,11 @@ class Encoder(_Module):
         return self.final_norm(x)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        bias = encoder_attention_bias(self.cfg, self.position_bias(x.shape[1]), segment_ids)
-        return self.finish(self.run_layers(x, bias))
+        # The parts' own calls, not the methods: flax names a method's ops "encoder.run_layers",
+        # and the layer loop is read from the program by its name (whatif/step_time.py).
+        length = x.shape[1]
+        bias = encoder_attention_bias(self.cfg, self.relpos_bias(length, length), segment_ids)
+        return self.final_norm(self.layers(x, bias)[0])
 
 
 class Decoder(_Module):
@@ -410,10 +413,11 @@ class Decoder(_Module):
         segment_ids: jax.Array,
         encoder_segment_ids: jax.Array,
     ) -> jax.Array:
+        length = y.shape[1]  # the parts' own calls, as in Encoder.__call__
         self_bias, cross_bias = decoder_attention_biases(
-            self.cfg, self.position_bias(y.shape[1]), segment_ids, encoder_segment_ids
+            self.cfg, self.relpos_bias(length, length), segment_ids, encoder_segment_ids
         )
-        return self.finish(self.run_layers(y, encoded, self_bias, cross_bias))
+        return self.final_norm(self.layers(y, encoded, self_bias, cross_bias)[0])
 
 
 class MT5(_Module):
