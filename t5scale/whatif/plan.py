@@ -289,7 +289,7 @@ def _plan_target(plan: PlanConfig, hardware: Hardware | None) -> tuple[Target, f
         raise ConfigError(f"PlanConfig.devices={plan.devices}, but {hardware.name}'s file "
                           f"names {named.size} devices")  # fmt: skip
     target = named or hardware.target(plan.devices)
-    return target, hardware.memory_budget_bytes
+    return target, hardware.device_memory_gb * 1e9
 
 
 def _precision_words(precision: StatePrecision) -> str:
