@@ -92,20 +92,15 @@ class TpuPodConfig:
 
     def target(self, devices: int, compiler: str = "tpu") -> Target:
         """`devices` chips in `slices` slices of Cloud TPU's shape, for XLA:TPU."""
-        require_libtpu()
-        return Target.compile_only_tpus(self.topology(devices))
+        return _compile_only(self.topology(devices))
 
     def named_target(self) -> Target | None:
         """The pod's own slices, where a slice is chosen."""
-        if not self.slice:
-            return None
-        require_libtpu()
-        return Target.compile_only_tpus(self.topology())
+        return _compile_only(self.topology()) if self.slice else None
 
     def group_target(self, groups: int, compiler: str = "tpu") -> Target:
         """`groups` slices of the pod's slice."""
-        require_libtpu()
-        return Target.compile_only_tpus(TpuTopology(self.topology().slice, groups))
+        return _compile_only(TpuTopology(self.topology().slice, groups))
 
     def group_words(self, groups: int) -> str:
         return f"{groups} × {self.slice}"
@@ -179,3 +174,8 @@ class TpuPodConfig:
     def compile_only_words(self) -> str:
         slices = f"{self.slices} slice" + "s" * (self.slices > 1)
         return f"XLA's TPU compiler for {self.name}'s chips ({self.generation}, {slices})"
+
+
+def _compile_only(topology: TpuTopology) -> Target:
+    require_libtpu()  # a ConfigError naming the install, before libtpu is asked
+    return Target.compile_only_tpus(topology)
