@@ -58,6 +58,7 @@ from gpu_check_items import (
 from gpu_check_kernels import kernels_item
 from gpu_check_list import DRY_RUN, GPU, Results, Shapes, lines_of, read_lines, work_list
 from gpu_check_tables import tables
+from gpu_check_tiles import TILES_VARIABLE, tiles_file
 
 ITEMS = {"device": device_item, "kernels": kernels_item, "step": step_item}
 
@@ -108,6 +109,7 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
     results_path.write_text("")
     log_path.write_text("")
     (out / "programs.zip").unlink(missing_ok=True)
+    tiles_file(out).unlink(missing_ok=True)  # the kernels item writes it, the steps read it
     items = [item for item in work_list(shapes) if not only or item.name in only]
     started = time.perf_counter()
     for index, item in enumerate(items):
@@ -123,7 +125,7 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
         peak = _measured_peak(results_path)
         command = [sys.executable, __file__, "--item", item.name, "--out", str(out)]
         command += ["--dry-run"] * dry_run + ([f"--peak={peak}"] if peak else [])
-        status, why = _run_item(command, log_path, max(left, 10))
+        status, why = _run_item(command, out, max(left, 10))
         Results(results_path, item.name).write(
             status=status, why=why, wall_s=time.perf_counter() - started - elapsed
         )
@@ -137,9 +139,11 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
     return 0 if all(line["status"] == "done" for line in statuses) else 1
 
 
-def _run_item(command: list[str], log_path: Path, timeout_s: float) -> tuple[str, str | None]:
+def _run_item(command: list[str], out: Path, timeout_s: float) -> tuple[str, str | None]:
+    log_path = out / "log.txt"
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    environment[TILES_VARIABLE] = str(tiles_file(out))  # the tiles the kernels item chose
     # JAX's allocator takes 75% of a GPU by default; a step that fits the card should run.
     environment.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     with log_path.open("a") as log:

@@ -193,8 +193,10 @@ def _write_prediction(results: Results, device, program, run, step_s: float) -> 
     )  # fmt: skip
 
 
-def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool):
-    """The timed run: mixed precision, AdamW without clipping (as bench/bench_step.py)."""
+def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool,
+             batch: int | None = None):  # fmt: skip
+    """The timed run: mixed precision, AdamW without clipping (as bench/bench_step.py), at the
+    shapes' batch or `batch`."""
     from t5scale.data.config import DataConfig
     from t5scale.model.sizes import preset
     from t5scale.train.config import RunConfig, TrainConfig
@@ -206,7 +208,7 @@ def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers
     return RunConfig(
         model=model_config,
         optimizer=OptimizerConfig(grad_clip_norm=None),
-        train=TrainConfig(batch_size=shapes.batch),
+        train=TrainConfig(batch_size=batch or shapes.batch),
         data=DataConfig(input_length=shapes.input_length, target_length=shapes.target_length),
         precision=PrecisionConfig(mode="mixed"),
     )

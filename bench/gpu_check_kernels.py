@@ -1,5 +1,6 @@
 """The GPU check's kernels item (bench/gpu_check.py): the fused attention kernels
-(t5scale/model/attention_kernels.py) against the einsum path, errors and times."""
+(t5scale/model/attention_kernels.py), their tiles chosen on the card (gpu_check_tiles.py), against
+the einsum path and cuDNN's attention, errors and times."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from gpu_check_items import h100_target, start_jax, timed
 from gpu_check_list import Results, Shapes
+from gpu_check_tiles import sweep, write_choice
 
 
 # (attention, causal, bias, query length, key length)
@@ -29,35 +31,45 @@ def kernels_item(results: Results, shapes: Shapes, dry_run: bool, dtype: str) ->
     jax = start_jax(dry_run)
     import numpy as np
 
+    from t5scale.model.attention_kernels import Blocks, shape_key
+
     rng = np.random.default_rng(0)
+    repeats = 2 if dry_run else 10
     for case in attention_cases(shapes):
-        results.write(
-            **attention_case(jax, rng, shapes, dtype, *case, repeats=2 if dry_run else 10)
-        )
+        what, causal, with_bias, q_len, k_len = case
+        arrays = _attention_arrays(jax.numpy, rng, shapes, dtype, q_len, k_len, with_bias)
+        blocks = Blocks()
+        if dtype == "bfloat16":  # the tiles the steps take are bf16's
+            blocks, rows = sweep(jax, arrays[:6], causal, dry_run, repeats)
+            results.write(attention=what, tile_sweep=rows)
+            write_choice(results.path.parent, shape_key(q_len, k_len, causal), blocks)
+        results.write(**attention_case(jax, arrays, shapes, dtype, *case, blocks, repeats))
 
 
 def attention_case(
-    jax, rng, shapes: Shapes, dtype: str, what: str, causal: bool, with_bias: bool,
-    q_len: int, k_len: int, repeats: int,
+    jax, arrays: tuple, shapes: Shapes, dtype: str, what: str, causal: bool, with_bias: bool,
+    q_len: int, k_len: int, blocks, repeats: int,
 ) -> dict[str, Any]:  # fmt: skip
     """One attention at its lengths: the fused kernels' errors against the einsum path and
-    against exact fp32 einsums, output and gradients, and both paths' forward + backward time."""
+    against exact fp32 einsums, output and gradients, and the forward + backward time of each
+    path: the kernels at `blocks` and at the default tiles, the einsum path, cuDNN's."""
     import jax.numpy as jnp
 
     from t5scale.analysis.peaks import datasheet_peak
-    from t5scale.model.attention_kernels import flash_attention
+    from t5scale.model.attention_kernels import Blocks, flash_attention
     from t5scale.model.attention_reference import reference_attention
 
-    arrays = _attention_arrays(jnp, rng, shapes, dtype, q_len, k_len, with_bias)
     wrt = (0, 1, 2, 3) if with_bias else (0, 1, 2)
     interpret = jax.devices()[0].platform != "gpu"
 
     def gradients(attend, precision=None):
         return _with_gradients(jax, attend, causal, wrt, precision)
 
-    fused = partial(flash_attention, interpret=interpret)
-    paths = {"fused": gradients(fused), "dot": gradients(reference_attention)}
-    got = {name: path(*arrays) for name, path in paths.items()}
+    fused = gradients(partial(flash_attention, blocks=blocks, interpret=interpret))
+    paths = {"fused": fused, "dot": gradients(reference_attention),
+             "fused_default": gradients(partial(flash_attention, blocks=Blocks(),
+                                                interpret=interpret))}  # fmt: skip
+    got = {name: paths[name](*arrays) for name in ("fused", "dot")}
     as32 = [None if x is None else x.astype(jnp.float32) for x in arrays[:4]]
     exact = gradients(reference_attention, "highest")(*as32, *arrays[4:])
     names = ["out", "dq", "dk", "dv", "d_bias"][: len(exact)]
@@ -68,17 +80,48 @@ def attention_case(
     }
     milliseconds = {name: 1e3 * timed(path, *arrays, repeats=repeats)
                     for name, path in paths.items()}  # fmt: skip
-    compiled_fused = gradients(partial(flash_attention, interpret=False))
+    cudnn = _cudnn_milliseconds(jax, gradients, arrays, repeats, interpret)
+    compiled_fused = gradients(partial(flash_attention, blocks=blocks, interpret=False))
+    batch, heads = shapes.batch, shapes.heads
+    # FlashAttention's convention: 4·B·N·T·S·H forward, 2.5 times that backward, half causal
+    useful = 3.5 * 4 * batch * heads * q_len * k_len * 64 * (0.5 if causal else 1.0)
     return dict(
         attention=what, dtype=dtype, causal=causal, bias=with_bias, q=q_len, k=k_len,
-        batch=shapes.batch, heads=shapes.heads, errors=errors, tolerance=TOLERANCE[dtype],
-        verdict=_verdict(errors, names, dtype),
-        ms_fused=milliseconds["fused"], ms_dot=milliseconds["dot"],
+        batch=batch, heads=heads, errors=errors, tolerance=TOLERANCE[dtype],
+        verdict=_verdict(errors, names, dtype), ms_fused=milliseconds["fused"],
+        ms_fused_default_tiles=milliseconds["fused_default"], ms_dot=milliseconds["dot"],
+        **cudnn, useful_flops=useful,
         # counted for bf16 only: the rate a cluster file takes is bf16's, and a compile costs
         fused_flops=(fused_attention_flops(jax, compiled_fused, arrays)
                      if dtype == "bfloat16" else None),  # fmt: skip
         datasheet_flops=datasheet_peak(dtype),
     )  # fmt: skip
+
+
+def _cudnn_milliseconds(jax, gradients, arrays, repeats: int, interpret: bool) -> dict:
+    """cuDNN's attention (jax.nn.dot_product_attention), forward + backward, as the baseline:
+    with T5's bias made [1, heads, q, k], and without a bias; neither masks the packed segments
+    (cuDNN takes no segment ids), so each does less than the kernels. None where it refuses."""
+    from t5scale.model.attention_reference import bias_matrix
+
+    def attend(q, k, v, bias, q_segments, k_segments, causal, with_bias):
+        matrix = None
+        if with_bias and bias is not None:
+            matrix = bias_matrix(bias, q.shape[1], k.shape[1])[None].astype(q.dtype)
+        return jax.nn.dot_product_attention(q, k, v, bias=matrix, scale=1.0, is_causal=causal,
+                                            implementation="cudnn")  # fmt: skip
+
+    timings = {}
+    for name, with_bias in (("ms_cudnn_bias", True), ("ms_cudnn_no_bias", False)):
+        if interpret:
+            timings[name], timings[name + "_why"] = None, "no GPU"
+            continue
+        try:
+            path = gradients(partial(attend, with_bias=with_bias))
+            timings[name] = 1e3 * timed(path, *arrays, repeats=repeats)
+        except Exception as error:  # cuDNN refuses some lengths and biases in training
+            timings[name], timings[name + "_why"] = None, str(error).splitlines()[0][:200]
+    return timings
 
 
 def _attention_arrays(jnp, rng, shapes: Shapes, dtype: str, q_len: int, k_len: int,
@@ -91,7 +134,8 @@ def _attention_arrays(jnp, rng, shapes: Shapes, dtype: str, q_len: int, k_len: i
     batch, heads = shapes.batch, shapes.heads
     q, k, v = (jnp.asarray(rng.normal(size=(batch, n, heads, 64)), dtype)
                for n in (q_len, k_len, k_len))  # fmt: skip
-    bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
+    diagonals = (heads, q_len + k_len - 1)  # the position bias, as the kernels take it
+    bias = jnp.asarray(rng.normal(size=diagonals), jnp.float32) if with_bias else None
     q_segments = jnp.asarray(packed_segment_ids(rng, batch, q_len))
     k_segments = (
         q_segments if q_len == k_len else jnp.asarray(packed_segment_ids(rng, batch, k_len))

@@ -15,7 +15,8 @@ def tables(path: Path) -> str:
         if "attention" not in line:
             merged.setdefault(line["item"], {}).update(line)
     text = ["# GPU check", "", *_device(merged.get("device", {}))]
-    text += _kernel_rows(lines) + _attention_rate(lines) + _step_rows(merged)
+    text += _kernel_rows(lines) + _attention_rate(lines) + _speed_rows(lines) + _sweep_rows(lines)
+    text += _step_rows(merged)
     for name, row in merged.items():
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")
@@ -62,6 +63,53 @@ def _kernel_rows(lines: list[dict[str, Any]]) -> list[str]:
             f"{line['ms_fused']:.2f} ms | {line['ms_dot']:.2f} ms | "
             f"{_tflops(line.get('fused_flops'), line['ms_fused'])} |"
         )
+    return text
+
+
+def _milliseconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f} ms"
+
+
+def _speed_rows(lines: list[dict[str, Any]]) -> list[str]:
+    """Forward + backward at the tiles chosen on the card, against the default tiles, the
+    einsum path and cuDNN's attention; the useful rate (FlashAttention's FLOP convention)."""
+    cases = [line for line in lines if "ms_fused_default_tiles" in line]
+    if not cases:
+        return []
+    text = ["", "Forward + backward, median of 10 (useful TFLOP/s: FlashAttention's convention, "
+            "3.5 × 4·B·N·T·S·H, half of it causal; cuDNN masks no packed segments):", "",
+            "| attention | dtype | fused, chosen tiles | fused, default tiles | dot | cuDNN, "
+            "bias | cuDNN, no bias | useful TFLOP/s (fused) |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for line in cases:
+        text.append(
+            f"| {line['attention']} | {line['dtype']} | {_milliseconds(line['ms_fused'])} | "
+            f"{_milliseconds(line['ms_fused_default_tiles'])} | {_milliseconds(line['ms_dot'])} | "
+            f"{_milliseconds(line.get('ms_cudnn_bias'))} | "
+            f"{_milliseconds(line.get('ms_cudnn_no_bias'))} | "
+            f"{_tflops(line.get('useful_flops'), line['ms_fused'])} |"
+        )
+    return text
+
+
+def _sweep_rows(lines: list[dict[str, Any]]) -> list[str]:
+    """Each pass's fastest tiles (q × k, warps, stages, groups) against the default's time."""
+    sweeps = [line for line in lines if "tile_sweep" in line]
+    if not sweeps:
+        return []
+    text = ["", "Each pass alone at each candidate tile (gpu_check_tiles.py), median of 10:", "",
+            "| attention | pass | chosen: q × k, warps, stages, groups | its time | default "
+            "64 × 64, 4, 2 | candidates (failed) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for line in sweeps:
+        for row in line["tile_sweep"]:
+            tiles, candidates = row["chosen"], row["candidates"]
+            best = min(c["ms"] for c in candidates if c["ms"] is not None)
+            failed = sum(c["ms"] is None for c in candidates)
+            text.append(
+                f"| {line['attention']} | {row['pass']} | {tiles['q']} × {tiles['k']}, "
+                f"{tiles['warps']}, {tiles['stages']}, {tiles['groups']} | {best:.3f} ms | "
+                f"{_milliseconds(candidates[0]['ms'])} | {len(candidates)} ({failed}) |"
+            )
     return text
 
 
@@ -123,8 +171,9 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
     if row.get("fits") is False:
         status = f"does not fit ({gib(row['memory_limit_bytes'])} usable)"
     compile_s = row.get("compile_s")
+    model = options["model"] + (f" (batch {options['batch']})" if "batch" in options else "")
     return (
-        f"| {options['model']} | {options['remat']} | "
+        f"| {model} | {options['remat']} | "
         f"{row.get('attention_ran', options['attention'])} | {layers} | "
         + ("–" if compile_s is None else f"{compile_s:.0f} s")
         + " | "

@@ -25,8 +25,8 @@ from conftest import (
 )
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.model.attention_kernels import Blocks, flash_attention
-from t5scale.model.attention_reference import packed_segment_ids
+from t5scale.model.attention_kernels import Blocks, Tiles, flash_attention, uniform
+from t5scale.model.attention_reference import bias_matrix, diagonal_sums, packed_segment_ids
 from t5scale.model.fused_attention import fused_attention
 from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
@@ -40,10 +40,11 @@ from t5scale.whatif.weak_scaling import weak_scale
 
 def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
     """What mt5.Attention computes with attention='dot': the masks folded into an additive
-    bias, a float32 softmax over the [batch, heads, q, k] scores."""
+    bias, a float32 softmax over the [batch, heads, q, k] scores (the position bias given by its
+    diagonals, as the kernels take it)."""
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     if bias is not None:
-        logits = logits + bias[None]
+        logits = logits + bias_matrix(bias, q.shape[1], k.shape[1])[None]
     allowed = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] > 0)
     if causal:
         allowed = allowed & np.tril(np.ones((q.shape[1], k.shape[1]), bool))[None]
@@ -52,37 +53,40 @@ def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-# (what, causal, bias, query length, key length): the encoder's, the decoder's and the cross
-# attention, at odd lengths that are not whole blocks, and one over several diagonal blocks.
+# (what, causal, bias, query length, key length, each pass's tiles): the encoder's, the
+# decoder's and the cross attention, at odd lengths that are not whole blocks, and one over
+# several diagonal blocks with other tiles in each pass, oblong ones and the batch in groups.
+SQUARE = uniform(Tiles(16, 16))
 CASES = [
-    ("encoder", False, True, 37, 37),
-    ("decoder", True, True, 37, 37),
-    ("cross", False, False, 13, 37),
-    ("decoder, 7 blocks", True, True, 100, 100),
-]
+    ("encoder", False, True, 37, 37, SQUARE),
+    ("decoder", True, True, 37, 37, uniform(Tiles(16, 32, groups=2))),
+    ("cross", False, False, 13, 37, SQUARE),
+    ("decoder, 7 blocks", True, True, 100, 100,
+     Blocks(Tiles(16, 32), Tiles(32, 16), Tiles(16, 16), Tiles(32, 16, groups=3))),
+]  # fmt: skip
 
 
 # bf16 on two cases in CI, on all four with `-m slow` (the interpreter is slow)
 @pytest.mark.parametrize(
-    ("what", "causal", "with_bias", "q_len", "k_len", "dtype"),
+    ("what", "causal", "with_bias", "q_len", "k_len", "blocks", "dtype"),
     [(*case, "float32") for case in CASES]
     + [(*case, "bfloat16") for case in CASES[1:3]]
     + [pytest.param(*case, "bfloat16", marks=pytest.mark.slow) for case in (CASES[0], CASES[3])],
 )
-def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len, dtype):
+def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len, blocks, dtype):
     rng = np.random.default_rng(len(what))
-    batch, heads, dim = 2, 3, 16
+    batch, heads, dim = 3, 3, 16
     q, k, v = (
         jnp.asarray(rng.normal(size=(batch, n, heads, dim)), dtype) for n in (q_len, k_len, k_len)
     )
-    bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
+    diagonals = (heads, q_len + k_len - 1)
+    bias = jnp.asarray(rng.normal(size=diagonals), jnp.float32) if with_bias else None
     q_segments = packed_segment_ids(rng, batch, q_len)
     k_segments = q_segments if q_len == k_len else packed_segment_ids(rng, batch, k_len)
     valid = jnp.asarray(q_segments > 0)[:, :, None, None]  # padding queries' outputs are unused
     weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
 
-    def fused(q, k, v, bias):
-        blocks = Blocks(q=16, k=16)  # several blocks per row, and padded ones
+    def fused(q, k, v, bias):  # several blocks per row, and padded ones
         return flash_attention(q, k, v, bias, q_segments, k_segments, causal, blocks, True)
 
     def einsum(q, k, v, bias):
@@ -105,6 +109,18 @@ def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len
     assert relative(out * valid, reference * valid) <= tolerance
     for name, a, b in zip(["dq", "dk", "dv", "d_bias"], got, want, strict=False):
         assert relative(a, b) <= tolerance, name
+
+
+def test_the_bias_by_its_diagonals_and_its_gradient_back():
+    """diagonal_sums is bias_matrix's transpose: what the kernels' gradient of the diagonals
+    is, checked against JAX's own gradient of the gather."""
+    rng = np.random.default_rng(0)
+    diagonals = jnp.asarray(rng.normal(size=(2, 5 + 7 - 1)), jnp.float32)
+    matrix = bias_matrix(diagonals, 5, 7)
+    assert matrix[1, 3, 6] == diagonals[1, 6 - 3 + 4] and matrix[0, 4, 0] == diagonals[0, 0]
+    cotangent = jnp.asarray(rng.normal(size=matrix.shape), jnp.float32)
+    (want,) = jax.vjp(lambda d: bias_matrix(d, 5, 7), diagonals)[1](cotangent)
+    np.testing.assert_allclose(diagonal_sums(cotangent), want, rtol=1e-6)
 
 
 def test_auto_attention_is_the_einsum_path_on_cpu_devices():
@@ -255,11 +271,13 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
         assert step.analysis.attention == setup.run.model.attention  # step_analysis.json's
         programs[setup.run.model.attention] = step.compiled
     fused, dot = programs["fused"].as_text(), programs["dot"].as_text()
-    kernels = set(re.findall(r"t5_attention_(?:forward|backward_dkv|backward_dq)", fused))
+    kernels = set(re.findall(r"t5_attention_(?:forward|backward_dkv|backward_dq|backward_bias)",
+                             fused))  # fmt: skip
     assert kernels == {
         "t5_attention_forward",
         "t5_attention_backward_dkv",
         "t5_attention_backward_dq",
+        "t5_attention_backward_bias",
     }
     heads = 4 // tensor
     scores = re.compile(rf"\[3,{heads},(64|15|16),(64|15|16)\]")  # per device: 3 examples
@@ -272,8 +290,10 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(tensor):
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_kernels_are_priced_as_attention(causal):
     """The cluster model's inventory (t5scale/analysis/kernels.py) of a compile-only H100
-    program: one forward and two backward kernels, by hand 2·B·N·T·S·H = 2·2·4·128·128·64 per
-    product, 2 + 4 + 3 products, causal ones over 3 of the 4 block pairs (two blocks of 64)."""
+    program: one forward and three backward kernels, by hand 2·B·N·T·S·H = 2·2·4·128·128·64
+    per product, 2 + 4 + 3 + 2 products (the bias's gradient recomputes the scores and their
+    gradient), causal ones over 3 of the 4 block pairs (two blocks of 64). The bias comes by
+    its diagonals, and no [heads, q, k] array is read or made but the gradient's one sum."""
     from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.kernels import read_program
     from t5scale.xla_gpu import GpuTopology, compiler_options
@@ -281,7 +301,7 @@ def test_the_kernels_are_priced_as_attention(causal):
     device = GpuTopology("h100_sxm").devices()[0]
     placed = jax.sharding.SingleDeviceSharding(device)
     q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16, sharding=placed)
-    bias = jax.ShapeDtypeStruct((4, 128, 128), jnp.float32, sharding=placed)
+    bias = jax.ShapeDtypeStruct((4, 255), jnp.float32, sharding=placed)
     segments = jax.ShapeDtypeStruct((2, 128), jnp.int32, sharding=placed)
 
     def loss(q, k, v, bias, segments):
@@ -292,8 +312,12 @@ def test_the_kernels_are_priced_as_attention(causal):
     compiled = lowered.compile(compiler_options=compiler_options([device]))
     attention = read_program(parse_module(compiled.as_text())).inventory.attention
     per_product = 2 * 2 * 4 * 128 * 128 * 64
-    assert attention.count == 3
-    assert attention.flops == pytest.approx(per_product * 9 * (3 / 4 if causal else 1))
+    assert attention.count == 4
+    assert attention.flops == pytest.approx(per_product * 11 * (3 / 4 if causal else 1))
+    # what each kernel reads: the bias's diagonals [4, 255], never a [4, 128, 128] matrix
+    reads = re.findall(r"operand_layout_constraints=\{(.*?)\}, api_version", compiled.as_text())
+    assert len(reads) == 4 and all("f32[4,255]" in read for read in reads)
+    assert not any("4,128,128]" in read for read in reads)
 
 
 # ---- the TPU kernels (t5scale/model/attention_tpu.py: Mosaic) ------------------------------------
@@ -319,7 +343,8 @@ def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k
     batch, heads, dim = 2, 3, 16
     q, k, v = (jnp.asarray(rng.normal(size=(batch, n, heads, dim)), jnp.float32)
                for n in (q_len, k_len, k_len))  # fmt: skip
-    bias = jnp.asarray(rng.normal(size=(heads, q_len, k_len)), jnp.float32) if with_bias else None
+    diagonals = (heads, q_len + k_len - 1)
+    bias = jnp.asarray(rng.normal(size=diagonals), jnp.float32) if with_bias else None
     q_segments = packed_segment_ids(rng, batch, q_len)
     k_segments = q_segments if q_len == k_len else packed_segment_ids(rng, batch, k_len)
     valid = jnp.asarray(q_segments > 0)[:, :, None, None]  # padding queries' outputs are unused

@@ -55,6 +55,20 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
             else kernel["verdict"] != "WRONG"
         )
         assert kernel["ms_fused"] > 0 and kernel["ms_dot"] > 0
+    # Each bf16 attention's passes timed at each candidate tile, the fastest kept for the steps.
+    sweeps = {line["attention"]: line["tile_sweep"] for line in lines if "tile_sweep" in line}
+    assert {what: [row["pass"] for row in rows] for what, rows in sweeps.items()} == {
+        "encoder": ["forward", "dkv", "dq", "bias"],
+        "decoder": ["forward", "dkv", "dq", "bias"],
+        "cross": ["forward", "dkv", "dq"],
+    }
+    for rows in sweeps.values():
+        for row in rows:
+            timed = [c for c in row["candidates"] if c["ms"] is not None]
+            fastest = min(timed, key=lambda c: c["ms"])
+            assert {k: fastest[k] for k in row["chosen"]} == row["chosen"]
+    chosen = json.loads((out / "attention_tiles.json").read_text())
+    assert set(chosen) == {"96x96", "23x23 causal", "23x96"}
     steps = [line for line in lines if "step_s" in line]
     assert len(steps) == sum(item.kind == "step" for item in items)
     for step in steps:
@@ -65,11 +79,12 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
         assert len(predictions) == len(steps)
         assert all(p["predicted_step_s"] > 0 and p["kernels"]["gemm"] > 0 for p in predictions)
         # The kernels' FLOPs as the inventory reads them from the H100 program: the encoder's
-        # are nine products of 2·B·N·T·S·H (two forward, four for dk and dv, three for dq).
+        # are eleven products of 2·B·N·T·S·H (two forward, four for dk and dv, three for dq,
+        # two for the bias's gradient).
         encoder = next(k for k in kernels if k["attention"] == "encoder" and k["fused_flops"])
         shapes = gpu_check.DRY_RUN
         product = 2 * shapes.batch * shapes.heads * shapes.input_length**2 * 64
-        assert encoder["fused_flops"] == 9 * product
+        assert encoder["fused_flops"] == 11 * product
         bf16 = [k for k in kernels if k["dtype"] == "bfloat16"]
         assert all(0 < k["fused_flops"] <= encoder["fused_flops"] for k in bf16)
         assert "FLOP-weighted" in (out / "gpu_check.md").read_text()

@@ -101,8 +101,10 @@ _WINDOW_FIELDS = re.compile(r"(stride|pad|lhs_dilate|rhs_dilate)=([\d_x-]+)")
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 # t5scale's attention kernels (t5scale/model/attention_kernels.py) by the name in their metadata,
 # and the products each makes per block pair of scores.
-_T5_ATTENTION = re.compile(r"t5_attention_(forward|backward_dkv|backward_dq)(_causal)?")
-_T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3}
+_T5_ATTENTION = re.compile(
+    r"t5_attention_(forward|backward_dkv|backward_dq|backward_bias)(_causal)?"
+)
+_T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3, "backward_bias": 2}
 _GRID_X = re.compile(r"\bgrid_x = (\d+)")
 _DEVICES = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 

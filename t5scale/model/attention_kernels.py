@@ -1,25 +1,33 @@
-"""T5's attention as one fused kernel per pass: a Pallas (Triton) flash attention that takes
-T5's additive position bias [heads, q, k] (shared by the batch; None in cross attention) and
-packed segment ids, and never forms a [batch, heads, q, k] tensor (docs/attention.md says why
-this route and not cuDNN's). What it computes, as einsums, and its mask: attention_reference.py;
-its custom_vjp: attention_vjp.py; its placement on the mesh: t5scale/parallel/attention.py.
+"""T5's attention as fused kernels, one per pass: a Pallas (Triton) flash attention that takes
+T5's additive position bias by its diagonals [heads, q + k − 1] (shared by the batch; None in
+cross attention) and packed segment ids, and never forms a [batch, heads, q, k] tensor nor reads
+a [heads, q, k] bias (docs/attention.md says why this route and not cuDNN's). What it computes,
+as einsums, and its mask: attention_reference.py; its custom_vjp: attention_vjp.py; its
+placement on the mesh: t5scale/parallel/attention.py.
+
+T5's bias depends only on the head and k − q, so a tile's bias is gathered from the head's
+diagonals (a few kB, in cache) instead of read from a [heads, q, k] array per example.
 
 Forward: one program per (query block, example, head) streams the key blocks with an online
-softmax (FlashAttention-2) and keeps the log-sum-exp. Backward, in two kernels, recomputing the
-probabilities block by block:
-- per (key block, example, head): dk and dv, over the query blocks;
-- per (query block, head): dq for each example in turn, and the bias's gradient summed over
-  the examples in a [q block, k] slab that this program alone writes (deterministic: no atomics).
+softmax (FlashAttention-2) and keeps the log-sum-exp. Backward, recomputing the probabilities
+block by block, in three kernels that each own what they write (deterministic: no atomics):
+- dk and dv per (key block, example, head), over the query blocks;
+- dq per (query block, example, head), over the key blocks;
+- the bias's gradient per (query block, key block, head and group of examples), summed over the
+  group's examples in registers and written once; XLA adds the groups and each diagonal.
 Lengths need not be whole blocks: the last block's rows past the end are loaded masked (as
-padding, segment 0) and never stored, so the arguments are used as they are, with no padded copy
-of them in the program. The head dimension is padded to a power of two where it is not one.
-`interpret=True` runs the same kernels through XLA on any backend (the tests, on the CPU).
+padding, segment 0) and never stored. The head dimension is padded to a power of two where it is
+not one. Each pass has its own tiles, warps and stages (`Blocks`), chosen on the card
+(bench/gpu_check_kernels.py). `interpret=True` runs the same kernels through XLA on any backend
+(the tests, on the CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Callable
 
 import jax
@@ -28,17 +36,56 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.attention_reference import MASKED, allowed, check_lengths
+from t5scale.model.attention_reference import MASKED, allowed, check_lengths, diagonal_sums
 from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks:
-    """Tile sizes (powers of two, >= 16 for Triton's dot), and Triton's warps per program."""
+class Tiles:
+    """One pass's tile (powers of two, >= 16 for Triton's dot), Triton's warps and pipeline
+    stages per program, and (the bias's gradient only) how many groups split the batch."""
 
     q: int = 64
     k: int = 64
-    num_warps: int = 4
+    warps: int = 4
+    stages: int = 2
+    groups: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The tiles of each pass."""
+
+    forward: Tiles = Tiles()
+    dkv: Tiles = Tiles()
+    dq: Tiles = Tiles()
+    bias: Tiles = Tiles()
+
+
+def uniform(tiles: Tiles) -> Blocks:
+    return Blocks(tiles, tiles, tiles, tiles)
+
+
+PASSES = tuple(field.name for field in dataclasses.fields(Blocks))
+# A JSON file of tiles chosen on a card ({shape key: {pass: Tiles' fields}}, `shape_key`), read
+# where it names the shape at hand: how bench/gpu_check.py's steps use what its kernels item
+# measured in the same run.
+TILES_FILE = "T5SCALE_ATTENTION_TILES"
+
+
+def shape_key(q_len: int, k_len: int, causal: bool) -> str:
+    return f"{q_len}x{k_len}" + (" causal" if causal else "")
+
+
+def blocks_for(q_len: int, k_len: int, causal: bool) -> Blocks:
+    """The tiles for these lengths: from TILES_FILE where it names them, else the defaults."""
+    path = os.environ.get(TILES_FILE)
+    if path and os.path.exists(path):
+        with open(path) as file:
+            chosen = json.load(file).get(shape_key(q_len, k_len, causal))
+        if chosen:
+            return Blocks(**{name: Tiles(**chosen[name]) for name in PASSES if name in chosen})
+    return Blocks()
 
 
 def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -48,9 +95,10 @@ def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
 
 
 def _span(block: int, size: int, index):
-    """Rows [index·block, (index+1)·block) of a dimension of `size`, and which of them exist."""
+    """Rows [index·block, (index+1)·block) of a dimension of `size`, which of them exist, and
+    the first."""
     start = index * block
-    return pl.ds(start, block), start + lax.broadcasted_iota(jnp.int32, (block,), 0) < size
+    return pl.ds(start, block), start + lax.broadcasted_iota(jnp.int32, (block,), 0) < size, start
 
 
 def _mask(valid, shape: tuple[int, ...]) -> jax.Array:
@@ -73,14 +121,24 @@ def _store(ref, index, value, valid):
     plgpu.store(ref.at[index], value, mask=_mask(valid, value.shape))
 
 
-def _logits(q, k, bias_ref, rows, columns, valid):
+def _bias_tile(bias_ref, q_len: int, row_start, key_start, shape: tuple[int, int]):
+    """The bias of queries from `row_start` and keys from `key_start`, gathered from the head's
+    diagonals: bias[q, k] = diagonals[k − q + q_len − 1]. Rows or keys past the end read some
+    diagonal (clipped into range): they are masked as padding wherever they are used."""
+    rows = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    keys = key_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    index = jnp.clip(keys - rows + (q_len - 1), 0, bias_ref.shape[0] - 1)
+    return bias_ref[index].astype(jnp.float32)
+
+
+def _logits(q, k, bias_ref, q_len: int, row_start, key_start):
     logits = _dot(q, k, trans_b=True)
     if bias_ref is not None:
-        logits = logits + _load(bias_ref, (rows, columns), valid).astype(jnp.float32)
+        logits = logits + _bias_tile(bias_ref, q_len, row_start, key_start, logits.shape)
     return logits
 
 
-def _key_blocks(q_block: int, block_q: int, block_k: int, length: int, causal: bool):
+def _key_blocks(q_block, block_q: int, block_k: int, length: int, causal: bool):
     """How many key blocks query block `q_block` reads: up to its diagonal when causal."""
     every = pl.cdiv(length, block_k)
     if causal:
@@ -88,26 +146,28 @@ def _key_blocks(q_block: int, block_q: int, block_k: int, length: int, causal: b
     return every
 
 
+def _split(refs, has_bias: bool):
+    """(q, k, v, bias or None, *rest) of a kernel's refs."""
+    q_ref, k_ref, v_ref, *rest = refs
+    return q_ref, k_ref, v_ref, (rest.pop(0) if has_bias else None), rest
+
+
 def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
-    q_ref, k_ref, v_ref, *refs = refs
-    bias_ref = refs.pop(0) if has_bias else None
+    q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
     q_segments_ref, k_segments_ref, out_ref, lse_ref = refs
     q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     q_block = pl.program_id(0)
-    rows, row_valid = _span(block_q, q_len, q_block)
+    rows, row_valid, row_start = _span(block_q, q_len, q_block)
     q = _load(q_ref, rows, row_valid)
     q_segments = _load(q_segments_ref, rows, row_valid)
 
     def step(j, carry):
         acc, running_max, total = carry
-        keys, key_valid = _span(block_k, k_len, j)
-        logits = _logits(
-            q, _load(k_ref, keys, key_valid), bias_ref, rows, keys, (row_valid, key_valid)
-        )
+        keys, key_valid, key_start = _span(block_k, k_len, j)
+        k = _load(k_ref, keys, key_valid)
+        logits = _logits(q, k, bias_ref, q_len, row_start, key_start)
         k_segments = _load(k_segments_ref, keys, key_valid)  # past the end: 0, masked
-        mask = allowed(
-            q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
-        )
+        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
         logits = jnp.where(mask, logits, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         p = jnp.exp(logits - new_max[:, None])
@@ -128,38 +188,36 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
     _store(lse_ref, rows, running_max + jnp.log(total), row_valid)
 
 
-def _probabilities(q, k, bias_ref, rows, columns, valid, lse, mask):
-    logits = _logits(q, k, bias_ref, rows, columns, valid)
-    return jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
+def _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse, delta, mask):
+    """The scores' gradient p ∘ (d_out·vᵀ − delta) of one tile, p recomputed."""
+    logits = _logits(q, k, bias_ref, q_len, row_start, key_start)
+    p = jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
+    return p, p * (_dot(d_out, v, trans_b=True) - delta[:, None])
 
 
 def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
-    q_ref, k_ref, v_ref, *refs = refs
-    bias_ref = refs.pop(0) if has_bias else None
+    q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
     q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     k_block = pl.program_id(0)
-    keys, key_valid = _span(block_k, k_len, k_block)
+    keys, key_valid, key_start = _span(block_k, k_len, k_block)
     k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
     k_segments = _load(k_segments_ref, keys, key_valid)
 
     def step(i, carry):
         dk, dv = carry
-        rows, row_valid = _span(block_q, q_len, i)
+        rows, row_valid, row_start = _span(block_q, q_len, i)
         q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
         q_segments = _load(q_segments_ref, rows, row_valid)
-        mask = allowed(
-            q_segments[:, None], k_segments[None, :], causal, i * block_q, k_block * block_k
-        )
-        lse = _load(lse_ref, rows, row_valid)
-        p = _probabilities(q, k, bias_ref, rows, keys, (row_valid, key_valid), lse, mask)
+        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
+        lse, delta = _load(lse_ref, rows, row_valid), _load(delta_ref, rows, row_valid)
+        p, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse,
+                                delta, mask)  # fmt: skip
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
-        delta = _load(delta_ref, rows, row_valid)
-        d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
         dk = dk + _dot(d_logits.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
-    first = lax.div(k_block * block_k, block_q) if causal else 0
+    first = lax.div(key_start, block_q) if causal else 0
     start = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(first, pl.cdiv(q_len, block_q), step, start)
     _store(dk_ref, keys, dk.astype(dk_ref.dtype), key_valid)
@@ -167,50 +225,90 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int)
 
 
 def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
-    q_ref, k_ref, v_ref, *refs = refs
-    bias_ref = refs.pop(0) if has_bias else None
-    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *d_bias = refs
-    batch, q_len, k_len = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
+    q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
+    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref = refs
+    q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     q_block = pl.program_id(0)
-    rows, row_valid = _span(block_q, q_len, q_block)
-    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
+    rows, row_valid, row_start = _span(block_q, q_len, q_block)
+    q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
+    lse, delta = _load(lse_ref, rows, row_valid), _load(delta_ref, rows, row_valid)
+    q_segments = _load(q_segments_ref, rows, row_valid)
 
-    def example(b, carry):
-        # one indexer per access: Pallas's interpreter cannot store through `ref.at[b].at[...]`
+    def step(j, dq):
+        keys, key_valid, key_start = _span(block_k, k_len, j)
+        k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
+        k_segments = _load(k_segments_ref, keys, key_valid)
+        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
+        _, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse,
+                                delta, mask)  # fmt: skip
+        return dq + _dot(d_logits.astype(k.dtype), k)
+
+    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
+    dq = lax.fori_loop(0, blocks, step, jnp.zeros(q.shape, jnp.float32))
+    _store(dq_ref, rows, dq.astype(dq_ref.dtype), row_valid)
+
+
+def _bias_kernel(*refs, causal: bool, groups: int, block_q: int, block_k: int):
+    q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, True)
+    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, d_bias_ref = refs
+    batch, q_len, k_len = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
+    rows, row_valid, row_start = _span(block_q, q_len, pl.program_id(0))
+    keys, key_valid, key_start = _span(block_k, k_len, pl.program_id(1))
+    per_group = pl.cdiv(batch, groups)
+    first = (pl.program_id(2) % groups) * per_group
+    last = jnp.minimum(first + per_group, batch)
+    if causal:  # a tile wholly past the diagonal has no gradient: its examples are skipped
+        last = jnp.where(key_start <= row_start + block_q - 1, last, first)
+    bias = _bias_tile(bias_ref, q_len, row_start, key_start, (block_q, block_k))
+
+    def example(b, total):
+        # one indexer per access: Pallas's interpreter cannot load through `ref.at[b].at[...]`
         q, d_out = _load(q_ref, (b, rows), row_valid), _load(d_out_ref, (b, rows), row_valid)
+        k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
         lse, delta = _load(lse_ref, (b, rows), row_valid), _load(delta_ref, (b, rows), row_valid)
         q_segments = _load(q_segments_ref, (b, rows), row_valid)
+        k_segments = _load(k_segments_ref, (b, keys), key_valid)
+        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
+        p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) + bias - lse[:, None]), 0.0)
+        return total + p * (_dot(d_out, v, trans_b=True) - delta[:, None])
 
-        def step(j, dq):
-            keys, key_valid = _span(block_k, k_len, j)
-            k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
-            k_segments = _load(k_segments_ref, (b, keys), key_valid)
-            mask = allowed(
-                q_segments[:, None], k_segments[None, :], causal, q_block * block_q, j * block_k
-            )
-            valid = (row_valid, key_valid)
-            p = _probabilities(q, k, bias_ref, rows, keys, valid, lse, mask)
-            d_logits = p * (_dot(d_out, v, trans_b=True) - delta[:, None])
-            if has_bias:  # this program alone writes these rows: add example b's share
-                (d_bias_ref,) = d_bias
-                earlier = _load(d_bias_ref, (rows, keys), valid)
-                _store(d_bias_ref, (rows, keys), jnp.where(b > 0, earlier, 0.0) + d_logits, valid)
-            return dq + _dot(d_logits.astype(k.dtype), k)
+    total = lax.fori_loop(first, last, example, jnp.zeros((block_q, block_k), jnp.float32))
+    _store(d_bias_ref, (rows, keys), total, (row_valid, key_valid))
 
-        dq = lax.fori_loop(0, blocks, step, jnp.zeros(q.shape, jnp.float32))
-        _store(dq_ref, (b, rows), dq.astype(dq_ref.dtype), row_valid)
-        return carry
 
-    lax.fori_loop(0, batch, example, 0)
-    if has_bias and causal:  # keys past the diagonal were never visited: no gradient there
-        (d_bias_ref,) = d_bias
+def _call(kernel, grid, in_specs, out_specs, out_shape, name: str, tiles: Tiles,
+          interpret: bool, **options):  # fmt: skip
+    """A pass's pallas_call with its tiles' settings."""
+    return pl.pallas_call(
+        functools.partial(kernel, block_q=tiles.q, block_k=tiles.k, **options),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
+        interpret=interpret,
+        name=name + ("_causal" if options["causal"] else ""),
+    )
 
-        def clear(j, carry):
-            keys, key_valid = _span(block_k, k_len, j)
-            _store(d_bias_ref, (rows, keys), jnp.zeros((block_q, block_k)), (row_valid, key_valid))
-            return carry
 
-        lax.fori_loop(blocks, pl.cdiv(k_len, block_k), clear, 0)
+def _per_example_and_head(q: jax.Array, k: jax.Array, bias: jax.Array | None):
+    """The specs of (q, k, v, bias, q segments, k segments), and of q-shaped and per-query
+    arrays, for a grid (block, example, head): each program sees its example's and head's whole
+    sequences (and its head's diagonals) and slices its own blocks."""
+    dim = q.shape[3]
+    q_spec, kv_spec = (
+        pl.BlockSpec((None, n, None, dim), lambda i, b, h: (b, 0, h, 0))
+        for n in (q.shape[1], k.shape[1])
+    )
+    specs = [q_spec, kv_spec, kv_spec]
+    if bias is not None:
+        specs.append(pl.BlockSpec((None, bias.shape[1]), lambda i, b, h: (h, 0)))
+    specs += [
+        pl.BlockSpec((None, q.shape[1]), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, k.shape[1]), lambda i, b, h: (b, 0)),
+    ]
+    per_query = pl.BlockSpec((None, None, q.shape[1]), lambda i, b, h: (b, h, 0))
+    return specs, q_spec, kv_spec, per_query
 
 
 def forward_pass(
@@ -226,37 +324,73 @@ def forward_pass(
 ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel on arguments in the kernels' form (`_kernel_arguments`): the output
     and the log-sum-exp per query [batch, heads, q], which the backward pass takes."""
-    batch, q_len, heads, dim = q.shape
-    k_len = k.shape[1]
-    has_bias = bias is not None
-    # Each program sees its example's and head's whole sequences and slices its own blocks.
-    q_spec, kv_spec = (
-        pl.BlockSpec((None, n, None, dim), lambda i, b, h: (b, 0, h, 0)) for n in (q_len, k_len)
-    )
-    in_specs = [q_spec, kv_spec, kv_spec]
-    if has_bias:
-        in_specs.append(pl.BlockSpec((None, q_len, k_len), lambda i, b, h: (h, 0, 0)))
-    in_specs += [
-        pl.BlockSpec((None, q_len), lambda i, b, h: (b, 0)),
-        pl.BlockSpec((None, k_len), lambda i, b, h: (b, 0)),
-    ]
-    kernel = functools.partial(
-        _forward_kernel, causal=causal, has_bias=has_bias, block_q=blocks.q, block_k=blocks.k
-    )
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(q_len, blocks.q), batch, heads),
-        in_specs=in_specs,
-        out_specs=[q_spec, pl.BlockSpec((None, None, q_len), lambda i, b, h: (b, h, 0))],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=interpret,
-        name="t5_attention_forward" + ("_causal" if causal else ""),
-    )(q, k, v, *([bias] if has_bias else []), q_segments, k_segments)
+    batch, q_len, heads, _ = q.shape
+    in_specs, q_spec, _, per_query = _per_example_and_head(q, k, bias)
+    tiles = blocks.forward
+    out, lse = _call(
+        _forward_kernel, (pl.cdiv(q_len, tiles.q), batch, heads), in_specs, [q_spec, per_query],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+        "t5_attention_forward", tiles, interpret, causal=causal, has_bias=bias is not None,
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments)  # fmt: skip
     return out, lse
+
+
+def dkv_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: bool,
+             tiles: Tiles, interpret: bool) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """dk, dv: one program per (key block, example, head), over its queries."""
+    batch, k_len, heads, _ = k.shape
+    in_specs, q_spec, kv_spec, per_query = _per_example_and_head(q, k, bias)
+    shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    return _call(
+        _dkv_kernel, (pl.cdiv(k_len, tiles.k), batch, heads),
+        [*in_specs, q_spec, per_query, per_query], [kv_spec, kv_spec], shapes,
+        "t5_attention_backward_dkv", tiles, interpret, causal=causal, has_bias=bias is not None,
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+
+
+def dq_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: bool,
+            tiles: Tiles, interpret: bool) -> jax.Array:  # fmt: skip
+    """dq: one program per (query block, example, head), over its keys."""
+    batch, q_len, heads, _ = q.shape
+    in_specs, q_spec, _, per_query = _per_example_and_head(q, k, bias)
+    return _call(
+        _dq_kernel, (pl.cdiv(q_len, tiles.q), batch, heads),
+        [*in_specs, q_spec, per_query, per_query], q_spec,
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        "t5_attention_backward_dq", tiles, interpret, causal=causal, has_bias=bias is not None,
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+
+
+def bias_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: bool,
+              tiles: Tiles, interpret: bool) -> jax.Array:  # fmt: skip
+    """The bias's gradient by its diagonals [heads, q + k − 1] in float32: one program per
+    (query block, key block, head and group of examples) sums its tile over the group's
+    examples; XLA adds the groups and each diagonal (one [groups, heads, q, k] array, written
+    once: the diagonals' sum of a tile needs values other threads hold)."""
+    batch, q_len, heads, dim = q.shape
+    k_len, groups = k.shape[1], tiles.groups
+    q_spec, kv_spec = (
+        pl.BlockSpec((batch, n, None, dim), lambda i, j, hg: (0, 0, hg // groups, 0))
+        for n in (q_len, k_len)
+    )
+    per_query = pl.BlockSpec((batch, None, q_len), lambda i, j, hg: (0, hg // groups, 0))
+    in_specs = [
+        q_spec, kv_spec, kv_spec,
+        pl.BlockSpec((None, bias.shape[1]), lambda i, j, hg: (hg // groups, 0)),
+        pl.BlockSpec((batch, q_len), lambda i, j, hg: (0, 0)),
+        pl.BlockSpec((batch, k_len), lambda i, j, hg: (0, 0)),
+        q_spec, per_query, per_query,
+    ]  # fmt: skip
+    out_spec = pl.BlockSpec(
+        (None, None, q_len, k_len), lambda i, j, hg: (hg % groups, hg // groups, 0, 0)
+    )
+    tiles_of_groups = _call(
+        _bias_kernel, (pl.cdiv(q_len, tiles.q), pl.cdiv(k_len, tiles.k), heads * groups),
+        in_specs, out_spec, jax.ShapeDtypeStruct((groups, heads, q_len, k_len), jnp.float32),
+        "t5_attention_backward_bias", tiles, interpret, causal=causal, groups=groups,
+    )(q, k, v, bias, q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+    return diagonal_sums(jnp.sum(tiles_of_groups, axis=0))
 
 
 def backward_pass(
@@ -273,107 +407,39 @@ def backward_pass(
     blocks: Blocks,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """The two backward kernels: (dq, dk, dv, the bias's gradient or None) from the forward
-    pass's output and log-sum-exp and the output's cotangent `d_out`."""
+    """The backward kernels: (dq, dk, dv, the bias's gradient or None) from the forward pass's
+    output and log-sum-exp and the output's cotangent `d_out`."""
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    bias_args = [] if bias is None else [bias]
-    operands = (q, k, v, *bias_args, q_segments, k_segments, d_out, lse, delta)
-    call = functools.partial(
-        _backward_call, q=q, k=k, bias=bias, causal=causal, blocks=blocks, interpret=interpret
+    operands = (q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal)
+    dk, dv = dkv_pass(*operands, blocks.dkv, interpret)
+    dq = dq_pass(*operands, blocks.dq, interpret)
+    if bias is None:
+        return dq, dk, dv, None
+    return dq, dk, dv, bias_pass(*operands, blocks.bias, interpret).astype(bias.dtype)
+
+
+def fit_tiles(tiles: Tiles, q_len: int, k_len: int, batch: int) -> Tiles:
+    """The tiles, or for a shorter sequence the power of two that covers it (>= 16)."""
+    return dataclasses.replace(
+        tiles,
+        q=min(tiles.q, max(16, pl.next_power_of_2(q_len))),
+        k=min(tiles.k, max(16, pl.next_power_of_2(k_len))),
+        groups=max(1, min(tiles.groups, batch)),
     )
-    dk, dv = _dkv_call(call, q, k, v, bias is not None, blocks.k)(*operands)
-    dq, *d_bias = _dq_call(call, q, k, bias, blocks.q)(*operands)
-    return dq, dk, dv, d_bias[0].astype(bias.dtype) if bias is not None else None
-
-
-def _backward_call(
-    kernel, grid, in_specs, out_specs, out_shape, name: str, *, q, k, bias, causal, blocks,
-    interpret,
-):  # fmt: skip
-    """A backward kernel's pallas_call, with the settings both share."""
-    sizes = {"causal": causal, "has_bias": bias is not None, "block_q": blocks.q,
-             "block_k": blocks.k}  # fmt: skip
-    return pl.pallas_call(
-        functools.partial(kernel, **sizes),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
-        interpret=interpret,
-        name=name + ("_causal" if causal else ""),
-    )
-
-
-def _dkv_call(call, q: jax.Array, k: jax.Array, v: jax.Array, has_bias: bool, block_k: int):
-    """dk, dv: one program per (key block, example, head), over its example's and head's
-    queries."""
-    batch, q_len, heads, dim = q.shape
-    k_len = k.shape[1]
-    q_spec, kv_spec = (
-        pl.BlockSpec((None, n, None, dim), lambda j, b, h: (b, 0, h, 0)) for n in (q_len, k_len)
-    )
-    per_query = pl.BlockSpec((None, None, q_len), lambda j, b, h: (b, h, 0))
-    in_specs = [q_spec, kv_spec, kv_spec]
-    if has_bias:
-        in_specs.append(pl.BlockSpec((None, q_len, k_len), lambda j, b, h: (h, 0, 0)))
-    in_specs += [
-        pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
-        pl.BlockSpec((None, k_len), lambda j, b, h: (b, 0)),
-        q_spec,
-        per_query,
-        per_query,
-    ]
-    shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    grid = (pl.cdiv(k_len, block_k), batch, heads)
-    return call(_dkv_kernel, grid, in_specs, [kv_spec, kv_spec], shapes,
-                "t5_attention_backward_dkv")  # fmt: skip
-
-
-def _dq_call(call, q: jax.Array, k: jax.Array, bias: jax.Array | None, block_q: int):
-    """dq and the bias's gradient: one program per (query block, head), the examples in
-    turn."""
-    batch, q_len, heads, dim = q.shape
-    k_len = k.shape[1]
-    q_spec, kv_spec = (
-        pl.BlockSpec((batch, n, None, dim), lambda i, h: (0, 0, h, 0)) for n in (q_len, k_len)
-    )
-    per_query = pl.BlockSpec((batch, None, q_len), lambda i, h: (0, h, 0))
-    bias_spec = pl.BlockSpec((None, q_len, k_len), lambda i, h: (h, 0, 0))
-    in_specs = [q_spec, kv_spec, kv_spec, *([bias_spec] if bias is not None else [])]
-    in_specs += [
-        pl.BlockSpec((batch, q_len), lambda i, h: (0, 0)),
-        pl.BlockSpec((batch, k_len), lambda i, h: (0, 0)),
-        q_spec,
-        per_query,
-        per_query,
-    ]
-    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    if bias is not None:
-        out_specs.append(bias_spec)
-        out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
-    grid = (pl.cdiv(q_len, block_q), heads)
-    return call(_dq_kernel, grid, in_specs, out_specs, out_shape, "t5_attention_backward_dq")
-
-
-def _block(length: int, preferred: int) -> int:
-    """The preferred block, or for a shorter sequence the power of two that covers it (>= 16)."""
-    return min(preferred, max(16, pl.next_power_of_2(length)))
 
 
 def _kernel_arguments(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
     """The arguments as the kernels take them (int32 segment ids; the head dimension a power of
     two >= 16, zero-padded where it is not one) and the blocks for these lengths."""
     check_lengths(q, k, causal)
-    q_len, k_len, dim = q.shape[1], k.shape[1], q.shape[3]
-    blocks = dataclasses.replace(blocks, q=_block(q_len, blocks.q), k=_block(k_len, blocks.k))
-    if causal:  # the diagonal walk assumes one block size
-        blocks = dataclasses.replace(blocks, k=blocks.q)
+    batch, q_len, _, dim = q.shape
+    k_len = k.shape[1]
+    fitted = {name: fit_tiles(getattr(blocks, name), q_len, k_len, batch) for name in PASSES}
     padded_dim = max(16, pl.next_power_of_2(dim))
     if padded_dim != dim:
         q, k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, padded_dim - dim)]) for x in (q, k, v))
     segments = (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
-    return (q, k, v, bias, *segments), blocks
+    return (q, k, v, bias, *segments), Blocks(**fitted)
 
 
 def in_kernel_form(
@@ -403,13 +469,16 @@ def flash_attention(
     q_segments: jax.Array,
     k_segments: jax.Array,
     causal: bool = False,
-    blocks: Blocks = Blocks(),
+    blocks: Blocks | None = None,
     interpret: bool = False,
     place: Placement = whole_arrays,
 ) -> jax.Array:
-    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
-    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
-    [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with the position
+    bias by its diagonals [heads, q + k − 1] (or None) and segment ids [batch, q] / [batch, k]
+    (0: padding); returns [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and
+    bias. `blocks`: each pass's tiles (None: `blocks_for` these lengths)."""
+    if blocks is None:
+        blocks = blocks_for(q.shape[1], k.shape[1], causal)
 
     def passes(blocks: Blocks) -> Passes:
         options = {"causal": causal, "blocks": blocks, "interpret": interpret}

@@ -4,6 +4,10 @@ the kernels use; the mask rule the kernels share.
 
     softmax(q·kᵀ + bias, masked) · v, no 1/sqrt(d) scale (T5 folds it into the query's init)
 
+The position bias comes by its diagonals [heads, q + k − 1], bias[h, q, k] = diagonals[h, k − q
++ q_len − 1] (T5's depends on the head and k − q alone): `bias_matrix` and `diagonal_sums` turn
+one form into the other, and its gradient back.
+
 It runs where the kernels do not ('fused_reference': the fused route with this arithmetic).
 """
 
@@ -35,6 +39,23 @@ def allowed(q_segments, k_segments, causal: bool, q_start=0, k_start=0) -> jax.A
     return mask
 
 
+def bias_matrix(diagonals: jax.Array, q_len: int, k_len: int) -> jax.Array:
+    """The bias [heads, q, k] of its diagonals [heads, q + k − 1]."""
+    index = np.arange(k_len)[None, :] - np.arange(q_len)[:, None] + q_len - 1
+    return diagonals[:, index]
+
+
+def diagonal_sums(matrix: jax.Array) -> jax.Array:
+    """[..., q, k] summed along each diagonal k − q: [..., q + k − 1], as `bias_matrix`'s
+    gradient. The rows reversed and each padded by q zeros, the flat array read as rows one
+    shorter puts element (q, k) at column k − q + q_len − 1 of row q: a column sum is left."""
+    q_len, k_len = matrix.shape[-2:]
+    lead = matrix.shape[:-2]
+    padded = jnp.pad(matrix[..., ::-1, :], [(0, 0)] * len(lead) + [(0, 0), (0, q_len)])
+    flat = padded.reshape(*lead, q_len * (k_len + q_len))[..., : q_len * (k_len + q_len - 1)]
+    return jnp.sum(flat.reshape(*lead, q_len, k_len + q_len - 1), axis=-2)
+
+
 def check_lengths(q: jax.Array, k: jax.Array, causal: bool) -> None:
     """Causal attention's mask is the square's lower triangle: as many queries as keys."""
     if causal and q.shape[1] != k.shape[1]:
@@ -52,8 +73,8 @@ def reference_attention(
     k_segments: jax.Array,
     causal: bool = False,
 ) -> jax.Array:
-    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
-    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding), as the
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with the position
+    bias by its diagonals [heads, q + k − 1] (or None) and segment ids [batch, q] / [batch, k] (0: padding), as the
     kernels compute it; returns [batch, q, heads, dim] in q's dtype."""
     p = _probabilities(q, k, bias, q_segments, k_segments, causal)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v)
@@ -62,7 +83,7 @@ def reference_attention(
 def _probabilities(q, k, bias, q_segments, k_segments, causal: bool) -> jax.Array:
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     if bias is not None:
-        logits = logits + bias[None].astype(jnp.float32)
+        logits = logits + bias_matrix(bias, q.shape[1], k.shape[1])[None].astype(jnp.float32)
     mask = allowed(q_segments[:, :, None], k_segments[:, None, :], causal)
     return jax.nn.softmax(jnp.where(mask[:, None], logits, MASKED), axis=-1)
 
@@ -79,7 +100,8 @@ def reference_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """reference_attention's gradients (dq, dk, dv, the bias's or None) for the output's
     cotangent `d_out`, in the kernels' closed form: dv = pᵀ·dout,
-    ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds."""
+    ds = p ∘ (dout·vᵀ − rowsum(dout ∘ out)), dq = ds·k, dk = dsᵀ·q, the bias's = Σ_batch ds summed
+    along each diagonal."""
     p = _probabilities(q, k, bias, q_segments, k_segments, causal)
     d_out32 = d_out.astype(jnp.float32)
     dv = jnp.einsum("bhqk,bqhd->bkhd", p, d_out32)
@@ -87,7 +109,7 @@ def reference_backward(
     d_logits = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
     dq = jnp.einsum("bhqk,bkhd->bqhd", d_logits, k.astype(jnp.float32))
     dk = jnp.einsum("bhqk,bqhd->bkhd", d_logits, q.astype(jnp.float32))
-    d_bias = None if bias is None else jnp.sum(d_logits, axis=0).astype(bias.dtype)
+    d_bias = None if bias is None else diagonal_sums(jnp.sum(d_logits, axis=0)).astype(bias.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_bias
 
 

@@ -1,7 +1,7 @@
 """T5's attention as Pallas kernels for TPUs (Mosaic): t5scale's fused attention
 (attention_kernels.py, Triton, for GPUs) written again for the TPU's blocks, with the same
-arithmetic (attention_reference.py) and the same promise: T5's position bias [heads, q, k] is
-read by head and block, shared by the batch, its gradient summed over the batch inside the
+arithmetic (attention_reference.py) and the same promise: T5's position bias [heads, q, k] (made
+per device from its diagonals, the form the fused route hands every kernel) is read by head and block, shared by the batch, its gradient summed over the batch inside the
 kernel, and no [batch, heads, q, k] array is ever in the program (jax's own TPU flash attention
 takes the bias batch-sized: docs/attention.md, "On TPUs").
 
@@ -28,7 +28,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from t5scale.model.attention_reference import MASKED, allowed, check_lengths
+from t5scale.model.attention_reference import (
+    MASKED,
+    allowed,
+    bias_matrix,
+    check_lengths,
+    diagonal_sums,
+)
 from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
 
 BLOCK = 128
@@ -251,8 +257,8 @@ def _kernel_form(q, k, v, bias, q_segments, k_segments):
     def heads_first(x, pad):
         return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    if bias is not None:
-        bias = jnp.pad(bias, ((0, 0), (0, q_pad), (0, k_pad)))
+    if bias is not None:  # by its diagonals: these kernels read it [heads, q, k], each device's
+        bias = jnp.pad(bias_matrix(bias, q.shape[1], k.shape[1]), ((0, 0), (0, q_pad), (0, k_pad)))
     return (
         heads_first(q, q_pad), heads_first(k, k_pad), heads_first(v, k_pad), bias,
         jnp.pad(q_segments, ((0, 0), (0, q_pad)))[:, :, None],
@@ -286,7 +292,7 @@ def _backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out, causal: bo
     dq, dk, dv, d_bias = backward_pass(*arguments, padded(out), lse, padded(d_out), causal,
                                        interpret)  # fmt: skip
     if d_bias is not None:
-        d_bias = d_bias[:, :q_len, :k_len]
+        d_bias = diagonal_sums(d_bias[:, :q_len, :k_len])
     return _length_first(dq, q_len), _length_first(dk, k_len), _length_first(dv, k_len), d_bias
 
 
@@ -301,8 +307,8 @@ def tpu_flash_attention(
     interpret: bool = False,
     place: Placement = whole_arrays,
 ) -> jax.Array:
-    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with `bias`
-    [heads, q, k] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
+    """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with the position
+    bias by its diagonals [heads, q + k − 1] (or None) and segment ids [batch, q] / [batch, k] (0: padding); returns
     [batch, q, heads, dim] in q's dtype. Differentiable in q, k, v and bias."""
     check_lengths(q, k, causal)
     options = {"causal": causal, "interpret": interpret}

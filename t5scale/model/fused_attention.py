@@ -31,7 +31,7 @@ def fused_attention(
     place: Placement | None = None,
 ) -> jax.Array:
     """Attention of q [batch, q, heads, dim] over k, v [batch, k, heads, dim] with the position
-    bias [heads, q, k] or None and the segment ids, by `backend`. Without a placement the
+    bias by its diagonals [heads, q + k − 1] or None and the segment ids, by `backend`. Without a placement the
     reference is plain einsums that JAX differentiates; with one, it gets exactly what the
     Triton kernels would (their padding, their custom_vjp)."""
     arguments = (q, k, v, bias, q_segments, k_segments, causal)

@@ -139,7 +139,7 @@ class Attention(_Module):
     @nn.compact
     def __call__(self, x_q: jax.Array, x_kv: jax.Array, bias) -> jax.Array:
         """`bias`: for 'dot' attention the additive [batch or 1, heads or 1, q, k] bias with
-        the masks folded in; for the fused route (position bias [heads, q, k] or None, query
+        the masks folded in; for the fused route (position bias by its diagonals [heads, q + k − 1] or None, query
         segment ids, key segment ids)."""
         d, h, k = self.cfg.d_model, self.cfg.num_heads, self.cfg.d_kv
         # T5 folds 1/sqrt(d_kv) into the query's initial scale instead of scaling the logits.
@@ -210,14 +210,19 @@ class RelativePositionBias(_Module):
             (self.cfg.num_heads, buckets),
             ("heads", "relpos_buckets"),
         )
-        relative = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]
+        if self.cfg.fused_route:  # by its diagonals k − q: the kernels read no [q, k] array
+            relative = np.arange(-(q_len - 1), k_len)
+        else:
+            relative = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]
         index = relative_position_bucket(
             relative, self.bidirectional, buckets, self.cfg.relative_attention_max_distance
         )
-        # A gather whose gradient sums q·k updates into `buckets` rows: in float32, as the
+        # A gather whose gradient sums the updates into `buckets` rows: in float32, as the
         # embedding's (a bf16 working copy made it a serialised bf16 scatter-add on GPUs).
-        rows = look_up_rows(table.T, index)  # [q, k, heads]
-        return rows.astype(jnp.float32).transpose(2, 0, 1)[None]  # [1, heads, q, k]
+        rows = look_up_rows(table.T, index).astype(jnp.float32)  # [q + k − 1 or q, k, heads]
+        if self.cfg.fused_route:
+            return rows.T  # [heads, q + k − 1]
+        return rows.transpose(2, 0, 1)[None]  # [1, heads, q, k]
 
 
 class EncoderLayer(_Module):
@@ -330,7 +335,7 @@ def encoder_attention_bias(
 ) -> AttentionBias:
     """What each encoder layer's attention takes besides its inputs (Attention.__call__)."""
     if cfg.fused_route:  # the kernel masks by segment: no [b, q, k] mask
-        return (position_bias[0], segment_ids, segment_ids)
+        return (position_bias, segment_ids, segment_ids)
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     return _mask_to_bias(same_segment & (segment_ids[:, None, :] > 0)) + position_bias
 
@@ -344,7 +349,7 @@ def decoder_attention_biases(
     """(self-attention's, cross-attention's) biases of each decoder layer."""
     if cfg.fused_route:  # the kernel masks by segment and position
         cross = (None, segment_ids, encoder_segment_ids)
-        return (position_bias[0], segment_ids, segment_ids), cross
+        return (position_bias, segment_ids, segment_ids), cross
     length = segment_ids.shape[1]
     causal = np.tril(np.ones((length, length), dtype=bool))[None]
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]

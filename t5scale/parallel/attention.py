@@ -5,7 +5,7 @@ axis XLA still partitions there. The kernels (t5scale/model/attention_kernels.py
 attention_tpu.py) are opaque to XLA's partitioner, so they must be given whole heads.
 
 'fused_reference' runs the kernels' arithmetic as einsums given exactly what the kernels would
-be given (their padding, the segments, the bias [heads, q, k], the same shard_map and
+be given (their padding, the segments, the bias's diagonals, the same shard_map and
 custom_vjp): the fused route on devices the kernels do not compile for (CPUs), since Pallas's
 interpreter cannot yet run inside that shard_map (it loses the values' manual-axis types in its
 loops); the kernels themselves are tested on their own (tests/test_attention.py).
@@ -26,7 +26,7 @@ from t5scale.target import Target
 HEADS_AXIS = TENSOR_RULES["heads"]  # the mesh axis the heads are split over
 _HEADS = activation_spec(("batch", "length", "heads", "kv"))  # q, k, v, out and their gradients
 _PER_HEAD = activation_spec(("batch", "heads", "length"))  # the log-sum-exp [batch, heads, q]
-_BIAS = activation_spec(("heads", "length", "length"))  # the position bias [heads, q, k]
+_BIAS = activation_spec(("heads", None))  # the position bias by its diagonals [heads, q + k − 1]
 
 
 def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
