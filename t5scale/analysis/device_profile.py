@@ -5,9 +5,10 @@
   annotates each kernel with its HLO instruction (`hlo_op`) and program (`hlo_module`), and runs
   its command buffers (CUDA graphs) kernel by kernel while profiling, so that every kernel has
   one. Without a GPU device in the trace, XLA:CPU's operations: the host threads' events that
-  carry an `hlo_op`. An event holding others on its lane (XLA:CPU's `while`, whose body's
-  operations are events of their own) is left out, its time being theirs; events of another
-  program are left out too;
+  carry an `hlo_op`. An event holding others on its lane is left out, its time being theirs,
+  and so, on the CPU, is a loop or call whose computations' operations are events of their own
+  on any thread (one that ran as one operation, XLA:CPU's small call, is 'other'); events of
+  another program are left out too;
 - classes: each kernel's instruction as the kernel inventory (t5scale/analysis/kernels.py)
   classes it, its fusions split into reductions (a `reduce` inside) and elementwise; a
   collective instruction is a collective. A kernel whose `hlo_op` the program lacks is classed
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from t5scale.analysis.hlo import collective_kind
 from t5scale.analysis.hlo_module import Instruction, Module, parse_module
-from t5scale.analysis.hlo_walk import fused_body, fused_name
+from t5scale.analysis.hlo_walk import called_names, fused_body
 from t5scale.analysis.kernels import instruction_kernels
 
 CLASSES = ("gemm", "attention", "elementwise", "reduction", "copy", "collective", "other")
@@ -143,9 +144,14 @@ def device_profile(trace: Trace, program: str | Module, steps: int) -> DevicePro
     docstring)."""
     module = parse_module(program) if isinstance(program, str) else program
     ours = [e for e in trace.kernels if e.hlo_module in (None, _program_name(module, trace))]
-    containers = _containers(ours)
-    kept = [e for e in ours if e not in containers]
     classes = instruction_classes(module)
+    containers = _containers(ours)
+    if trace.source == "cpu":
+        held = _held_elsewhere(ours, module, classes)
+        containers |= {e for e in ours if e.hlo_op in held}
+        classes |= {e.hlo_op: "other" for e in ours if e.hlo_op in module.by_name
+                    and e.hlo_op not in classes and e.hlo_op not in held}  # fmt: skip
+    kept = [e for e in ours if e not in containers]
     cuts = instruction_cuts(module)
     micros, launches, cut_us = Counter(), Counter(), Counter()
     by_name = 0
@@ -188,21 +194,21 @@ def name_class(kernel: str) -> str:
 
 
 def instruction_classes(module: Module) -> dict[str, str]:
-    """CLASSES of the instructions that launch kernels, by name: the kernel inventory's,
-    fusions split into reductions and elementwise; collectives; the rest (loops, calls) other."""
+    """CLASSES of the instructions that launch kernels, by name: the kernel inventory's, its
+    fusions split into reductions and elementwise; and the collectives. A kernel named by
+    another instruction (a loop's, say) is classed by its own name."""
     kernels = instruction_kernels(module)
     classes = {}
     for body in _unfused(module):
         for instruction in body:
             kernel = kernels.get(instruction.name)
-            if kernel is None:
-                kind = "collective" if collective_kind(instruction.opcode) else "other"
-            elif kernel.kind == "fusion":
+            if kernel is None and collective_kind(instruction.opcode):
+                classes[instruction.name] = "collective"
+            elif kernel is not None and kernel.kind == "fusion":
                 reduces = any(i.opcode in _REDUCES for i in fused_body(instruction, module))
-                kind = "reduction" if reduces else "elementwise"
-            else:
-                kind = kernel.kind
-            classes[instruction.name] = kind
+                classes[instruction.name] = "reduction" if reduces else "elementwise"
+            elif kernel is not None:
+                classes[instruction.name] = kernel.kind
     return classes
 
 
@@ -229,10 +235,32 @@ def _op_name(instruction: Instruction, module: Module) -> str:
 
 
 def _unfused(module: Module) -> list[Sequence[Instruction]]:
-    """The computations whose instructions are kernels, calls and loops: not fused ones."""
-    fused = {fused_name(i) for body in module.computations.values() for i in body
-             if i.opcode in ("fusion", "fusion-start")}  # fmt: skip
-    return [body for name, body in module.computations.items() if name not in fused]
+    """The computations whose instructions are kernels, collectives and control flow: those the
+    entry reaches through calls, loops and branches, not fusions' or reducers'."""
+    reached, stack = set(), [module.entry] if module.entry else []
+    while stack:
+        name = stack.pop()
+        if name in reached or name not in module.computations:
+            continue
+        reached.add(name)
+        for instruction in module.computations[name]:
+            if instruction.opcode not in ("fusion", "fusion-start"):
+                stack.extend(called_names(instruction))
+    return [module.computations[name] for name in reached]
+
+
+def _held_elsewhere(events: Sequence[TraceEvent], module: Module, classes: dict) -> set[str]:
+    """XLA:CPU's instructions that launch no kernel and whose computations' operations are
+    events of their own, on any thread (a loop's body may run on another than the loop). The
+    rest of them ran as one operation (XLA:CPU's small calls): 'other'."""
+    traced = {e.hlo_op for e in events}
+    held = set()
+    for name in traced - classes.keys():
+        instruction = module.by_name.get(name)
+        callees = called_names(instruction) if instruction else []
+        if any(i.name in traced for c in callees for i in module.computations.get(c, [])):
+            held.add(name)
+    return held
 
 
 def _containers(events: Sequence[TraceEvent]) -> set[TraceEvent]:
