@@ -47,7 +47,7 @@ def profile_steps(results: Results, step, state, batches: list[Any], step_s: flo
         return
     directory = profile_directory(results.path.parent, results.item)
     started = time.perf_counter()
-    deadline = threading.Timer(PROFILE_DEADLINE_S, _give_up, (results,))
+    deadline = threading.Timer(PROFILE_DEADLINE_S, _give_up, (results, directory))
     deadline.start()
     try:
         _capture(step, state, batches, directory)
@@ -67,7 +67,8 @@ def profile_steps(results: Results, step, state, batches: list[Any], step_s: flo
     )
 
 
-def _give_up(results: Results) -> None:
+def _give_up(results: Results, directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)  # what it left there would travel back
     results.write(profile=None, why=f"the profiler took over {PROFILE_DEADLINE_S:.0f} s")
     os._exit(0)  # the item's results are written; what hangs is the profiler alone
 
@@ -76,6 +77,7 @@ def _capture(step, state, batches: list[Any], directory: Path) -> None:
     import jax
 
     directory.mkdir(parents=True, exist_ok=True)
+    jax.block_until_ready(state)  # nothing of an earlier step in the profile
     # No Python tracer: its events would outnumber the kernels and say nothing of the device.
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
