@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_list import Results, Shapes
+from gpu_check_profile import profile_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -94,13 +95,15 @@ def step_item(
     step = setup.compile()
     if not _write_memory(results, setup, step):
         return  # nothing runs: XLA's own estimate says it does not fit (docs/gpu_check.md)
-    seconds, metrics = _time_steps(jax, setup, step, run, shapes)
+    seconds, metrics, state, batches = _time_steps(jax, setup, step, run, shapes)
     step_s = _write_times(results, setup, run, shapes, peak, seconds, metrics)
     program = step if step.setup.target.is_gpu else h100_program(run)
     if program is None:
         results.write(prediction=None, why="no GPU program: jax's CUDA plugin is not installed")
-        return
-    _write_prediction(results, jax.devices()[0], program, run, step_s)
+    else:
+        _write_prediction(results, jax.devices()[0], program, run, step_s)
+    # Last: the profiler is the part most likely to fail, and what it saves is read elsewhere.
+    profile_steps(results, step, state, batches, step_s)
 
 
 def _write_memory(results: Results, setup, step) -> bool:
@@ -120,8 +123,9 @@ def _write_memory(results: Results, setup, step) -> bool:
     return xla_peak <= budget
 
 
-def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any]:
-    """Seconds of each step, warm-ups first, and the last step's metrics."""
+def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any, Any, list]:
+    """Seconds of each step, warm-ups first, the last step's metrics, and the state and
+    batches to go on stepping from (the state passed in is donated: the one returned is live)."""
     from t5scale.data.synthetic import synthetic_batch
 
     state = setup.create_state()
@@ -140,7 +144,7 @@ def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any
         seconds.append(time.perf_counter() - start)
         if sum(seconds) > TIMED_STEPS_S and i >= shapes.warmup_steps + 2:
             break  # a step far slower than expected: three timed steps say so, and save time
-    return seconds, metrics
+    return seconds, metrics, state, batches
 
 
 def _write_times(

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_list import DRY_RUN, GPU, Item, read_lines, work_list
+from gpu_profile_table import profile_tables
 
 
 def tables(path: Path) -> str:
@@ -20,7 +21,7 @@ def tables(path: Path) -> str:
     for name, row in merged.items():
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")
-    return "\n".join(text) + "\n"
+    return "\n".join(text) + "\n" + profile_tables(path)
 
 
 def _device(device: dict[str, Any]) -> list[str]:

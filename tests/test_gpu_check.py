@@ -94,6 +94,10 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
                        for name in programs.namelist())  # fmt: skip
     table = (out / "gpu_check.md").read_text()
     assert table.count("| mt5_tiny |") == len(steps) and "| encoder | float32 |" in table
+    # Each step profiled (bench/gpu_check_profile.py), its table read from the profile.
+    profiles = [line for line in lines if "profile" in line]
+    assert len(profiles) == len(steps) and all(p["profile_events_with_hlo_op"] for p in profiles)
+    assert table.count("### step mt5_tiny") == len(steps)
     # A run cut short keeps what it measured: the tables of its first lines.
     cut = tmp_path / "cut.jsonl"
     cut.write_text("".join(json.dumps(line) + "\n" for line in lines[:8]))

@@ -233,6 +233,23 @@ def read_program(module: Module) -> Program:
     return Program(devices, kernels, collectives, len(unknown_loops))
 
 
+def instruction_kernels(module: Module) -> dict[str, Kernel]:
+    """The kernel each instruction launches (its runs left at 0), by the instruction's name,
+    outside fused computations: how a profile, which names each kernel by its HLO op, joins
+    this inventory's classes (t5scale/analysis/device_profile.py)."""
+    reader = _Reader(module)
+    fused = {fused_name(i) for body in module.computations.values() for i in body
+             if i.opcode in ("fusion", "fusion-start")}  # fmt: skip
+    found = {}
+    for name, body in module.computations.items():
+        if name in fused:
+            continue
+        for instruction in body:
+            if (index := reader.kernel(instruction)) is not None:
+                found[instruction.name] = reader.signatures[index]
+    return found
+
+
 def _scalar(type_text: str) -> bool:
     shape = array_shape(type_text)
     return shape is not None and not shape[1]
