@@ -65,7 +65,8 @@ def sweep(jax, arrays: tuple, causal: bool, dry_run: bool, repeats: int):
             continue
         fitted = _candidates(kernels, name, q.shape, k.shape[1], dry_run)
         timings = _time_each(jax, [make(tiles) for tiles in fitted], arguments, repeats)
-        best = min((ms, i) for i, ms in enumerate(timings) if ms is not None)[1]
+        ran = [(ms, i) for i, ms in enumerate(timings) if ms is not None]
+        best = min(ran)[1] if ran else 0  # none ran: the default, which the steps would use
         chosen[name] = fitted[best]
         rows.append({"pass": name, "chosen": dataclasses.asdict(fitted[best]),
                      "candidates": [dict(dataclasses.asdict(t), ms=ms)
@@ -100,6 +101,9 @@ def _time_each(jax, functions: list, arguments: tuple, repeats: int) -> list[flo
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         compiled = list(pool.map(compile_one, functions))
+    # one at a time again where a thread's compile failed: a tile Triton refuses fails alike
+    compiled = [compile_one(f) if isinstance(c, Exception) else c
+                for f, c in zip(functions, compiled, strict=True)]  # fmt: skip
     timings = []
     for program in compiled:
         try:
