@@ -7,6 +7,7 @@ kernels, compiled for H100s (Triton) without a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from conftest import (
 from t5scale.config import build_run_config, parse_gin
 from t5scale.model.attention_kernels import Blocks, Tiles, flash_attention, uniform
 from t5scale.model.attention_reference import bias_matrix, diagonal_sums, packed_segment_ids
+from t5scale.model.attention_tiles import live_tiles
 from t5scale.model.fused_attention import fused_attention
 from t5scale.model.mt5 import MT5, NEG_INF
 from t5scale.model.sizes import ModelConfig, attention_for
@@ -109,6 +111,37 @@ def test_the_kernel_equals_the_einsum_path(what, causal, with_bias, q_len, k_len
     assert relative(out * valid, reference * valid) <= tolerance
     for name, a, b in zip(["dq", "dk", "dv", "d_bias"], got, want, strict=False):
         assert relative(a, b) <= tolerance, name
+
+
+def test_dead_tiles_are_skipped_and_the_result_stays_exact():
+    """The kernels skip tiles whose queries and keys share no segment (attention_tiles.py):
+    seqio's packing leaves most of them dead. Ids that are not one run per example (here
+    interleaved) and a row of padding alone keep the result exact, and free of NaN."""
+    rng = np.random.default_rng(5)
+    batch, length, heads, dim = 3, 64, 2, 16
+    segments = packed_segment_ids(rng, batch, length)
+    segments[1] = 1 + np.arange(length) % 2  # two examples, token by token
+    segments[2] = 0  # padding alone
+    live = np.asarray(live_tiles(jnp.asarray(segments), jnp.asarray(segments), False, 16, 16))
+    assert live[0].sum() < 16 and live[1].all() and not live[2].any()
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, dim)), jnp.float32)
+               for _ in range(3))  # fmt: skip
+    bias = jnp.asarray(rng.normal(size=(heads, 2 * length - 1)), jnp.float32)
+    valid = jnp.asarray(segments > 0)[:, :, None, None]
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
+
+    def loss(attend, *arguments):
+        return jnp.sum(attend(*arguments, segments, segments, False) * weights)
+
+    fused = functools.partial(flash_attention, blocks=SQUARE, interpret=True)
+    got = jax.value_and_grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    want = jax.value_and_grad(lambda *a: loss(einsum_attention, *a), argnums=(0, 1, 2, 3))(
+        q, k, v, bias
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_bias_by_its_diagonals_and_its_gradient_back():
@@ -314,9 +347,10 @@ def test_the_kernels_are_priced_as_attention(causal):
     per_product = 2 * 2 * 4 * 128 * 128 * 64
     assert attention.count == 4
     assert attention.flops == pytest.approx(per_product * 11 * (3 / 4 if causal else 1))
-    # what each kernel reads: the bias's diagonals [4, 255], never a [4, 128, 128] matrix
+    # what each kernel reads: the bias's diagonals [4, 255] padded by a tile on each side,
+    # never a [4, 128, 128] matrix
     reads = re.findall(r"operand_layout_constraints=\{(.*?)\}, api_version", compiled.as_text())
-    assert len(reads) == 4 and all("f32[4,255]" in read for read in reads)
+    assert len(reads) == 4 and all("f32[4,383]" in read for read in reads)
     assert not any("4,128,128]" in read for read in reads)
 
 

@@ -36,7 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.attention_reference import MASKED, allowed, check_lengths, diagonal_sums
+from t5scale.model.attention_reference import MASKED, check_lengths, diagonal_sums
+from t5scale.model.attention_tiles import live_examples, live_spans, live_tiles
 from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
 
 
@@ -121,29 +122,49 @@ def _store(ref, index, value, valid):
     plgpu.store(ref.at[index], value, mask=_mask(valid, value.shape))
 
 
-def _bias_tile(bias_ref, q_len: int, row_start, key_start, shape: tuple[int, int]):
+def _bias_tile(bias_ref, q_len: int, k_len: int, row_start, key_start, shape: tuple[int, int]):
     """The bias of queries from `row_start` and keys from `key_start`, gathered from the head's
-    diagonals: bias[q, k] = diagonals[k − q + q_len − 1]. Rows or keys past the end read some
-    diagonal (clipped into range): they are masked as padding wherever they are used."""
+    diagonals: bias[q, k] = diagonals[k − q + q_len − 1], the diagonals padded on both sides
+    by at least a tile (`_padded`) so that rows and keys past the end read in bounds, with no
+    clipping: the index stays contiguous along the keys, and the loads vectorise."""
+    pad = (bias_ref.shape[0] - (q_len + k_len - 1)) // 2
     rows = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
     keys = key_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    index = jnp.clip(keys - rows + (q_len - 1), 0, bias_ref.shape[0] - 1)
-    return bias_ref[index].astype(jnp.float32)
+    return bias_ref[keys - rows + (q_len - 1 + pad)].astype(jnp.float32)
 
 
-def _logits(q, k, bias_ref, q_len: int, row_start, key_start):
+def _padded(bias: jax.Array | None, tiles: Tiles) -> jax.Array | None:
+    """The diagonals with a tile's worth of zeros on each side, as `_bias_tile` reads them."""
+    if bias is None:
+        return None
+    pad = max(tiles.q, tiles.k)
+    return jnp.pad(bias, ((0, 0), (pad, pad)))
+
+
+def _allowed(q_segments, k_segments, causal: bool, row_start, key_start) -> jax.Array:
+    """attention_reference.allowed for the keys' segments in the kernels' form, padding −1
+    (`_kernel_arguments`; keys past the end load as −1 too): one comparison says both same
+    segment and not padding. Fewer operations per score is speed here: at 64 dims a head the
+    kernels are bound by their elementwise work, not by their matmuls."""
+    mask = q_segments[:, None] == k_segments[None, :]
+    if causal:
+        shape = mask.shape
+        rows = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+        keys = key_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = mask & (keys <= rows)
+    return mask
+
+
+def _logits(q, k, bias_ref, q_len: int, k_len: int, row_start, key_start, mask):
+    """q·kᵀ + bias where `mask` allows, MASKED elsewhere."""
     logits = _dot(q, k, trans_b=True)
     if bias_ref is not None:
-        logits = logits + _bias_tile(bias_ref, q_len, row_start, key_start, logits.shape)
-    return logits
+        logits = logits + _bias_tile(bias_ref, q_len, k_len, row_start, key_start, logits.shape)
+    return jnp.where(mask, logits, MASKED)
 
 
-def _key_blocks(q_block, block_q: int, block_k: int, length: int, causal: bool):
-    """How many key blocks query block `q_block` reads: up to its diagonal when causal."""
-    every = pl.cdiv(length, block_k)
-    if causal:
-        return jnp.minimum(lax.div((q_block + 1) * block_q + block_k - 1, block_k), every)
-    return every
+def _key_segments(ref, index, valid):
+    return _load(ref, index, valid, other=-1)
 
 
 def _split(refs, has_bias: bool):
@@ -154,7 +175,7 @@ def _split(refs, has_bias: bool):
 
 def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
-    q_segments_ref, k_segments_ref, out_ref, lse_ref = refs
+    q_segments_ref, k_segments_ref, spans_ref, out_ref, lse_ref = refs
     q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     q_block = pl.program_id(0)
     rows, row_valid, row_start = _span(block_q, q_len, q_block)
@@ -165,10 +186,9 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
         acc, running_max, total = carry
         keys, key_valid, key_start = _span(block_k, k_len, j)
         k = _load(k_ref, keys, key_valid)
-        logits = _logits(q, k, bias_ref, q_len, row_start, key_start)
-        k_segments = _load(k_segments_ref, keys, key_valid)  # past the end: 0, masked
-        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
-        logits = jnp.where(mask, logits, MASKED)
+        k_segments = _key_segments(k_segments_ref, keys, key_valid)
+        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
+        logits = _logits(q, k, bias_ref, q_len, k_len, row_start, key_start, mask)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         p = jnp.exp(logits - new_max[:, None])
         rescale = jnp.exp(running_max - new_max)
@@ -182,54 +202,57 @@ def _forward_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: 
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
-    acc, running_max, total = lax.fori_loop(0, blocks, step, start)
-    _store(out_ref, rows, (acc / total[:, None]).astype(out_ref.dtype), row_valid)
-    _store(lse_ref, rows, running_max + jnp.log(total), row_valid)
+    # the live key blocks alone (attention_tiles.py): the others hold no allowed score
+    acc, running_max, total = lax.fori_loop(spans_ref[0], spans_ref[1], step, start)
+    out = jnp.where(total[:, None] > 0, acc / total[:, None], 0.0)  # 0: a block of padding
+    _store(out_ref, rows, out.astype(out_ref.dtype), row_valid)
+    # A row every key is masked for (a padding query) keeps 0, not about MASKED: the backward
+    # passes' exp(logits − lse) is then 0 wherever masked, with no mask of their own to apply.
+    lse = jnp.where(running_max > MASKED / 2, running_max + jnp.log(total), 0.0)
+    _store(lse_ref, rows, lse, row_valid)
 
 
-def _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse, delta, mask):
+def _d_logits(q, k, v, d_out, bias_ref, q_len, k_len, row_start, key_start, lse, delta, mask):
     """The scores' gradient p ∘ (d_out·vᵀ − delta) of one tile, p recomputed."""
-    logits = _logits(q, k, bias_ref, q_len, row_start, key_start)
-    p = jnp.where(mask, jnp.exp(logits - lse[:, None]), 0.0)
+    logits = _logits(q, k, bias_ref, q_len, k_len, row_start, key_start, mask)
+    p = jnp.exp(logits - lse[:, None])  # 0 where masked: MASKED − lse underflows (lse is finite)
     return p, p * (_dot(d_out, v, trans_b=True) - delta[:, None])
 
 
 def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
-    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+    q_segments_ref, k_segments_ref, spans_ref, d_out_ref, lse_ref, delta_ref = refs[:6]
+    dk_ref, dv_ref = refs[6:]
     q_len, k_len = q_ref.shape[0], k_ref.shape[0]
     k_block = pl.program_id(0)
     keys, key_valid, key_start = _span(block_k, k_len, k_block)
     k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
-    k_segments = _load(k_segments_ref, keys, key_valid)
+    k_segments = _key_segments(k_segments_ref, keys, key_valid)
 
     def step(i, carry):
         dk, dv = carry
         rows, row_valid, row_start = _span(block_q, q_len, i)
         q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
         q_segments = _load(q_segments_ref, rows, row_valid)
-        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
+        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
         lse, delta = _load(lse_ref, rows, row_valid), _load(delta_ref, rows, row_valid)
-        p, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse,
-                                delta, mask)  # fmt: skip
+        p, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, k_len, row_start, key_start,
+                                lse, delta, mask)  # fmt: skip
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
         dk = dk + _dot(d_logits.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
-    first = lax.div(key_start, block_q) if causal else 0
     start = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(first, pl.cdiv(q_len, block_q), step, start)
+    dk, dv = lax.fori_loop(spans_ref[0], spans_ref[1], step, start)  # the live query blocks
     _store(dk_ref, keys, dk.astype(dk_ref.dtype), key_valid)
     _store(dv_ref, keys, dv.astype(dv_ref.dtype), key_valid)
 
 
 def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
-    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, dq_ref = refs
+    q_segments_ref, k_segments_ref, spans_ref, d_out_ref, lse_ref, delta_ref, dq_ref = refs
     q_len, k_len = q_ref.shape[0], k_ref.shape[0]
-    q_block = pl.program_id(0)
-    rows, row_valid, row_start = _span(block_q, q_len, q_block)
+    rows, row_valid, row_start = _span(block_q, q_len, pl.program_id(0))
     q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
     lse, delta = _load(lse_ref, rows, row_valid), _load(delta_ref, rows, row_valid)
     q_segments = _load(q_segments_ref, rows, row_valid)
@@ -237,39 +260,40 @@ def _dq_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
     def step(j, dq):
         keys, key_valid, key_start = _span(block_k, k_len, j)
         k, v = _load(k_ref, keys, key_valid), _load(v_ref, keys, key_valid)
-        k_segments = _load(k_segments_ref, keys, key_valid)
-        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
-        _, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, row_start, key_start, lse,
-                                delta, mask)  # fmt: skip
+        k_segments = _key_segments(k_segments_ref, keys, key_valid)
+        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
+        _, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, k_len, row_start, key_start,
+                                lse, delta, mask)  # fmt: skip
         return dq + _dot(d_logits.astype(k.dtype), k)
 
-    blocks = _key_blocks(q_block, block_q, block_k, k_len, causal)
-    dq = lax.fori_loop(0, blocks, step, jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(spans_ref[0], spans_ref[1], step, jnp.zeros(q.shape, jnp.float32))
     _store(dq_ref, rows, dq.astype(dq_ref.dtype), row_valid)
 
 
 def _bias_kernel(*refs, causal: bool, groups: int, block_q: int, block_k: int):
     q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, True)
-    q_segments_ref, k_segments_ref, d_out_ref, lse_ref, delta_ref, d_bias_ref = refs
+    q_segments_ref, k_segments_ref, examples_ref, d_out_ref, lse_ref, delta_ref = refs[:6]
+    (d_bias_ref,) = refs[6:]
     batch, q_len, k_len = q_ref.shape[0], q_ref.shape[1], k_ref.shape[1]
     rows, row_valid, row_start = _span(block_q, q_len, pl.program_id(0))
     keys, key_valid, key_start = _span(block_k, k_len, pl.program_id(1))
+    # the examples this tile is live in (attention_tiles.live_examples), this group's share
     per_group = pl.cdiv(batch, groups)
     first = (pl.program_id(2) % groups) * per_group
-    last = jnp.minimum(first + per_group, batch)
-    if causal:  # a tile wholly past the diagonal has no gradient: its examples are skipped
-        last = jnp.where(key_start <= row_start + block_q - 1, last, first)
-    bias = _bias_tile(bias_ref, q_len, row_start, key_start, (block_q, block_k))
+    last = jnp.minimum(first + per_group, examples_ref[0])
+    bias = _bias_tile(bias_ref, q_len, k_len, row_start, key_start, (block_q, block_k))
 
-    def example(b, total):
+    def example(t, total):
+        b = examples_ref[1 + t]
         # one indexer per access: Pallas's interpreter cannot load through `ref.at[b].at[...]`
         q, d_out = _load(q_ref, (b, rows), row_valid), _load(d_out_ref, (b, rows), row_valid)
         k, v = _load(k_ref, (b, keys), key_valid), _load(v_ref, (b, keys), key_valid)
         lse, delta = _load(lse_ref, (b, rows), row_valid), _load(delta_ref, (b, rows), row_valid)
         q_segments = _load(q_segments_ref, (b, rows), row_valid)
-        k_segments = _load(k_segments_ref, (b, keys), key_valid)
-        mask = allowed(q_segments[:, None], k_segments[None, :], causal, row_start, key_start)
-        p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) + bias - lse[:, None]), 0.0)
+        k_segments = _key_segments(k_segments_ref, (b, keys), key_valid)
+        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
+        logits = jnp.where(mask, _dot(q, k, trans_b=True) + bias, MASKED)
+        p = jnp.exp(logits - lse[:, None])
         return total + p * (_dot(d_out, v, trans_b=True) - delta[:, None])
 
     total = lax.fori_loop(first, last, example, jnp.zeros((block_q, block_k), jnp.float32))
@@ -311,6 +335,15 @@ def _per_example_and_head(q: jax.Array, k: jax.Array, bias: jax.Array | None):
     return specs, q_spec, kv_spec, per_query
 
 
+def _spans(q_segments, k_segments, causal: bool, tiles: Tiles, over_queries: bool = False):
+    """Each block's live span of the blocks it streams ([batch, blocks, 2]: key blocks of each
+    query block, or query blocks of each key block), and its spec for a grid (block, example,
+    head)."""
+    live = live_tiles(q_segments, k_segments, causal, tiles.q, tiles.k)
+    spans = live_spans(jnp.swapaxes(live, 1, 2) if over_queries else live)
+    return spans, pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0))
+
+
 def forward_pass(
     q: jax.Array,
     k: jax.Array,
@@ -325,14 +358,17 @@ def forward_pass(
     """The forward kernel on arguments in the kernels' form (`_kernel_arguments`): the output
     and the log-sum-exp per query [batch, heads, q], which the backward pass takes."""
     batch, q_len, heads, _ = q.shape
-    in_specs, q_spec, _, per_query = _per_example_and_head(q, k, bias)
     tiles = blocks.forward
+    bias = _padded(bias, tiles)
+    in_specs, q_spec, _, per_query = _per_example_and_head(q, k, bias)
+    spans, spans_spec = _spans(q_segments, k_segments, causal, tiles)
     out, lse = _call(
-        _forward_kernel, (pl.cdiv(q_len, tiles.q), batch, heads), in_specs, [q_spec, per_query],
+        _forward_kernel, (pl.cdiv(q_len, tiles.q), batch, heads), [*in_specs, spans_spec],
+        [q_spec, per_query],
         [jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
         "t5_attention_forward", tiles, interpret, causal=causal, has_bias=bias is not None,
-    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments)  # fmt: skip
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, spans)  # fmt: skip
     return out, lse
 
 
@@ -340,26 +376,32 @@ def dkv_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: b
              tiles: Tiles, interpret: bool) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """dk, dv: one program per (key block, example, head), over its queries."""
     batch, k_len, heads, _ = k.shape
+    bias = _padded(bias, tiles)
     in_specs, q_spec, kv_spec, per_query = _per_example_and_head(q, k, bias)
+    spans, spans_spec = _spans(q_segments, k_segments, causal, tiles, over_queries=True)
     shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     return _call(
         _dkv_kernel, (pl.cdiv(k_len, tiles.k), batch, heads),
-        [*in_specs, q_spec, per_query, per_query], [kv_spec, kv_spec], shapes,
+        [*in_specs, spans_spec, q_spec, per_query, per_query], [kv_spec, kv_spec], shapes,
         "t5_attention_backward_dkv", tiles, interpret, causal=causal, has_bias=bias is not None,
-    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, spans, d_out, lse,
+      delta)  # fmt: skip
 
 
 def dq_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: bool,
             tiles: Tiles, interpret: bool) -> jax.Array:  # fmt: skip
     """dq: one program per (query block, example, head), over its keys."""
     batch, q_len, heads, _ = q.shape
+    bias = _padded(bias, tiles)
     in_specs, q_spec, _, per_query = _per_example_and_head(q, k, bias)
+    spans, spans_spec = _spans(q_segments, k_segments, causal, tiles)
     return _call(
         _dq_kernel, (pl.cdiv(q_len, tiles.q), batch, heads),
-        [*in_specs, q_spec, per_query, per_query], q_spec,
+        [*in_specs, spans_spec, q_spec, per_query, per_query], q_spec,
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         "t5_attention_backward_dq", tiles, interpret, causal=causal, has_bias=bias is not None,
-    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+    )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, spans, d_out, lse,
+      delta)  # fmt: skip
 
 
 def bias_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: bool,
@@ -370,6 +412,7 @@ def bias_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: 
     once: the diagonals' sum of a tile needs values other threads hold)."""
     batch, q_len, heads, dim = q.shape
     k_len, groups = k.shape[1], tiles.groups
+    bias = _padded(bias, tiles)
     q_spec, kv_spec = (
         pl.BlockSpec((batch, n, None, dim), lambda i, j, hg: (0, 0, hg // groups, 0))
         for n in (q_len, k_len)
@@ -380,8 +423,10 @@ def bias_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: 
         pl.BlockSpec((None, bias.shape[1]), lambda i, j, hg: (hg // groups, 0)),
         pl.BlockSpec((batch, q_len), lambda i, j, hg: (0, 0)),
         pl.BlockSpec((batch, k_len), lambda i, j, hg: (0, 0)),
+        pl.BlockSpec((None, None, 1 + batch), lambda i, j, hg: (i, j, 0)),
         q_spec, per_query, per_query,
     ]  # fmt: skip
+    live = live_tiles(q_segments, k_segments, causal, tiles.q, tiles.k)
     out_spec = pl.BlockSpec(
         (None, None, q_len, k_len), lambda i, j, hg: (hg % groups, hg // groups, 0, 0)
     )
@@ -389,7 +434,7 @@ def bias_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: 
         _bias_kernel, (pl.cdiv(q_len, tiles.q), pl.cdiv(k_len, tiles.k), heads * groups),
         in_specs, out_spec, jax.ShapeDtypeStruct((groups, heads, q_len, k_len), jnp.float32),
         "t5_attention_backward_bias", tiles, interpret, causal=causal, groups=groups,
-    )(q, k, v, bias, q_segments, k_segments, d_out, lse, delta)  # fmt: skip
+    )(q, k, v, bias, q_segments, k_segments, live_examples(live), d_out, lse, delta)  # fmt: skip
     return diagonal_sums(jnp.sum(tiles_of_groups, axis=0))
 
 
@@ -429,8 +474,9 @@ def fit_tiles(tiles: Tiles, q_len: int, k_len: int, batch: int) -> Tiles:
 
 
 def _kernel_arguments(q, k, v, bias, q_segments, k_segments, causal: bool, blocks: Blocks):
-    """The arguments as the kernels take them (int32 segment ids; the head dimension a power of
-    two >= 16, zero-padded where it is not one) and the blocks for these lengths."""
+    """The arguments as the kernels take them (int32 segment ids, the keys' padding −1; the head
+    dimension a power of two >= 16, zero-padded where it is not one) and the blocks for these
+    lengths."""
     check_lengths(q, k, causal)
     batch, q_len, _, dim = q.shape
     k_len = k.shape[1]
@@ -438,8 +484,9 @@ def _kernel_arguments(q, k, v, bias, q_segments, k_segments, causal: bool, block
     padded_dim = max(16, pl.next_power_of_2(dim))
     if padded_dim != dim:
         q, k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, padded_dim - dim)]) for x in (q, k, v))
-    segments = (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
-    return (q, k, v, bias, *segments), Blocks(**fitted)
+    # the keys' padding as −1, so that the kernels' one comparison of segments also masks it
+    k_segments = jnp.where(k_segments > 0, k_segments, -1).astype(jnp.int32)
+    return (q, k, v, bias, q_segments.astype(jnp.int32), k_segments), Blocks(**fitted)
 
 
 def in_kernel_form(
