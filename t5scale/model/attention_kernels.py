@@ -55,12 +55,14 @@ class Tiles:
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """The tiles of each pass."""
+    """The tiles of each pass. The defaults: the fastest, or within 2% of it, for each of
+    mT5-Large's three attentions on an H200 (bench/gpu_check.py's sweep of 2026-11-28,
+    docs/benchmarks.md); larger tiles and 8 warps were slower in every pass."""
 
-    forward: Tiles = Tiles()
-    dkv: Tiles = Tiles()
-    dq: Tiles = Tiles()
-    bias: Tiles = Tiles()
+    forward: Tiles = Tiles(64, 32, 4, 3)
+    dkv: Tiles = Tiles(64, 64, 4, 3)
+    dq: Tiles = Tiles(64, 32, 4, 3)
+    bias: Tiles = Tiles(64, 64, 4, 2)
 
 
 def uniform(tiles: Tiles) -> Blocks:
