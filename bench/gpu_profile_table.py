@@ -3,6 +3,7 @@ prediction for each class: one table per step item that the GPU check profiled (
 bench/gpu_check_profile.py saves the profiles, t5scale/analysis/device_profile.py reads them).
 
     python bench/gpu_profile_table.py gpu_check      # the run's --out directory
+    python bench/gpu_profile_table.py gpu_check --top 15   # and each step's top other kernels
 
 No GPU needed: the profiles, the programs and the predictions are in the run's directory.
 """
@@ -38,7 +39,7 @@ _LABELS = {
 }
 
 
-def profile_tables(results: Path) -> str:
+def profile_tables(results: Path, top: int = 0) -> str:
     """The tables of every profiled step item of a run, from its results.jsonl ('' if none
     was profiled). A profile that cannot be read costs its own table alone."""
     merged: dict[str, dict[str, Any]] = {}
@@ -53,6 +54,7 @@ def profile_tables(results: Path) -> str:
             continue
         try:
             text += ["", *item_table(results.parent, item, row)]
+            text += [*top_table(results.parent, row, top)] if top else []
         except Exception as error:  # noqa: BLE001 (the run's other tables still print)
             text += ["", f"{item}: its profile could not be read — {type(error).__name__}: {error}"]
     if not text:
@@ -95,6 +97,26 @@ def item_table(out: Path, item: str, row: dict[str, Any]) -> list[str]:
     return text
 
 
+def top_table(out: Path, row: dict[str, Any], top: int) -> list[str]:
+    """The step's `top` instructions by device time that are neither GEMMs nor attention."""
+    from t5scale.analysis.device_profile import read_trace
+    from t5scale.analysis.hlo_module import parse_module
+    from t5scale.analysis.top_ops import top_ops
+
+    directory = out / row["profile"]
+    with gzip.open(directory / "program.hlo.txt.gz", "rt") as program:
+        module = parse_module(program.read())
+    trace = read_trace(directory / "trace.json.gz")
+    ops = top_ops(trace, module, row["profiled_steps"], ("gemm", "attention"), top)
+    text = ["", f"Its {top} other instructions with the most time:", "",
+            "| instruction | class | per step | kernels per step | what | op_name |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for op in ops:
+        text.append(f"| {op.instruction} | {op.kind} | {_ms(op.seconds)} | {op.launches:,.0f} | "
+                    f"{op.summary} | {op.op_name} |")  # fmt: skip
+    return text
+
+
 def _about(profile, row: dict[str, Any]) -> str:
     where = ("XLA:CPU's operations on the host's threads: the dry run, which proves the reader "
              "and measures no GPU" if row.get("profile_on") == "cpu" else
@@ -106,6 +128,8 @@ def _about(profile, row: dict[str, Any]) -> str:
         text += " While profiling, XLA runs its CUDA graphs kernel by kernel."
     notes = [
         f"{profile.by_name} kernels classed by their own name" if profile.by_name else "",
+        f"{profile.by_place} library kernels joined to their instruction by their place"
+        if profile.by_place else "",
         f"{profile.containers} events left out for holding others" if profile.containers else "",
         f"{profile.other_programs} of other programs left out" if profile.other_programs else "",
         f"{len(profile.uneven_ops)} HLO ops whose count the steps do not divide"
@@ -145,8 +169,10 @@ def _share(seconds: float, wall: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="the GPU check's --out directory")
-    results = parser.parse_args().out / "results.jsonl"
-    print(profile_tables(results) or "No step item was profiled.\n", end="")
+    parser.add_argument("--top", type=int, default=0, help="each step's top N other kernels")
+    args = parser.parse_args()
+    print(profile_tables(args.out / "results.jsonl", args.top) or "No step item was profiled.\n",
+          end="")  # fmt: skip
 
 
 if __name__ == "__main__":

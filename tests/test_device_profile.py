@@ -23,6 +23,7 @@ from t5scale.analysis.device_profile import (
 )
 from t5scale.analysis.hlo_module import array_shape, parse_module
 from t5scale.analysis.kernels import read_program
+from t5scale.analysis.top_ops import top_ops
 from t5scale.data.synthetic import synthetic_batch
 from t5scale.target import Target
 from t5scale.train.setup import build_setup
@@ -163,7 +164,7 @@ def _gpu_trace(path, kernels) -> None:
 
 def test_a_gpu_trace_is_read_from_the_device_streams(stepped, tmp_path):
     """Two steps of two kernels: a GEMM joined by its HLO op, and a cuBLAS kernel without one
-    classed by its name; the host's events are not the device's."""
+    joined by its place to the program's next GEMM; the host's events are not the device's."""
     _, _, step, _ = stepped
     module = parse_module(step.compiled.as_text())
     gemm = next(name for name, kind in instruction_classes(module).items() if kind == "gemm")
@@ -171,8 +172,70 @@ def test_a_gpu_trace_is_read_from_the_device_streams(stepped, tmp_path):
     trace = read_trace(tmp_path / "trace.json.gz")
     assert trace.source == "gpu" and len(trace.kernels) == 4
     profile = device_profile(trace, module, steps=2)
-    assert profile.kernels["gemm"] == 2 and profile.by_name == 2
+    assert profile.kernels["gemm"] == 2 and profile.by_name == 0 and profile.by_place == 2
     # Kernels at 0-10, 12-20, 30-40, 42-50 µs: a wall of 25 µs a step, 18 busy, 7 idle.
     assert profile.seconds["gemm"] == pytest.approx(18e-6)
     assert profile.wall_s == pytest.approx(25e-6) and profile.busy_s == pytest.approx(18e-6)
     assert profile.idle_s == pytest.approx(7e-6) and profile.concurrent_s == pytest.approx(0)
+
+
+# XLA:GPU's (jax 0.11) form inside a command buffer: each kernel's `hlo_op` is the command
+# buffer's thunk, which no HLO text has; a fusion's kernel bears its instruction's name, `.` as
+# `_`; cuBLAS's (a Memset, then nvjet) and the driver's memcpy bear none. Args as the H200's
+# trace has them, trimmed.
+_PROGRAM = """HloModule jit_step, is_scheduled=true
+
+%fused_add.1 (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %add.1 = bf16[64,64]{1,0} add(%p0, %p1), metadata={op_name="jit(step)/jvp(MT5)/encoder/add"}
+}
+
+ENTRY %main.1 (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
+  %a = bf16[64,64]{1,0} parameter(0)
+  %b = bf16[64,64]{1,0} parameter(1)
+  %copy.3 = bf16[64,64]{1,0} copy(%a)
+  %custom-call.20 = (bf16[64,64]{1,0}, s8[1024]{0}) custom-call(%copy.3, %b), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/jvp(MT5)/encoder/dot_general"}
+  %get-tuple-element.1 = bf16[64,64]{1,0} get-tuple-element(%custom-call.20), index=0
+  ROOT %loop_add_fusion.12 = bf16[64,64]{1,0} fusion(%get-tuple-element.1, %b), kind=kLoop, calls=%fused_add.1
+}
+"""
+_GRAPH_KERNELS = (  # name, duration in µs: one step, in the order the graph runs them
+    ("memcpy32_post", 2.0), ("Memset 0", 1.0),
+    ("nvjet_sm90_tss_128x136_64x6_2x1_v_bz_NNT", 40.0), ("loop_add_fusion_12", 5.0),
+)  # fmt: skip
+
+
+def _graph_trace(path, steps: int) -> None:
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name",
+         "args": {"name": "Stream #14(Memset,Compute)"}},
+    ]  # fmt: skip
+    start = 0.0
+    for step in range(steps):
+        for node, (name, duration) in enumerate(_GRAPH_KERNELS):
+            args = {"context_id": "$$1", "correlation_id": str(step + 1), "cuda_graph_id": "147",
+                    "cuda_graph_node_id": str(631360192530 + node), "hlo_module": "jit_step",
+                    "hlo_op": "command_buffer_188", "tf_op": "XlaModule:"}  # fmt: skip
+            events.append({"ph": "X", "pid": 1, "tid": 14, "ts": start, "dur": duration,
+                           "name": name, "args": args})  # fmt: skip
+            start += duration + 1.0
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+
+
+def test_a_command_buffers_kernels_join_their_instructions(tmp_path):
+    """The fusion joins by its name, cuBLAS's Memset and GEMM the custom call, the memcpy the
+    copy; so no kernel is classed by its own name, and each instruction runs once a step."""
+    _graph_trace(tmp_path / "trace.json.gz", steps=2)
+    trace = read_trace(tmp_path / "trace.json.gz")
+    profile = device_profile(trace, _PROGRAM, steps=2)
+    assert profile.by_name == 0 and profile.by_place == 2 * 3 and profile.uneven_ops == ()
+    assert profile.seconds["gemm"] == pytest.approx(41e-6)  # the Memset is cuBLAS's
+    assert profile.seconds["copy"] == pytest.approx(2e-6)
+    assert profile.seconds["elementwise"] == pytest.approx(5e-6)
+    ops = top_ops(trace, parse_module(_PROGRAM), 2, leave_out=("gemm",))
+    assert [(op.instruction, op.launches) for op in ops] == [
+        ("loop_add_fusion.12", 1), ("copy.3", 1)]  # fmt: skip
+    assert "add" in ops[0].summary and ops[0].op_name == "jvp(MT5)/encoder/add"

@@ -2,9 +2,10 @@
 (`create_perfetto_trace`: XLA's trace-viewer JSON, gzipped) joined to the program that ran.
 
 - kernels: on a GPU, every event on the device's streams (CUPTI's lines, `Stream #…`); XLA:GPU
-  annotates each kernel with its HLO instruction (`hlo_op`) and program (`hlo_module`), and runs
-  its command buffers (CUDA graphs) kernel by kernel while profiling, so that every kernel has
-  one. Without a GPU device in the trace, XLA:CPU's operations: the host threads' events that
+  annotates each kernel with its program (`hlo_module`) and an `hlo_op`: its HLO instruction
+  outside command buffers (CUDA graphs), but inside one the command buffer's thunk
+  (`command_buffer_188`), which no HLO text has: those are joined by their name and place
+  (kernel_join.py). Without a GPU device in the trace, XLA:CPU's operations: the host threads' events that
   carry an `hlo_op`. An event holding others on its lane is left out, its time being theirs,
   and so, on the CPU, is a loop or call whose computations' operations are events of their own
   on any thread (one that ran as one operation, XLA:CPU's small call, is 'other'); events of
@@ -36,6 +37,7 @@ from pathlib import Path
 from t5scale.analysis.hlo import collective_kind
 from t5scale.analysis.hlo_module import Instruction, Module, parse_module
 from t5scale.analysis.hlo_walk import called_names, fused_body
+from t5scale.analysis.kernel_join import join_kernels, kernel_symbol
 from t5scale.analysis.kernels import instruction_kernels
 
 CLASSES = ("gemm", "attention", "elementwise", "reduction", "copy", "collective", "other")
@@ -125,6 +127,7 @@ class DeviceProfile:
     busy_s: float
     wall_s: float
     by_name: int  # kernel events classed by their own name, all steps
+    by_place: int  # GPU kernel events joined to their instruction by their place, all steps
     containers: int  # events left out for holding others (XLA:CPU's loops), all steps
     other_programs: int  # events of another program, left out
     uneven_ops: tuple[str, ...]  # HLO ops whose kernel count the steps do not divide
@@ -143,15 +146,7 @@ def device_profile(trace: Trace, program: str | Module, steps: int) -> DevicePro
     """`steps` profiled steps of `program` (its HLO text, or parsed), per step (module
     docstring)."""
     module = parse_module(program) if isinstance(program, str) else program
-    ours = [e for e in trace.kernels if e.hlo_module in (None, _program_name(module, trace))]
-    classes = instruction_classes(module)
-    containers = _containers(ours)
-    if trace.source == "cpu":
-        held = _held_elsewhere(ours, module, classes)
-        containers |= {e for e in ours if e.hlo_op in held}
-        classes |= {e.hlo_op: "other" for e in ours if e.hlo_op in module.by_name
-                    and e.hlo_op not in classes and e.hlo_op not in held}  # fmt: skip
-    kept = [e for e in ours if e not in containers]
+    ours, kept, classes, by_place = _read(trace, module)
     cuts = instruction_cuts(module)
     micros, launches, cut_us = Counter(), Counter(), Counter()
     by_name = 0
@@ -172,10 +167,54 @@ def device_profile(trace: Trace, program: str | Module, steps: int) -> DevicePro
         busy_s=_union_us(kept) * 1e-6 / steps,
         wall_s=_wall_us(kept) * 1e-6 / steps,
         by_name=by_name,
-        containers=len(containers),
+        by_place=by_place,
+        containers=len(ours) - len(kept),
         other_programs=len(trace.kernels) - len(ours),
         uneven_ops=tuple(sorted(op for op, n in counts.items() if n % steps)),
     )
+
+
+def program_kernels(trace: Trace, module: Module) -> tuple[list[TraceEvent], dict[str, str]]:
+    """The program's kernels that the classes count, each with `hlo_op` its instruction where
+    one is found, and the instructions' classes (CLASSES)."""
+    _, kept, classes, _ = _read(trace, module)
+    return kept, classes
+
+
+def _read(
+    trace: Trace, module: Module
+) -> tuple[list[TraceEvent], list[TraceEvent], dict[str, str], int]:
+    """The program's events, those kept (not containers), the classes, and how many were
+    joined by their place."""
+    ours = [e for e in trace.kernels if e.hlo_module in (None, _program_name(module, trace))]
+    classes = instruction_classes(module)
+    by_place = 0
+    if trace.source == "gpu":
+        ours, by_place = _joined(ours, module, classes)
+    containers = _containers(ours)
+    if trace.source == "cpu":
+        held = _held_elsewhere(ours, module, classes)
+        containers |= {e for e in ours if e.hlo_op in held}
+        classes |= {e.hlo_op: "other" for e in ours if e.hlo_op in module.by_name
+                    and e.hlo_op not in classes and e.hlo_op not in held}  # fmt: skip
+    return ours, [e for e in ours if e not in containers], classes, by_place
+
+
+def _joined(
+    events: Sequence[TraceEvent], module: Module, classes: dict[str, str]
+) -> tuple[list[TraceEvent], int]:
+    """The events with `hlo_op` their instruction (kernel_join.py), and how many of them
+    were joined by their place."""
+    joined, by_place = [], 0
+    lanes: dict[tuple[int, int], list[TraceEvent]] = {}
+    for event in sorted(events, key=lambda e: e.start_us):
+        lanes.setdefault(event.lane, []).append(event)
+    for lane in lanes.values():
+        names = join_kernels(lane, module, classes, name_class)
+        for event, name in zip(lane, names, strict=True):
+            by_place += name not in (None, event.hlo_op) and kernel_symbol(name) != event.name
+            joined.append(dataclasses.replace(event, hlo_op=name or event.hlo_op))
+    return joined, by_place
 
 
 def _program_name(module: Module, trace: Trace) -> str | None:
