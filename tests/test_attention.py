@@ -177,7 +177,8 @@ def test_attention_is_named_for_what_the_target_runs(asked, dtype, on_gpus, else
 
 def test_the_kernels_are_named_by_the_devices_target():
     """The backend the model is handed (ShardingHooks.kernels): the interpreter for CPU devices,
-    Triton for GPUs, Mosaic for TPUs, as far as this machine can compile for them."""
+    Triton for GPUs, Mosaic for TPUs (v4's without strided rolls), as far as this machine can
+    compile for them."""
     from jax.sharding import Mesh
 
     def backend(devices):
@@ -192,6 +193,7 @@ def test_the_kernels_are_named_by_the_devices_target():
         from t5scale.xla_tpu import TpuSlice, TpuTopology
 
         assert backend(TpuTopology(TpuSlice.named("v5e-8")).devices()) == "mosaic"
+        assert backend(TpuTopology(TpuSlice.named("v4-8")).devices()) == "mosaic_v4"
 
 
 def test_the_model_asks_no_device_which_kernels_compile():
@@ -356,19 +358,23 @@ def test_the_kernels_are_priced_as_attention(causal):
 
 # ---- the TPU kernels (t5scale/model/attention_tpu.py: Mosaic) ------------------------------------
 
-# (what, causal, bias, query length, key length): lengths padded to one block, and to two
+# (what, causal, bias, query length, key length, strided rolls): lengths padded to one block, to
+# two, and to 3 × 2 (the bias's tiles skewed from windows of its diagonals across blocks both
+# ways), that with v4's skew (no strided rolls) too
 TPU_CASES = [
-    ("encoder", False, True, 37, 37),
-    ("decoder, 2 blocks", True, True, 200, 200),
-    ("cross, 2 key blocks", False, False, 13, 150),
+    ("encoder", False, True, 37, 37, True),
+    ("decoder, 2 blocks", True, True, 200, 200, True),
+    ("cross, 2 key blocks", False, False, 13, 150, True),
+    ("biased, 3 × 2 blocks", False, True, 300, 200, True),
+    ("biased, 3 × 2 blocks, v4", False, True, 300, 200, False),
 ]
 
 
 @pytest.mark.parametrize(
-    ("what", "causal", "with_bias", "q_len", "k_len"),
+    ("what", "causal", "with_bias", "q_len", "k_len", "strided"),
     [pytest.param(*TPU_CASES[0], marks=pytest.mark.slow), *TPU_CASES[1:]],
 )
-def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k_len):
+def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k_len, strided):
     """Under Pallas's TPU interpreter on the CPU, fp32: outputs and the gradients of q, k, v and
     the bias within 1e-5 of the einsum path's, packed segments with padding."""
     from t5scale.model.attention_tpu import tpu_flash_attention
@@ -385,7 +391,8 @@ def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k
     weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * valid
 
     def fused(*arguments):
-        return tpu_flash_attention(*arguments, q_segments, k_segments, causal, True)
+        return tpu_flash_attention(*arguments, q_segments, k_segments, causal, True,
+                                   strided_rolls=strided)  # fmt: skip
 
     def einsum(*arguments):
         return einsum_attention(*arguments, q_segments, k_segments, causal)
@@ -408,14 +415,16 @@ def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k
 
 
 @pytest.mark.skipif(not libtpu_installed(), reason="needs libtpu (the tpu extra)")
-def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor():
-    """mt5_tiny at ZeRO 3 on a v5e-8 slice (compile-only), bf16: 'auto' is the fused step,
+@pytest.mark.parametrize("chips", ["v5e-8", "v4-8"])  # v4: the kernels without strided rolls
+def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor(chips):
+    """mt5_tiny at ZeRO 3 on a TPU slice (compile-only), bf16: 'auto' is the fused step,
     Mosaic's kernels for every attention, forward and backward, counted as attention by the
-    inventory, and no [batch, heads, q, k] array (bench/tpu_attention.py: the einsum step's)."""
+    inventory, and no [batch, heads, q, k] array (bench/tpu_attention.py: the einsum step's),
+    nor the bias's [heads, q, k]: the kernels skew its tiles from the diagonals."""
     from t5scale.target import Target
     from t5scale.xla_tpu import TpuSlice, TpuTopology
 
-    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named("v5e-8")))
+    target = Target.compile_only_tpus(TpuTopology(TpuSlice.named(chips)))
     parse_gin(["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
               ["INPUT_LENGTH=64", "TARGET_LENGTH=15", "ModelConfig.dtype='bfloat16'"], [])  # fmt: skip
     run = weak_scale(build_run_config(), 3, target.size, 3, dcn_groups=target.dcn_groups)
@@ -427,3 +436,5 @@ def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor():
                        "t5_attention_backward_dq"}  # fmt: skip
     assert step.analysis.kernels.attention.count > 0
     assert not re.search(r"\[3,4,(64|15|128),(64|15|128)\]", fused)  # 3 examples, 4 heads a chip
+    # nor [heads, q, ·]: the bias's matrix, its gradient's, diagonal_sums' skewed rows
+    assert not re.search(r"\[4,(64|15|128),\d+\]", fused)

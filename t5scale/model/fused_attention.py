@@ -13,10 +13,11 @@ from t5scale.model.attention_reference import reference_attention, reference_pas
 from t5scale.model.attention_tpu import tpu_flash_attention
 from t5scale.model.attention_vjp import Placement, whole_arrays
 
-# 'triton': the kernels compiled by Triton (GPUs); 'mosaic': by Mosaic (TPUs); 'interpreted':
-# the Triton kernels run by Pallas's interpreter (any device); 'reference': their arithmetic as
-# einsums (ModelConfig.attention 'fused_reference').
-Backend = Literal["triton", "mosaic", "interpreted", "reference"]
+# 'triton': the kernels compiled by Triton (GPUs); 'mosaic': by Mosaic (TPUs; 'mosaic_v4' for
+# v4, which has no strided rolls); 'interpreted': the Triton kernels run by Pallas's interpreter
+# (any device); 'reference': their arithmetic as einsums (ModelConfig.attention
+# 'fused_reference').
+Backend = Literal["triton", "mosaic", "mosaic_v4", "interpreted", "reference"]
 
 
 def fused_attention(
@@ -40,8 +41,8 @@ def fused_attention(
     place = place or whole_arrays
     if backend == "reference":
         return in_kernel_form(*arguments, Blocks(), lambda blocks: place(reference_passes(causal)))
-    if backend == "mosaic":
-        return tpu_flash_attention(*arguments, place=place)
+    if backend in ("mosaic", "mosaic_v4"):
+        return tpu_flash_attention(*arguments, place=place, strided_rolls=backend == "mosaic")
     if backend not in ("triton", "interpreted"):
         raise ValueError(f"unknown attention backend {backend!r}")
     return flash_attention(*arguments, interpret=backend == "interpreted", place=place)

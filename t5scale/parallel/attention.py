@@ -58,10 +58,11 @@ def _specs_of(bias, *more) -> tuple:
 
 def kernels_for(mesh: Mesh) -> Backend:
     """The fused kernels that compile for `mesh`'s devices (the model's ShardingHooks.kernels):
-    Mosaic's on TPUs, Triton's on GPUs, elsewhere Triton's run by Pallas's interpreter."""
+    Mosaic's on TPUs (v4's without strided rolls), Triton's on GPUs, elsewhere Triton's run by
+    Pallas's interpreter."""
     target = Target.of(list(mesh.devices.flat))
     if target.is_tpu:
-        return "mosaic"
+        return "mosaic_v4" if target.devices[0].device_kind == "TPU v4" else "mosaic"
     return "triton" if target.fused_kernels else "interpreted"
 
 
