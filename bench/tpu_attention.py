@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa: E402
 
 from t5scale.analysis.memory import compiled_memory  # noqa: E402
-from t5scale.model.attention_reference import reference_attention  # noqa: E402
+from t5scale.model.attention_reference import bias_matrix, reference_attention  # noqa: E402
 from t5scale.model.attention_tpu import tpu_flash_attention  # noqa: E402
 from t5scale.target import Target  # noqa: E402
 from t5scale.xla_tpu import COMPILER_OPTIONS, TpuSlice, TpuTopology  # noqa: E402
@@ -57,8 +57,8 @@ def flash_loss(q, k, v, bias, q_segments, k_segments, causal):
     q_segments = jnp.pad(q_segments, ((0, 0), (0, q_pad)))
     k_segments = jnp.pad(k_segments, ((0, 0), (0, k_pad)))
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    if bias is not None:
-        bias = jnp.pad(bias, ((0, 0), (0, q_pad), (0, k_pad)))
+    if bias is not None:  # jax's kernel takes the bias [heads, q, k], made from its diagonals
+        bias = jnp.pad(bias_matrix(bias, q_len, k_len), ((0, 0), (0, q_pad), (0, k_pad)))
     ab = None if bias is None else jnp.broadcast_to(bias[None], (batch, *bias.shape))
     blocks = tpu_flash.BlockSizes(
         block_q=min(q.shape[2], 512), block_k_major=min(k.shape[2], 512),
@@ -139,7 +139,8 @@ def main() -> None:
         shapes = [
             jax.ShapeDtypeStruct((b, n, HEADS, DIM), jnp.bfloat16) for n in (q_len, k_len, k_len)
         ]
-        bias = jax.ShapeDtypeStruct((HEADS, q_len, k_len), jnp.float32) if has_bias else None
+        diagonals = (HEADS, q_len + k_len - 1)  # the position bias as the fused route has it
+        bias = jax.ShapeDtypeStruct(diagonals, jnp.float32) if has_bias else None
         segments = [jax.ShapeDtypeStruct((b, n), jnp.int32) for n in (q_len, k_len)]
         routes = (("dot", dot_loss), ("jax TPU flash", flash_loss), ("t5scale TPU", t5scale_loss))
         for route, loss in routes:
