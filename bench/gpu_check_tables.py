@@ -9,7 +9,9 @@ from gpu_check_list import DRY_RUN, GPU, Item, read_lines, work_list
 from gpu_profile_table import profile_tables
 
 
-def tables(path: Path) -> str:
+def tables(path: Path, profiles: bool = True) -> str:
+    """The run's tables; with `profiles`, each profiled step's device time by class, read from
+    its trace (a minute for a whole run's traces: the card's run leaves it to `--table`)."""
     lines = read_lines(path)
     merged: dict[str, dict[str, Any]] = {}
     for line in lines:
@@ -21,7 +23,7 @@ def tables(path: Path) -> str:
     for name, row in merged.items():
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")
-    return "\n".join(text) + "\n" + profile_tables(path)
+    return "\n".join(text) + "\n" + (profile_tables(path) if profiles else "")
 
 
 def _device(device: dict[str, Any]) -> list[str]:
