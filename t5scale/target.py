@@ -112,6 +112,12 @@ class Target:
         return self.is_gpu
 
     @property
+    def strided_rolls(self) -> bool:
+        """Whether Mosaic rolls each row of a TPU tile by a different amount (from v5: "only
+        supported in TPU v5+"), which its attention kernels skew their bias tiles with."""
+        return self.is_tpu and self.devices[0].device_kind not in _NO_STRIDED_ROLLS
+
+    @property
     def compiler_name(self) -> str:
         """As plan and simulate report it: 'xla:cpu', 'xla:gpu <GPU>, N nodes x G', or
         'xla:tpu <chip>, <slice> (<torus>), N slices'."""
@@ -154,8 +160,10 @@ def topology_from_json(data: Mapping[str, Any]) -> xla_gpu.GpuTopology | xla_tpu
     return fields_from_json(kind, data)
 
 
-# TPU chips (device_kind) for which Mosaic does not compile t5scale's attention kernels
+# TPU chips (device_kind) for which Mosaic does not compile t5scale's attention kernels, and
+# those it compiles them for without strided rolls
 _MOSAIC_REFUSES = frozenset({"TPU v2", "TPU v3"})
+_NO_STRIDED_ROLLS = frozenset({"TPU v2", "TPU v3", "TPU v4"})
 
 
 @contextlib.contextmanager

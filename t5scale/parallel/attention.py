@@ -62,7 +62,7 @@ def kernels_for(mesh: Mesh) -> Backend:
     Pallas's interpreter."""
     target = Target.of(list(mesh.devices.flat))
     if target.is_tpu:
-        return "mosaic_v4" if target.devices[0].device_kind == "TPU v4" else "mosaic"
+        return "mosaic" if target.strided_rolls else "mosaic_v4"
     return "triton" if target.fused_kernels else "interpreted"
 
 
