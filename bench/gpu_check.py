@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -103,13 +104,16 @@ def estimates() -> None:
 # The parent: runs the work list within the budget, then writes the tables.
 
 
-def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: list[str]) -> int:
+def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: list[str],
+            tiles: Path | None = None) -> int:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     results_path, log_path = out / "results.jsonl", out / "log.txt"
     results_path.write_text("")
     log_path.write_text("")
     (out / "programs.zip").unlink(missing_ok=True)
     tiles_file(out).unlink(missing_ok=True)  # the kernels item writes it, the steps read it
+    if tiles:  # an earlier sweep's, for a run whose list leaves the kernels item out
+        shutil.copyfile(tiles, tiles_file(out))
     items = [item for item in work_list(shapes) if not only or item.name in only]
     started = time.perf_counter()
     for index, item in enumerate(items):
@@ -192,6 +196,12 @@ def main() -> None:
         help="wall seconds for the whole list (items past it are skipped)",
     )
     parser.add_argument("--only", nargs="*", default=[], help="items by name (default: all)")
+    parser.add_argument(
+        "--tiles",
+        type=Path,
+        help="the attention tiles an earlier run chose (its attention_tiles.json), for the "
+        "steps of a run without the kernels item",
+    )
     parser.add_argument("--table", type=Path, help="print the tables of a results.jsonl")
     parser.add_argument(
         "--estimate",
@@ -219,7 +229,7 @@ def main() -> None:
         extra = {"peak": args.peak} if item.kind == "step" else {}
         ITEMS[item.kind](results, shapes, args.dry_run, **extra, **item.options)
         return
-    sys.exit(run_all(args.out, shapes, args.dry_run, args.budget_s, args.only))
+    sys.exit(run_all(args.out, shapes, args.dry_run, args.budget_s, args.only, args.tiles))
 
 
 if __name__ == "__main__":

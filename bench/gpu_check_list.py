@@ -64,6 +64,10 @@ def work_list(shapes: Shapes) -> list[Item]:
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
         step(large, "dots", "fused", 40),
         step(small, "dots", "fused", 40),
+        # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
+        # zero-fills and copies were a third of the time neither GEMM nor attention)
+        step(large, "dots", "fused", 200, unrolled=True),  # cut at 182 s on the H100
+        step(small, "dots", "fused", 60, unrolled=True),
         # the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full (XLA's
         # estimate, compiled for an H100 here: docs/benchmarks.md)
         step(extra_large, "full", "fused", 75, batch=shapes.xl_batch),
@@ -71,7 +75,6 @@ def work_list(shapes: Shapes) -> list[Item]:
         step(large, "dots", "dot", 51),  # compiled only on an 80 GB H100: it does not fit
         step(large, "full", "dot", 55),
         step(small, "dots", "dot", 49),
-        step(large, "dots", "fused", 200, unrolled=True),  # cut at 182 s on the H100
         # last: 'auto' no longer runs the kernels in fp32, and their fp32 takes the longest
         Item("kernels float32", 109, "kernels", {"dtype": "float32"}),
     ]

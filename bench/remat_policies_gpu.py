@@ -34,8 +34,10 @@ VARIANTS = {
     "everything_saveable": lambda: setattr(
         mt5,
         "remat_policy",
-        lambda name: (
-            jax.checkpoint_policies.everything_saveable if name == "dots" else original_policy(name)
+        lambda name, unrolled=False: (
+            jax.checkpoint_policies.everything_saveable
+            if name == "dots"
+            else original_policy(name, unrolled)
         ),
     ),
     "no_checkpoint": lambda: setattr(nn, "remat", lambda cls, **kw: cls),

@@ -380,6 +380,52 @@ def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
     assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count
 
 
+def _one_h100_step(*bindings: str):
+    """mt5_tiny, mixed precision, batch 2, fused attention, compiled for one H100."""
+    parse_gin(["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
+              [*SHORT, "ModelConfig.attention='fused'", *bindings], [])  # fmt: skip
+    return build_setup(
+        weak_scale(build_run_config(), 0, 1, 2), GpuTopology("h100_sxm").devices()
+    ).compile()
+
+
+def _backward_forward_kernels(step) -> int:
+    """Attention forward kernels the backward pass runs again (op_name under transpose)."""
+    names = re.findall(r'op_name="([^"]*t5_attention_forward[^"]*)"', step.compiled.as_text())
+    return sum("transpose(" in name for name in names)
+
+
+def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_again():
+    """Remat 'dots' keeps the fused attention's output and log-sum-exp as it keeps matmuls'
+    outputs: the backward pass runs only the backward kernels; 'full' runs the forward again."""
+    dots, full = (
+        _one_h100_step("ModelConfig.remat='dots'"),
+        _one_h100_step("ModelConfig.remat='full'"),
+    )
+    assert _backward_forward_kernels(dots) == 0
+    assert _backward_forward_kernels(full) > 0
+    assert dots.analysis.kernels.attention.count < full.analysis.kernels.attention.count
+
+
+def test_unrolled_dots_keeps_the_norms_and_the_gated_gelu(monkeypatch):
+    """Unrolled, remat 'dots' also keeps the norms' outputs and the gated GELU's product
+    (mt5.KEPT_UNROLLED): the non-GEMM kernels read and write less than when it makes them again;
+    in the loop, where keeping would copy them into stacks, nothing changes."""
+    from t5scale.model import mt5
+
+    def non_gemm_bytes(scan: bool) -> int:
+        kernels = _one_h100_step(
+            "ModelConfig.remat='dots'", f"ModelConfig.scan_layers={scan}"
+        ).analysis.kernels
+        return sum(k.bytes_read + k.bytes_written for k in (kernels.fusion, kernels.copy))
+
+    kept = {scan: non_gemm_bytes(scan) for scan in (True, False)}
+    monkeypatch.setattr(mt5, "KEPT_UNROLLED", ())
+    made_again = {scan: non_gemm_bytes(scan) for scan in (True, False)}
+    assert kept[False] < made_again[False]
+    assert kept[True] == made_again[True]
+
+
 def test_simulate_times_a_pipeline_across_nodes_from_its_program():
     from t5scale.whatif.nccl import placement
     from t5scale.whatif.simulate import SimulateConfig, format_simulation, simulate

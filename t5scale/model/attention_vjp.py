@@ -10,6 +10,11 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+# The name the forward pass gives what it keeps: remat "dots" keeps it as it keeps a matmul's
+# output (t5scale/model/mt5.py, remat_policy), so that the backward pass runs no forward kernel.
+KEPT = "fused_attention_kept"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ def differentiable(q, k, v, bias, q_segments, k_segments, passes: Passes) -> jax
 
 def _forward(q, k, v, bias, q_segments, k_segments, passes: Passes):
     out, lse = passes.forward(q, k, v, bias, q_segments, k_segments)
+    out, lse = checkpoint_name(out, KEPT), checkpoint_name(lse, KEPT)
     return out, (q, k, v, bias, q_segments, k_segments, out, lse)
 
 

@@ -26,7 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from t5scale.model import attention_vjp
 from t5scale.model.fused_attention import Backend, fused_attention
 from t5scale.model.sizes import ModelConfig
 
@@ -130,7 +132,7 @@ class RMSNorm(_Module):
         normed = x32 * jax.lax.rsqrt(
             jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.layer_norm_epsilon
         )
-        return normed.astype(self.cfg.dtype) * scale
+        return checkpoint_name(normed.astype(self.cfg.dtype) * scale, "normed")
 
 
 class Attention(_Module):
@@ -173,7 +175,7 @@ class GatedGeluMlp(_Module):
         # weights side by side, and stacking (not concatenating) keeps `mlp` shardable.
         both = jnp.einsum("bld,dtf->bltf", x, jnp.stack([wi_0, wi_1], axis=1))
         hidden = jax.nn.gelu(both[:, :, 0], approximate=True) * both[:, :, 1]
-        hidden = self.constrain(hidden, ("batch", "length", "mlp"))
+        hidden = self.constrain(checkpoint_name(hidden, "gated_gelu"), ("batch", "length", "mlp"))
         return hidden @ wo
 
 
@@ -250,14 +252,21 @@ class DecoderLayer(_Module):
         return self.constrain(y, ("batch", "length", "embed")), None
 
 
-def remat_policy(name: str):
+# What remat "dots" also keeps when the layers are unrolled (remat_policy), by checkpoint_name.
+KEPT_UNROLLED = ("normed", "gated_gelu")
+
+
+def remat_policy(name: str, unrolled: bool = False):
     """The checkpoint policy of a remat option: dots, minimal or full.
 
-    "dots" keeps every matmul's output and recomputes only the cheap elementwise work (softmax,
-    GELU, norms) in the backward pass: keeping everything instead (everything_saveable) stacks
-    a dozen more per-layer buffers out of the scan, was slower on the CPU, and about doubles
-    the peak of XLA's GPU program for the same GEMMs (docs/benchmarks.md, "What remat 'dots'
-    keeps"; bench/remat_policies_gpu.py). "minimal" keeps the
+    "dots" keeps every matmul's output (the fused attention's output and log-sum-exp among
+    them) and recomputes only the cheap elementwise work (GELU, norms) in the backward pass:
+    keeping everything instead (everything_saveable) stacks a dozen more per-layer buffers out
+    of the scan, was slower on the CPU, and about doubles the peak of XLA's GPU program for the
+    same GEMMs (docs/benchmarks.md, "What remat 'dots' keeps"; bench/remat_policies_gpu.py).
+    With the layers `unrolled` a kept value is no copy into a stack, only memory, so "dots" also
+    keeps the norms' outputs and the gated GELU's product (KEPT_UNROLLED), which the backward
+    pass would read twice and write once to make again. "minimal" keeps the
     matmuls without batch dimensions (the projections, not attention's scores and mixing),
     "full" nothing. Under ZeRO-3 a layer's gathered parameters must never be kept for the
     backward pass (it gathers them again); they are made by all-gathers, reshapes and casts,
@@ -265,7 +274,10 @@ def remat_policy(name: str):
     """
     policies = jax.checkpoint_policies
     if name == "dots":
-        return policies.dots_saveable
+        names = (attention_vjp.KEPT, *(KEPT_UNROLLED if unrolled else ()))
+        return policies.save_from_both_policies(
+            policies.dots_saveable, policies.save_only_these_names(*names)
+        )
     if name == "minimal":
         return policies.dots_with_no_batch_dims_saveable
     # "full", and "auto" before the train step chooses (t5scale/train/setup.py): the forward
@@ -280,8 +292,8 @@ def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast
         layer_cls = nn.map_variables(
             layer_cls, "params", trans_in_fn=lambda p: module.hooks.gather_layer(p, path)
         )
-    policy = remat_policy(module.cfg.remat)
     unrolled = not module.cfg.scan_layers
+    policy = remat_policy(module.cfg.remat, unrolled)
     # In a loop, XLA cannot merge a layer's recomputed forward with the first one, so CSE may
     # stay on (it saves copies); unrolled, it would merge them and undo the remat.
     rematted = nn.remat(layer_cls, policy=policy, prevent_cse=unrolled)
