@@ -95,7 +95,8 @@ def step_item(
     step = setup.compile()
     if not _write_memory(results, setup, step):
         return  # nothing runs: XLA's own estimate says it does not fit (docs/gpu_check.md)
-    seconds, metrics, state, batches = _time_steps(jax, setup, step, run, shapes)
+    seconds, metrics, state, batches, create_state_s = _time_steps(jax, setup, step, run, shapes)
+    results.write(create_state_s=create_state_s)
     step_s = _write_times(results, setup, run, shapes, peak, seconds, metrics)
     program = step if step.setup.target.is_gpu else h100_program(run)
     if program is None:
@@ -123,12 +124,15 @@ def _write_memory(results: Results, setup, step) -> bool:
     return xla_peak <= budget
 
 
-def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any, Any, list]:
-    """Seconds of each step, warm-ups first, the last step's metrics, and the state and
-    batches to go on stepping from (the state passed in is donated: the one returned is live)."""
+def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any, Any, list, float]:
+    """Seconds of each step, warm-ups first, the last step's metrics, the state and batches to
+    go on stepping from (the state passed in is donated: the one returned is live), and the
+    seconds the state's creation took."""
     from t5scale.data.synthetic import synthetic_batch
 
+    started = time.perf_counter()
     state = setup.create_state()
+    setup_s = time.perf_counter() - started  # the init's compile and run (where a wall goes)
     batches = [
         jax.device_put(
             synthetic_batch(run.data, run.train.batch_size, run.model.vocab_size, 0, i),
@@ -144,7 +148,7 @@ def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any
         seconds.append(time.perf_counter() - start)
         if sum(seconds) > TIMED_STEPS_S and i >= shapes.warmup_steps + 2:
             break  # a step far slower than expected: three timed steps say so, and save time
-    return seconds, metrics, state, batches
+    return seconds, metrics, state, batches, setup_s
 
 
 def _write_times(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,15 +87,21 @@ def work_list(shapes: Shapes) -> list[Item]:
     return list({item.name: item for item in items}.values())
 
 
+_STARTED = time.perf_counter()  # this process's start, near enough: each line says when
+
+
 class Results:
-    """OUT/results.jsonl, one line per result, written at once (a run cut short keeps them)."""
+    """OUT/results.jsonl, one line per result, written at once (a run cut short keeps them),
+    each with `at_s`, the seconds since its process started (where an item's wall went)."""
 
     def __init__(self, path: Path, item: str):
         self.path, self.item = path, item
 
     def write(self, **fields: Any) -> None:
         with self.path.open("a") as file:
-            file.write(json.dumps({"item": self.item, **fields}, default=float) + "\n")
+            at_s = round(time.perf_counter() - _STARTED, 1)
+            line = {"item": self.item, **fields, "at_s": at_s}
+            file.write(json.dumps(line, default=float) + "\n")
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:

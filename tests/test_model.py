@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from t5scale.config import build_run_config, parse_gin
-from t5scale.model.mt5 import MT5, abstract_params, project_to_vocab, relative_position_bucket
+from t5scale.model.mt5 import (
+    MT5,
+    abstract_params,
+    init_params,
+    project_to_vocab,
+    relative_position_bucket,
+)
 from t5scale.model.sizes import PRESETS, ModelConfig
 
 PUBLISHED = {
@@ -102,6 +108,12 @@ def test_unrolled_layers_give_the_loop_s_numbers():
     unrolled = dataclasses.replace(cfg, scan_layers=False)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 1, cfg.vocab_size)
     params = nn.meta.unbox(MT5(cfg).init(jax.random.key(0), tokens, tokens)["params"])
+    # init_params makes an unrolled model's parameters by the loop: the same draws (the last
+    # bit may differ: XLA scales them in another order)
+    own = nn.meta.unbox(MT5(unrolled).init(jax.random.key(0), tokens, tokens)["params"])
+    for a, b in zip(jax.tree.leaves(init_params(unrolled, jax.random.key(0))),
+                    jax.tree.leaves(own), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
     shapes = jax.tree.map(lambda x: x.shape, nn.meta.unbox(abstract_params(unrolled)))
     assert shapes == jax.tree.map(lambda x: x.shape, params)
     loss, grads = _loss_and_grads(cfg, params, tokens)

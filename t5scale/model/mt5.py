@@ -510,6 +510,9 @@ def vocabulary_tables(params: Any) -> tuple[Any, Any]:
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
-    """Fresh parameters, unboxed (no logical axes)."""
+    """Fresh parameters, unboxed (no logical axes). Made by the layer loop also for unrolled
+    layers: the same draws (tests/test_model.py), where compiling the unrolled init
+    took XLA:GPU minutes for mt5_large (docs/benchmarks.md)."""
     tokens = jnp.zeros((1, 8), jnp.int32)
-    return nn.meta.unbox(MT5(cfg).init(rng, tokens, tokens)["params"])
+    looped = dataclasses.replace(cfg, scan_layers=True)
+    return nn.meta.unbox(MT5(looped).init(rng, tokens, tokens)["params"])
