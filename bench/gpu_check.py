@@ -20,9 +20,10 @@ allocator peak), within --budget-s seconds of wall time from the start, compiles
 3. steps: mixed precision, batch 32 of 1024/229, AdamW without clipping, synthetic data: the
    median of 10 timed steps after 2 warm-ups, tokens/s, MFU, XLA's and the allocator's peak,
    and the cluster model's prediction for the same program (predict_from_program, the GPU
-   path of `t5scale simulate`) with its error. mt5_large with remat dots and full, fused and
-   dot (dot only where XLA says it fits), mt5_small with remat dots, then mt5_large fused with
-   the layers unrolled; then the kernels in fp32.
+   path of `t5scale simulate`) with its error. mt5_large and mt5_small with remat dots and
+   fused attention, the layers in their loop and unrolled; mT5-XL at the batch that fits;
+   mt5_large with remat full, and the einsum ('dot') steps where XLA says they fit; then the
+   kernels in fp32.
 
 Results go to OUT/results.jsonl as they come (one JSON line each) and, at the end, to
 OUT/gpu_check.md; the log of each item's process to OUT/log.txt, and each step's compiled
@@ -39,6 +40,7 @@ kernels item, and gpu_check_tables.py the tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -114,7 +116,8 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
     tiles_file(out).unlink(missing_ok=True)  # the kernels item writes it, the steps read it
     if tiles:  # an earlier sweep's, for a run whose list leaves the kernels item out
         shutil.copyfile(tiles, tiles_file(out))
-    items = [item for item in work_list(shapes) if not only or item.name in only]
+    # named items from the whole list, extras included; else the default run
+    items = [item for item in work_list(shapes, extras=bool(only)) if not only or item.name in only]
     started = time.perf_counter()
     for index, item in enumerate(items):
         elapsed = time.perf_counter() - started
@@ -181,7 +184,7 @@ def _summary(line: dict[str, Any]) -> str:
     return f"XLA peak {line['xla_peak_bytes'] / 2**30:.1f} GiB, fits: {line['fits']}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check"))
     parser.add_argument(
@@ -192,10 +195,15 @@ def main() -> None:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=330.0,
+        default=540.0,
         help="wall seconds for the whole list (items past it are skipped)",
     )
-    parser.add_argument("--only", nargs="*", default=[], help="items by name (default: all)")
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="items by name, extras too (default: the list)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="the extra items too (the einsum steps, fp32 kernels)"
+    )
     parser.add_argument(
         "--tiles",
         type=Path,
@@ -210,7 +218,11 @@ def main() -> None:
     )
     parser.add_argument("--item", help=argparse.SUPPRESS)  # one item's process
     parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.table:
         print(tables(args.table), end="")
         return
@@ -218,13 +230,15 @@ def main() -> None:
         estimates()
         return
     shapes = DRY_RUN if args.dry_run else GPU
-    names = [item.name for item in work_list(shapes)]
+    if args.all:
+        shapes = dataclasses.replace(shapes, extras=True)
+    names = [item.name for item in work_list(shapes, extras=True)]
     if unknown := [name for name in [*args.only, *filter(None, [args.item])] if name not in names]:
         sys.exit(
             f"gpu_check: no item {', '.join(map(repr, unknown))}; the list: {', '.join(names)}"
         )
     if args.item:
-        item = next(i for i in work_list(shapes) if i.name == args.item)
+        item = next(i for i in work_list(shapes, extras=True) if i.name == args.item)
         results = Results(args.out / "results.jsonl", item.name)
         extra = {"peak": args.peak} if item.kind == "step" else {}
         ITEMS[item.kind](results, shapes, args.dry_run, **extra, **item.options)

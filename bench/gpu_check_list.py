@@ -23,6 +23,7 @@ class Shapes:
     matmul: tuple[int, int] = (8192, 20)  # size, products per sample
     remats: tuple[str, ...] = ("dots", "full")  # the large model's
     unrolled: bool = True  # the unrolled layers' step too
+    extras: bool = False  # the extra items too (Item.extra)
     # the extra large model's batch: on the card, the largest multiple of 8 whose step (remat
     # full) fits one 80 GB H100 by XLA's estimate, compiled for one here (70.1 GiB at 88)
     xl_batch: int = 88
@@ -32,7 +33,7 @@ GPU = Shapes(32, 1024, 229, 16, ("mt5_large", "mt5_small", "mt5_xl"))
 # The dry run checks the script: remat 'full' and the unrolled layers are the same code as the
 # loop with 'dots' under other settings, and its two models are one (a run listed runs once).
 DRY_RUN = Shapes(2, 96, 23, 2, ("mt5_tiny", "mt5_tiny", "mt5_tiny"), 3, 1, (256, 2), ("dots",),
-                 False, 1)  # fmt: skip
+                 False, True, 1)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,46 +44,54 @@ class Item:
     estimate_s: float
     kind: str  # device | kernels | step
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Run when named (--only) or with --all, not in the default run, which fits 9 minutes on
+    # a card; the dry run runs them all.
+    extra: bool = False
 
 
-def work_list(shapes: Shapes) -> list[Item]:
-    """The items in the order they run: the answers worth most first."""
+def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
+    """The items in the order they run: the answers worth most first; the extra items too
+    where `extras` (or on the dry run)."""
     large, small, extra_large = shapes.models
 
     def step(model: str, remat: str, attention: str, estimate: float, unrolled=False,
-             batch: int | None = None) -> Item:  # fmt: skip
+             batch: int | None = None, extra: bool = False) -> Item:  # fmt: skip
         layers = "unrolled" if unrolled else "loop"
         options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
         name = f"step {model} {remat} {attention} {layers}"
         if batch:
             options["batch"], name = batch, f"{name} batch {batch}"
-        return Item(name, estimate, "step", options)
+        return Item(name, estimate, "step", options, extra)
 
     items = [
-        # estimates: the walls on the H200 of 2026-11-28, fourteenth (the H100's of the 28th for
-        # the unrolled step and the fp32 kernels, which the H200 had no time left for)
+        # estimates: the walls on the H200 of 2026-11-28, fourteenth (the unrolled steps:
+        # fifteenth; the fp32 kernels: the H100's of the 28th)
         Item("device", 13, "device"),
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
         step(large, "dots", "fused", 40),
         step(small, "dots", "fused", 40),
         # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
         # zero-fills and copies were a third of the time neither GEMM nor attention)
-        step(large, "dots", "fused", 200, unrolled=True),  # cut at 182 s on the H100
-        step(small, "dots", "fused", 60, unrolled=True),
+        step(large, "dots", "fused", 97, unrolled=True),
+        step(small, "dots", "fused", 58, unrolled=True),
         # the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full (XLA's
         # estimate, compiled for an H100 here: docs/benchmarks.md)
         step(extra_large, "full", "fused", 75, batch=shapes.xl_batch),
         step(large, "full", "fused", 35),
-        step(large, "dots", "dot", 51),  # compiled only on an 80 GB H100: it does not fit
-        step(large, "full", "dot", 55),
-        step(small, "dots", "dot", 49),
-        # last: 'auto' no longer runs the kernels in fp32, and their fp32 takes the longest
-        Item("kernels float32", 109, "kernels", {"dtype": "float32"}),
+        # extras: the einsum steps, measured before (docs/benchmarks.md), for the cluster
+        # model's comparison; the kernels in fp32, which 'auto' no longer runs
+        step(
+            large, "dots", "dot", 51, extra=True
+        ),  # compiled only on an 80 GB H100: it does not fit
+        step(large, "full", "dot", 55, extra=True),
+        step(small, "dots", "dot", 49, extra=True),
+        Item("kernels float32", 109, "kernels", {"dtype": "float32"}, extra=True),
     ]
     items = [
         item for item in items
         if item.options.get("remat", "dots") in shapes.remats
         and (shapes.unrolled or item.options.get("scan_layers", True))
+        and (extras or shapes.extras or not item.extra)
     ]  # fmt: skip
     return list({item.name: item for item in items}.values())
 

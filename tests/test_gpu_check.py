@@ -121,3 +121,17 @@ def test_an_item_not_in_the_list_is_one_line(tmp_path):
         f"gpu_check: no item 'step mt5_huge'; the list: "
         f"{', '.join(item.name for item in gpu_check.work_list(gpu_check.DRY_RUN))}"
     ]
+
+
+def test_the_default_list_fits_its_budget_and_the_extras_run_when_asked():
+    """On a card the default list (its items' walls as measured) fits the default budget, 9
+    minutes; the einsum steps and the fp32 kernels run with --all or when named."""
+    budget = gpu_check.build_parser().get_default("budget_s")
+    default = gpu_check.work_list(gpu_check.GPU)
+    every = gpu_check.work_list(gpu_check.GPU, extras=True)
+    assert sum(item.estimate_s for item in default) <= budget <= 9 * 60
+    extras = [item for item in every if item not in default]
+    assert extras and all(item.extra for item in extras)
+    assert {item.options.get("attention") for item in extras if item.kind == "step"} == {"dot"}
+    assert "kernels float32" in {item.name for item in extras}
+    assert [item for item in every if not item.extra] == default
