@@ -186,7 +186,8 @@ def _read(
 ) -> tuple[list[TraceEvent], list[TraceEvent], dict[str, str], int]:
     """The program's events, those kept (not containers), the classes, and how many were
     joined by their place."""
-    ours = [e for e in trace.kernels if e.hlo_module in (None, _program_name(module, trace))]
+    program = _program_name(module, trace)
+    ours = [e for e in trace.kernels if e.hlo_module in (None, program)]
     classes = instruction_classes(module)
     by_place = 0
     if trace.source == "gpu":

@@ -15,6 +15,7 @@ loop's counter) keeps no instruction.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -51,6 +52,14 @@ def join_kernels(
     named = [_named(e, module, by_symbol) for e in events]
     traced = {name for name in named if name}
     library = {name for name in classes if name not in traced}
+    # each computation's library calls, (index, name) in schedule order: the joins below look
+    # only at these, not at every instruction (an unrolled step's entry has tens of thousands)
+    calls_in: dict[str, list[tuple[int, str]]] = {}
+    for name in library:
+        place = places[name]
+        calls_in.setdefault(place.computation, []).append((place.index, name))
+    for listed in calls_in.values():
+        listed.sort()
     joined = list(named)
     anchors = [n for n, name in enumerate(named) if name]
     bounds = [-1, *anchors, len(events)]
@@ -60,8 +69,9 @@ def join_kernels(
         run = range(before + 1, after)
         start = places[named[before]] if before >= 0 else None
         end = places[named[after]] if after < len(events) else None
-        calls = _calls_between(start, end, module, library)
-        calls += [c for c in _calls_near(start, end, module, library) if c not in calls]
+        calls = _calls_between(start, end, calls_in)
+        between = set(calls)
+        calls += [c for c in _calls_near(start, end, calls_in) if c not in between]
         kernels = [events[n].name for n in run]
         for n, call in zip(run, _match(kernels, calls, classes, module, name_class), strict=True):
             joined[n] = call
@@ -75,31 +85,35 @@ def _named(event, module: Module, by_symbol: dict[str, str]) -> str | None:
 
 
 def _calls_between(
-    start: Place | None, end: Place | None, module: Module, library: set[str]
+    start: Place | None, end: Place | None, calls_in: dict[str, list[tuple[int, str]]]
 ) -> list[str]:
     """The library calls after `start` and before `end` in the schedule: between them in one
     computation, else after `start` in its computation and before `end` in its own (a loop's
-    body ending, or entered)."""
+    body ending, or entered). `calls_in`: each computation's calls, in schedule order."""
     if start and end and start.computation == end.computation and start.index < end.index:
         spans = [(start.computation, start.index + 1, end.index)]
     else:
         spans = [(p.computation, p.index + 1, None) for p in (start,) if p]
         spans += [(p.computation, 0, p.index) for p in (end,) if p]
-    return [i.name for computation, first, last in spans
-            for i in module.computations[computation][first:last] if i.name in library]  # fmt: skip
+    found = []
+    for computation, first, last in spans:
+        listed = calls_in.get(computation, [])
+        low = bisect.bisect_left(listed, (first, ""))
+        high = len(listed) if last is None else bisect.bisect_left(listed, (last, ""))
+        found += [name for _, name in listed[low:high]]
+    return found
 
 
 def _calls_near(
-    start: Place | None, end: Place | None, module: Module, library: set[str]
+    start: Place | None, end: Place | None, calls_in: dict[str, list[tuple[int, str]]]
 ) -> list[str]:
     """The library calls of the two kernels' computations, nearest to them first: a graph
     runs independent kernels in an order of its own, not always the schedule's."""
     near: dict[str, int] = {}
     for place in (p for p in (start, end) if p):
-        for index, instruction in enumerate(module.computations[place.computation]):
-            if instruction.name in library:
-                distance = abs(index - place.index)
-                near[instruction.name] = min(distance, near.get(instruction.name, distance))
+        for index, name in calls_in.get(place.computation, []):
+            distance = abs(index - place.index)
+            near[name] = min(distance, near.get(name, distance))
     return sorted(near, key=near.__getitem__)
 
 
