@@ -166,6 +166,25 @@ def _in_chunks(how: HeadLoss, *arrays: jax.Array) -> tuple[int, list[jax.Array]]
     return tokens, [split(a) for a in arrays]
 
 
+def max_and_sum_exp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's maximum m and Σ exp(x − m), in one pass over the logits (an online
+    log-sum-exp as one reduction of (maximum, sum) pairs: two pairs combine as the larger
+    maximum and the sums rescaled to it, one exp a combination), not a pass for the maximum
+    and another for the sum: the fp32 logits are the largest array the loss reads."""
+
+    def combine(a, b):
+        (max_a, sum_a), (max_b, sum_b) = a, b
+        a_larger = max_a >= max_b
+        larger, smaller = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
+        kept, rescaled = jnp.where(a_larger, sum_a, sum_b), jnp.where(a_larger, sum_b, sum_a)
+        return larger, kept + rescaled * jnp.exp(smaller - larger)
+
+    # the start pair: the lowest float, not −inf (−inf − −inf would be NaN), and a sum of 0
+    start = (jnp.finfo(logits.dtype).min, jnp.zeros((), logits.dtype))
+    ones = jnp.ones_like(logits)  # each logit a pair (x, 1): its own maximum, exp(x − x)
+    return lax.reduce((logits, ones), start, combine, (logits.ndim - 1,))
+
+
 def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
     """fp32 zeros that vary over the manual mesh axes any of `like` varies over (inside a
     shard_map a scan's carry must keep one type from step to step)."""
@@ -191,10 +210,11 @@ def _scan_chunks(how: HeadLoss, x, w, targets, weights, counted, with_gradients:
         logits = how.constrain(logits, ("length", "vocab"))
         if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
             logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
-        peak = _across_slices(how, lax.pmax, lax.stop_gradient(jnp.max(logits, axis=-1)))
+        local_peak, local_sum = max_and_sum_exp(logits)
+        peak = _across_slices(how, lax.pmax, local_peak)
         is_target = column == t_c[:, None]
         local = jnp.stack([
-            jnp.sum(jnp.exp(logits - peak[:, None]), axis=-1),
+            local_sum * jnp.exp(local_peak - peak),  # each slice's sum, rescaled to one peak
             jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1),
         ])  # fmt: skip
         sum_exp, target_logit = _across_slices(how, lax.psum, local)

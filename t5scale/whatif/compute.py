@@ -11,8 +11,8 @@ and the vocabulary split over `tensor`):
   and weighted values per head, cross-attention's k and v over the encoder's tokens) and the output
   projection; elementwise: per layer and token one read and write of the hidden state per norm and
   residual add, the gated activation's three d_ff-wide tensors, a read and a write of the attention
-  probabilities; the loss reads the logits three times in fp32 (log-sum-exp, target logit, and the
-  backward's softmax) and writes them once;
+  probabilities; the loss reads the logits twice in fp32 (the log-sum-exp with the target logit
+  in one pass, t5scale/model/head.py; the backward's softmax) and writes them once;
 - backward: twice the forward's matmul work (input and weight gradients) and twice its elementwise
   bytes (the gradient in and out), plus what the remat policy recomputes there
   (t5scale/model/mt5.py's `remat_policy`): `dots` the elementwise work; `minimal` attention's scores
@@ -133,8 +133,8 @@ def step_compute(
     dec_tokens, vocab = sequences * target_length, model.vocab_size / tensor
     head.matmul(dec_tokens, model.d_model, vocab)
     head.elementwise_s += (
-        4 * 4 * dec_tokens * vocab / head.bandwidth
-    )  # fp32 logits: 3 reads, 1 write
+        3 * 4 * dec_tokens * vocab / head.bandwidth
+    )  # fp32 logits: 2 reads, 1 write
 
     recompute = {
         "dots": layers.elementwise_s,
