@@ -202,9 +202,9 @@ def _write_prediction(results: Results, device, program, run, step_s: float) -> 
 
 
 def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool,
-             batch: int | None = None):  # fmt: skip
+             batch: int | None = None, loss_chunk_tokens: int | None = None):  # fmt: skip
     """The timed run: mixed precision, AdamW without clipping (as bench/bench_step.py), at the
-    shapes' batch or `batch`."""
+    shapes' batch or `batch`, the loss in chunks of `loss_chunk_tokens` (None: chosen)."""
     from t5scale.data.config import DataConfig
     from t5scale.model.sizes import preset
     from t5scale.train.config import RunConfig, TrainConfig
@@ -212,7 +212,8 @@ def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers
     from t5scale.train.precision import PrecisionConfig
 
     model_config = dataclasses.replace(preset(model), dtype="bfloat16", remat=remat,
-                                       attention=attention, scan_layers=scan_layers)  # fmt: skip
+                                       attention=attention, scan_layers=scan_layers,
+                                       loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
     return RunConfig(
         model=model_config,
         optimizer=OptimizerConfig(grad_clip_norm=None),

@@ -55,12 +55,14 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     large, small, extra_large = shapes.models
 
     def step(model: str, remat: str, attention: str, estimate: float, unrolled=False,
-             batch: int | None = None, extra: bool = False) -> Item:  # fmt: skip
+             batch: int | None = None, chunk: int | None = None, extra: bool = False) -> Item:  # fmt: skip
         layers = "unrolled" if unrolled else "loop"
         options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
         name = f"step {model} {remat} {attention} {layers}"
         if batch:
             options["batch"], name = batch, f"{name} batch {batch}"
+        if chunk:  # ModelConfig.loss_chunk_tokens (default: chosen, 264 at these shapes)
+            options["loss_chunk_tokens"], name = chunk, f"{name} loss chunk {chunk}"
         return Item(name, estimate, "step", options, extra)
 
     items = [
@@ -74,6 +76,9 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # zero-fills and copies were a third of the time neither GEMM nor attention)
         step(large, "dots", "fused", 97, unrolled=True),
         step(small, "dots", "fused", 58, unrolled=True),
+        # the loss in 7 chunks, not 28: the head's fp32 weight gradient written 7 times a step
+        # (docs/benchmarks.md, fifteenth: 11 ms of this step at 28), for a 1 GB logits block
+        step(small, "dots", "fused", 58, unrolled=True, chunk=1048),
         # the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full (XLA's
         # estimate, compiled for an H100 here: docs/benchmarks.md)
         step(extra_large, "full", "fused", 75, batch=shapes.xl_batch),

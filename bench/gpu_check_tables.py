@@ -175,6 +175,8 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
         status = f"does not fit ({gib(row['memory_limit_bytes'])} usable)"
     compile_s = row.get("compile_s")
     model = options["model"] + (f" (batch {options['batch']})" if "batch" in options else "")
+    if "loss_chunk_tokens" in options:
+        model += f" (loss chunks of {options['loss_chunk_tokens']})"
     return (
         f"| {model} | {options['remat']} | "
         f"{row.get('attention_ran', options['attention'])} | {layers} | "
