@@ -237,6 +237,10 @@ def main() -> None:
         sys.exit(
             f"gpu_check: no item {', '.join(map(repr, unknown))}; the list: {', '.join(names)}"
         )
+    if args.tiles and not args.tiles.is_file():
+        sys.exit(
+            f"gpu_check: --tiles {args.tiles}: no such file (an earlier run's attention_tiles.json)"
+        )
     if args.item:
         item = next(i for i in work_list(shapes, extras=True) if i.name == args.item)
         results = Results(args.out / "results.jsonl", item.name)

@@ -135,3 +135,12 @@ def test_the_default_list_fits_its_budget_and_the_extras_run_when_asked():
     assert {item.options.get("attention") for item in extras if item.kind == "step"} == {"dot"}
     assert "kernels float32" in {item.name for item in extras}
     assert [item for item in every if not item.extra] == default
+
+
+def test_a_missing_tiles_file_is_one_line(tmp_path):
+    done = run_check(tmp_path / "check", "--tiles", str(tmp_path / "nope.json"))
+    assert done.returncode == 1 and not (tmp_path / "check").exists()
+    assert done.stderr.strip().splitlines() == [
+        f"gpu_check: --tiles {tmp_path / 'nope.json'}: no such file (an earlier run's "
+        "attention_tiles.json)"
+    ]
