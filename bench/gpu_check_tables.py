@@ -123,13 +123,13 @@ def _step_rows(merged: dict[str, dict[str, Any]]) -> list[str]:
             "MFU (measured peak) | MFU (datasheet) | XLA peak | allocator peak | predicted "
             "| error | status |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for item in work_list(GPU) + work_list(DRY_RUN):
+    for item in work_list(GPU, extras=True) + work_list(DRY_RUN, extras=True):
         if item.kind == "step" and item.name in merged:
             text.append(_step_row(item, merged[item.name]))
     text += ["", "The prediction by kernel class (seconds per step; launches are in each class):",
              "", "| step | gemm | attention | fusion | copy | other | of which launches |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for item in work_list(GPU) + work_list(DRY_RUN):
+    for item in work_list(GPU, extras=True) + work_list(DRY_RUN, extras=True):
         classes = merged.get(item.name, {}).get("predicted_by_class_s")
         if item.kind == "step" and classes:
             cells = " | ".join(f"{classes.get(kind, 0):.4f}"

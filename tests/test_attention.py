@@ -232,6 +232,7 @@ def test_the_models_own_fused_attention_equals_the_einsum_path():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=attention)
 
 
+@pytest.mark.slow  # CI: the fused steps below train like the einsum step
 def test_fused_on_cpu_devices_is_named_for_the_arithmetic_it_runs():
     """'fused' asked of CPU devices, for which Triton does not compile the kernels, is built as
     'fused_reference' (the fused route, the kernels' arithmetic as einsums); the step's analysis
@@ -372,7 +373,8 @@ TPU_CASES = [
 
 @pytest.mark.parametrize(
     ("what", "causal", "with_bias", "q_len", "k_len", "strided"),
-    [pytest.param(*TPU_CASES[0], marks=pytest.mark.slow), *TPU_CASES[1:]],
+    # CI: the cross and the two skewed biased cases; the one block and the causal two, slow
+    [*(pytest.param(*TPU_CASES[i], marks=pytest.mark.slow) for i in (0, 1)), *TPU_CASES[2:]],
 )
 def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k_len, strided):
     """Under Pallas's TPU interpreter on the CPU, fp32: outputs and the gradients of q, k, v and
@@ -415,7 +417,8 @@ def test_the_tpu_kernels_equal_the_einsum_path(what, causal, with_bias, q_len, k
 
 
 @pytest.mark.skipif(not libtpu_installed(), reason="needs libtpu (the tpu extra)")
-@pytest.mark.parametrize("chips", ["v5e-8", "v4-8"])  # v4: the kernels without strided rolls
+# v4: the kernels without strided rolls, which the interpreter checks in CI
+@pytest.mark.parametrize("chips", ["v5e-8", pytest.param("v4-8", marks=pytest.mark.slow)])
 def test_a_tpu_step_runs_the_kernels_and_holds_no_score_tensor(chips):
     """mt5_tiny at ZeRO 3 on a TPU slice (compile-only), bf16: 'auto' is the fused step,
     Mosaic's kernels for every attention, forward and backward, counted as attention by the

@@ -231,7 +231,8 @@ def test_a_checkpoint_of_another_model_stops_at_start(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "d_ff is 128 there and 256 in this run" in err
 
 
-@pytest.mark.parametrize("action", ["stop", "skip"])
+# CI: 'stop'; 'skip' (the same guard, which then goes on) under -m slow
+@pytest.mark.parametrize("action", ["stop", pytest.param("skip", marks=pytest.mark.slow)])
 def test_nan_or_inf_never_replaces_a_good_checkpoint(tmp_path, capsys, action):
     # A learning rate of 1e30 makes step 1's update overflow the next forward pass.
     args = _tiny(
@@ -269,6 +270,7 @@ def _losses(model_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in _read_metrics(model_dir)}
 
 
+@pytest.mark.slow  # CI: the killed and preempted runs resume bit for bit (fp32, 8 devices)
 def test_mixed_precision_on_a_padded_mesh_resumes_bit_for_bit(tmp_path):
     """6 devices pad every sharded tree; the checkpoint holds the fp32 master unpadded, and the
     run that resumes from it takes exactly the steps of the run that never stopped."""

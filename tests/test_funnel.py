@@ -5,6 +5,7 @@ winner and what is tied with it, and the simulated funnel's survival and saving
 import dataclasses
 
 import numpy as np
+import pytest
 
 from t5scale.study import funnel, known_speeds
 from t5scale.study.config import Point
@@ -71,6 +72,7 @@ def test_pruning_over_repeated_trials_counts_the_trial_to_trial_spread():
     assert {r.point.stage for r, _ in winner.tied} == {0, 1, 3} - {winner.record.point.stage}
 
 
+@pytest.mark.slow  # 500 funnels in pure Python; bench/funnel_noise.py's small mode runs in CI
 def test_the_simulated_funnel_keeps_the_best_and_saves_device_time():
     """Known true speeds, log-normal noise per step (and per trial), 100-200 seeded funnels
     per noise level, no JAX: the truly best survives, and most of the grid's time is saved."""

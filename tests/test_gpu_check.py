@@ -10,6 +10,7 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 from conftest import REPO
 
 from t5scale.startup import cuda_plugin_installed
@@ -30,12 +31,16 @@ def results(out) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
-def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
+# CI: the default list; its extras (the einsum step, the fp32 kernels: the same code under other
+# options) with --all under -m slow
+@pytest.mark.parametrize("flags", [(), pytest.param(("--all",), marks=pytest.mark.slow)])
+def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     out = tmp_path / "check"
-    done = run_check(out)
+    done = run_check(out, *flags)
     assert done.returncode == 0, done.stdout[-3000:]
     lines = results(out)
-    items = gpu_check.work_list(gpu_check.DRY_RUN)
+    items = gpu_check.work_list(gpu_check.DRY_RUN, extras=bool(flags))
+    dtypes = ("bfloat16", "float32") if flags else ("bfloat16",)
     assert {line["item"]: line["status"] for line in lines if "status" in line} == {
         item.name: "done" for item in items
     }
@@ -45,8 +50,7 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
     # the einsum path in fp32 and never further from exact than it in bf16.
     kernels = [line for line in lines if "verdict" in line]
     assert sorted((k["attention"], k["dtype"]) for k in kernels) == sorted(
-        (what, dtype) for what in ("encoder", "decoder", "cross")
-        for dtype in ("bfloat16", "float32")
+        (what, dtype) for what in ("encoder", "decoder", "cross") for dtype in dtypes
     )  # fmt: skip
     for kernel in kernels:
         assert (
@@ -93,7 +97,8 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path):
             assert all("HloModule" in programs.read(name).decode()[:200]
                        for name in programs.namelist())  # fmt: skip
     table = (out / "gpu_check.md").read_text()
-    assert table.count("| mt5_tiny |") == len(steps) and "| encoder | float32 |" in table
+    assert table.count("| mt5_tiny |") == len(steps)
+    assert ("| encoder | float32 |" in table) == bool(flags)
     # Each step profiled (bench/gpu_check_profile.py), its table read from the profile.
     profiles = [line for line in lines if "profile" in line]
     assert len(profiles) == len(steps) and all(p["profile_events_with_hlo_op"] for p in profiles)
@@ -119,7 +124,7 @@ def test_an_item_not_in_the_list_is_one_line(tmp_path):
     assert done.returncode == 1 and not (tmp_path / "check").exists()
     assert done.stderr.strip().splitlines() == [
         f"gpu_check: no item 'step mt5_huge'; the list: "
-        f"{', '.join(item.name for item in gpu_check.work_list(gpu_check.DRY_RUN))}"
+        f"{', '.join(i.name for i in gpu_check.work_list(gpu_check.DRY_RUN, extras=True))}"
     ]
 
 

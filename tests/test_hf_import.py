@@ -261,6 +261,7 @@ def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tm
     assert code == 2 and "already holds checkpoints" in err
 
 
+@pytest.mark.slow  # CI: convert's fp32 run; mixed precision from fp32 parameters: test_checkpoint
 def test_convert_writes_a_mixed_precision_run(hf_checkpoint, tmp_path, capsys):
     """Converted with gin/precision/mixed.gin, the run trains in mixed precision from the
     imported (fp32) parameters: the bf16 working copy cast from them, the fp32 master kept."""

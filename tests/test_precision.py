@@ -30,9 +30,8 @@ REAL_VOCABULARY = ModelConfig(
     "precision, stage",
     [
         (MIXED, 3),
-        (FP32, 3),
         *[pytest.param(MIXED, stage, marks=SLOW) for stage in (0, 1, 2)],
-        *[pytest.param(FP32, stage, marks=SLOW) for stage in (0, 1, 2)],
+        *[pytest.param(FP32, stage, marks=SLOW) for stage in (0, 1, 2, 3)],
     ],
     ids=lambda value: value.mode if isinstance(value, PrecisionConfig) else f"stage{value}",
 )
@@ -68,7 +67,8 @@ def _analysis(precision: PrecisionConfig, stage: int) -> dict:
 DEEPSPEED = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}  # stage: (whole, split over N)
 
 
-@pytest.mark.parametrize("stage", range(4))
+# CI: the stages whose programs the collectives' test below compiles too
+@pytest.mark.parametrize("stage", [1, 3, pytest.param(0, marks=SLOW), pytest.param(2, marks=SLOW)])
 def test_mixed_model_state_per_device_is_deepspeeds_from_xlas_memory_analysis(stage):
     analysis = _analysis(MIXED, stage)
     state = analysis["model_state_per_device"]

@@ -37,8 +37,9 @@ def _batch(devices: int) -> int:
 # below the largest relative loss difference measured was 2.1e-4 (docs/benchmarks.md,
 # 2026-11-25); the tolerance leaves a margin of about 5x, still well below bf16's 7.8e-3.
 MIXED_LOSS_TOLERANCE = 1e-3
+# CI: the padded mesh (mixed precision with tensor 2: test_attention's fused step)
 MIXED_LAYOUTS = [
-    (ParallelConfig(zero_stage=2, zero=2, tensor=4), 8),
+    pytest.param(ParallelConfig(zero_stage=2, zero=2, tensor=4), 8, marks=SLOW),
     (ParallelConfig(zero_stage=3, zero=6), 6),  # padded: 6 divides none of its dimensions
     pytest.param(ParallelConfig(zero_stage=1, zero=4, tensor=2), 8, marks=SLOW),
     pytest.param(ParallelConfig(zero_stage=3, replica=2, zero=4), 8, marks=SLOW),

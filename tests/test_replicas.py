@@ -47,9 +47,10 @@ def _analysis(stage: int, mixed: bool, outer_dtype: str, tensor: int) -> dict:
 @pytest.mark.parametrize(
     "stage, mixed, outer_dtype, tensor",
     [
-        (0, False, "float32", 1),
-        (1, False, "float32", 2),
-        (2, True, "float32", 1),
+        # CI: stage 3, mixed, the outer step in bf16; the other stages, slow
+        pytest.param(0, False, "float32", 1, marks=pytest.mark.slow),
+        pytest.param(1, False, "float32", 2, marks=pytest.mark.slow),
+        pytest.param(2, True, "float32", 1, marks=pytest.mark.slow),
         (3, True, "bfloat16", 1),
     ],
 )
@@ -190,6 +191,7 @@ def _kill_after(model_dir, step: int) -> None:
     raise AssertionError(f"step {step} never came")
 
 
+@pytest.mark.slow  # CI: plain runs' kill and resume (test_checkpoint), DiLoCo's period above
 def test_killed_mid_period_resumes_exactly_and_checkpoints_move_between_modes(tmp_path, capsys):
     def train(model_dir, *extra):
         return cli_in_process([*DILOCO_ARGS, f"--gin.MODEL_DIR='{model_dir}'", *extra], capsys)

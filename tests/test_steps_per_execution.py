@@ -18,7 +18,7 @@ K = 4
 @pytest.mark.parametrize(
     "parallel, devices",
     [
-        (ParallelConfig(), 1),
+        pytest.param(ParallelConfig(), 1, marks=pytest.mark.slow),  # CI: the sharded one
         # ZeRO-3's gathers and reduce-scatters inside the loop over steps, with tensor sharding
         (ParallelConfig(zero_stage=3, zero=4, tensor=2), 8),
     ],
@@ -63,6 +63,7 @@ def test_an_execution_never_runs_past_a_checkpoint_a_validation_or_the_end():
     assert _executions(steps=12, every=4, done=3) == [1, 4, 4]  # resumed off the grid
 
 
+@pytest.mark.slow  # CI: k steps in one execution are k single steps (above)
 def test_cli_run_in_executions_of_4_logs_and_saves_every_step_as_a_plain_run(tmp_path):
     records = {}
     for k in (1, K):

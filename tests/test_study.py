@@ -187,6 +187,7 @@ def test_a_profile_trial_traces_the_step(tmp_path):
     assert names.count("train") == 3 and any(n.endswith("(jit_step)") for n in names)
 
 
+@pytest.mark.slow  # CI: DiLoCo's periods (test_replicas) and the plain points' trials
 def test_a_diloco_point_is_timed_over_whole_rounds(tmp_path):
     point = Point("mt5_tiny", 2, 1, "dots", 1e-3, devices=4, sync="diloco/2", replicas=2,
                   input_length=32, target_length=8)  # fmt: skip
@@ -396,6 +397,7 @@ def test_the_grid_gains_pipelines_with_the_stages_they_allow():
         StudyConfig(pipelines=(1, 2))
 
 
+@pytest.mark.slow  # CI: the pipeline's numerics and plan (test_pipeline), the plain trials
 def test_a_pipelined_point_is_compiled_and_timed_in_a_trial(tmp_path):
     point = Point("mt5_tiny", 1, 1, "dots", 1e-3, devices=4, pipeline=2, micro_batches=2,
                   input_length=32, target_length=8)  # fmt: skip

@@ -161,6 +161,7 @@ V5E = dict(name="tpu_v5e", generation="v5e", chips_per_host=8, device_memory_gb=
            ici_links_per_chip=4, dcn_bandwidth_per_host=25e9)  # fmt: skip
 
 
+@pytest.mark.slow  # CI: plan and simulate on the pod (below), the study's own trials on the CPU
 def test_the_study_compiles_for_the_pods_chips_and_times_on_the_cpu(tmp_path, capsys, monkeypatch):
     """The study's compile-only round on XLA:TPU, for a slice of the pod's generation holding
     the point's devices (1: v5e-1), its HBM as the budget; the timed round on CPUs."""

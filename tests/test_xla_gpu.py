@@ -63,9 +63,12 @@ def compile_for(topology: GpuTopology, stage: int, precision: str):
     return build_setup(run, topology.devices()).compile()
 
 
-# fp32's programs under -m slow: the suite's budget (mixed is the path runs take; fp32 on one
-# H100 stays in: test_one_h100_program)
-@pytest.fixture(scope="module", params=[pytest.param("fp32", marks=pytest.mark.slow), "mixed"])
+# Under -m slow: the suite's budget. In CI, ZeRO between nodes is read from TPU slices' programs
+# through the same hardware interface (test_zero_across_slices.py), and GPU programs for two
+# nodes are compiled by plan and simulate below.
+@pytest.fixture(
+    scope="module", params=[pytest.param(p, marks=pytest.mark.slow) for p in ("fp32", "mixed")]
+)
 def two_nodes(request):
     """Stages 0–3 on 2 nodes × 8 H100s, and how many arrays were alive around the compiles."""
     alive = len(jax.live_arrays())
@@ -183,7 +186,7 @@ def test_reused_kernels_and_the_ptxas_stand_in_leave_the_program_as_it_was(two_n
     assert fresh.cost_analysis() == steps[3].compiled.cost_analysis()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "mixed"])
 def test_one_h100_program(precision):
     step = compile_for(GpuTopology("h100_sxm"), 0, precision)
     analysis = step.analysis
@@ -208,6 +211,7 @@ def test_plan_with_a_cluster_file_compiles_for_its_gpus(capsys, monkeypatch):
     assert three["mesh"] == {"replica": 1, "pipeline": 1, "zero": 16, "tensor": 1}
 
 
+@pytest.mark.slow  # two processes, two compiles: the cache policy (xla_gpu.py) changes rarely
 def test_a_compile_only_program_is_not_written_to_the_persistent_cache(tmp_path):
     """JAX cannot read a compile-only GPU program back from its persistent cache (it warns and
     compiles again): the target's cache policy keeps the step out, while the CPU programs the
@@ -315,6 +319,7 @@ def test_simulate_times_the_gpu_program_and_says_so():
     assert cpu.path == "cpu" and cpu.rows[0].analysis.compiler == "xla:cpu"
 
 
+@pytest.mark.slow  # CI: plan and simulate compile for the cluster's GPUs; the study's trials
 def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
     study_dir = tmp_path / "study"
     done = run_cli(
@@ -361,30 +366,12 @@ def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch)
     ]
 
 
-def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
-    """ModelConfig.scan_layers=False on one H100 (mt5_tiny, mixed, remat full): fewer fusions
-    and copies than the layer loop, and the GEMM FLOPs of the remat's recomputed forward kept."""
-    kernels = {}
-    for scan in (True, False):
-        parse_gin(
-            ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
-            [*SHORT, "ModelConfig.remat='full'", f"ModelConfig.scan_layers={scan}"],
-            [],
-        )
-        run = weak_scale(build_run_config(), 0, 1, 2)
-        step = build_setup(run, GpuTopology("h100_sxm").devices()).compile()
-        assert step.analysis.to_json()["scan_layers"] is scan  # step_analysis.json's
-        kernels[scan] = step.analysis.kernels
-    loop, unrolled = kernels[True], kernels[False]
-    assert unrolled.gemm.flops == loop.gemm.flops
-    assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count
-
-
-_H100_STEPS: dict = {}  # compiled once a process: two tests share the remat 'dots' loop's
+_H100_STEPS: dict = {}
 
 
 def _one_h100_step(*bindings: str):
-    """mt5_tiny, mixed precision, batch 2, fused attention, compiled for one H100."""
+    """mt5_tiny, mixed precision, batch 2, fused attention, compiled for one H100, once a
+    process for each set of bindings (the tests below share the loop's remat 'full' and 'dots')."""
     from t5scale.model import mt5
 
     key = (bindings, mt5.KEPT_UNROLLED)  # a test may change what unrolled 'dots' keeps
@@ -402,6 +389,21 @@ def _backward_forward_kernels(step) -> int:
     return sum("transpose(" in name for name in names)
 
 
+@pytest.mark.slow  # CI: the unrolled layers' numbers (test_model), remat on the card's program
+def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
+    """ModelConfig.scan_layers=False on one H100 (mt5_tiny, mixed, remat full): fewer fusions
+    and copies than the layer loop, and the GEMM FLOPs of the remat's recomputed forward kept."""
+    kernels = {}
+    for scan in (True, False):
+        unrolled = () if scan else ("ModelConfig.scan_layers=False",)
+        step = _one_h100_step("ModelConfig.remat='full'", *unrolled)
+        assert step.analysis.to_json()["scan_layers"] is scan  # step_analysis.json's
+        kernels[scan] = step.analysis.kernels
+    loop, unrolled = kernels[True], kernels[False]
+    assert unrolled.gemm.flops == loop.gemm.flops
+    assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count
+
+
 def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_again():
     """Remat 'dots' keeps the fused attention's output and log-sum-exp as it keeps matmuls'
     outputs: the backward pass runs only the backward kernels; 'full' runs the forward again."""
@@ -414,6 +416,7 @@ def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_agai
     assert dots.analysis.kernels.attention.count < full.analysis.kernels.attention.count
 
 
+@pytest.mark.slow  # four H100 programs; CI: what remat 'dots' keeps of the attention (above)
 def test_unrolled_dots_keeps_the_norms_and_the_gated_gelu(monkeypatch):
     """Unrolled, remat 'dots' also keeps the norms' outputs and the gated GELU's product
     (mt5.KEPT_UNROLLED): the non-GEMM kernels read and write less than when it makes them again;
