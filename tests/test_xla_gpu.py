@@ -452,3 +452,57 @@ def test_simulate_times_a_pipeline_across_nodes_from_its_program():
     assert permutes and all(placement(op.group, 16, 8).nodes == 2 for op in permutes)
     assert row.prediction.communication_by_kind_s["collective-permute"] > 0
     assert "| pipeline (micro-batches) |" in format_simulation(result)
+
+
+def _fp8_dense_gemms(target: str) -> list[list[str]]:
+    """A bf16 Dense layer with flax's FP8 dot (delayed scaling), forward and backward, compiled
+    for one `target` GPU: each cuBLASLt GEMM's target and its two matrix operands' types."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from t5scale.xla_gpu import compiler_options
+
+    devices = GpuTopology(target).devices()
+    layer = nn.Dense(256, dtype=jnp.bfloat16, use_bias=False,
+                     dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)  # fmt: skip
+    x = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    replicated = NamedSharding(Mesh(devices, ("d",)), PartitionSpec())
+    variables = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+        jax.eval_shape(layer.init, jax.random.key(0), x),
+    )
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+    def loss(variables, x):
+        return jnp.sum(layer.apply(variables, x).astype(jnp.float32) ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x)
+    text = lowered.compile(compiler_options(devices)).as_text()
+    shapes = dict(re.findall(r"^\s*(%\S+) = (\w+)\[", text, re.M))
+    calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"(__cublas\$lt[^\"]*)\"", text)
+    return [[call, *(shapes.get(name) for name in operands.split(", ")[:2])]
+            for operands, call in calls]  # fmt: skip
+
+
+def test_the_gpu_targets_know_their_cuda_version_so_fp8_gemms_compile(tmp_path):
+    """XLA rewrites flax's quantize-dequantize-dot pattern into FP8 cuBLASLt GEMMs only for a
+    CUDA runtime that has them: the H100's target file names CUDA 12.9, and the layer's three
+    GEMMs are FP8 (e4m3 × e4m3 forward; e5m2 gradients backward). Without the version (a copy
+    of the file without it) XLA takes CUDA 0 and runs them in bf16."""
+    gemms = _fp8_dense_gemms("h100_sxm")
+    assert [g[0] for g in gemms] == ["__cublas$lt$matmul$f8"] * 3, gemms
+    assert ["f8e4m3fn", "f8e4m3fn"] in [g[1:] for g in gemms]
+    assert sum("f8e5m2" in g[1:] for g in gemms) == 2  # the data and weight gradients
+    from t5scale.xla_gpu import target_text
+
+    unversioned = tmp_path / "h100_no_runtime.txtpb"
+    unversioned.write_text(
+        "\n".join(
+            line
+            for line in target_text("h100_sxm").splitlines()
+            if not line.startswith("runtime_version")
+        )  # fmt: skip
+    )
+    assert {g[0] for g in _fp8_dense_gemms(str(unversioned))} == {"__cublas$lt$matmul"}
