@@ -7,6 +7,7 @@ import pytest
 
 from t5scale.analysis.hlo_module import parse_module
 from t5scale.analysis.kernels import Kernel, read_program
+from t5scale.errors import ConfigError
 from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.gpu_step import KERNEL_LAUNCH_S, kernel_seconds, predict_program
 
@@ -109,6 +110,24 @@ def test_fused_attention_runs_at_its_own_rate():
     )
     assert kernel_seconds(gemm, CLUSTER) == pytest.approx(0.02 + KERNEL_LAUNCH_S)
     assert kernel_seconds(attention, CLUSTER) == pytest.approx(0.1 + KERNEL_LAUNCH_S)
+
+
+def test_fp8_gemms_run_at_the_fp8_peak_and_need_a_gpu_that_has_one():
+    # 1 TFLOP: in bf16 at 50 TFLOP/s; as an FP8 GEMM at the H100's datasheet FP8 peak (twice its
+    # 16-bit one, 1,978.9 TFLOP/s) and the bf16 efficiency unless the cluster gives one of its own
+    flops, mib = 1e12, 2**20
+    bf16, fp8 = (Kernel("gemm", 1, flops, mib, mib, dtype) for dtype in ("bf16", "f8e4m3fn"))
+    assert CLUSTER.peak_flops_float8 == 1978.9e12 and CLUSTER.gemm_efficiency_float8 == 0.5
+    assert kernel_seconds(fp8, CLUSTER) == pytest.approx(flops / (1978.9e12 * 0.5) + LAUNCH)
+    assert kernel_seconds(bf16, CLUSTER) == pytest.approx(0.02 + LAUNCH)
+    measured = dataclasses.replace(CLUSTER, gemm_efficiency_float8=0.25)
+    assert kernel_seconds(fp8, measured) == pytest.approx(flops / (1978.9e12 * 0.25) + LAUNCH)
+    a100 = dataclasses.replace(CLUSTER, gpu="NVIDIA A100", peak_flops_float8=None)
+    assert a100.peak_flops_float8 is None  # no FP8 tensor cores
+    with pytest.raises(ConfigError, match="FP8 GEMMs and the cluster's GPU no FP8 peak"):
+        kernel_seconds(fp8, a100)
+    with pytest.raises(ConfigError, match="gemm_efficiency_float8 must be in"):
+        dataclasses.replace(CLUSTER, gemm_efficiency_float8=1.5)
 
 
 def test_fit_factor_scales_the_roofline_not_the_launches():

@@ -454,6 +454,9 @@ def test_simulate_times_a_pipeline_across_nodes_from_its_program():
     assert "| pipeline (micro-batches) |" in format_simulation(result)
 
 
+_FP8_PROGRAMS: dict[str, str] = {}  # the FP8 layer's programs, by target
+
+
 def _fp8_dense_gemms(target: str) -> list[list[str]]:
     """A bf16 Dense layer with flax's FP8 dot (delayed scaling), forward and backward, compiled
     for one `target` GPU: each cuBLASLt GEMM's target and its two matrix operands' types."""
@@ -480,6 +483,7 @@ def _fp8_dense_gemms(target: str) -> list[list[str]]:
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x)
     text = lowered.compile(compiler_options(devices)).as_text()
+    _FP8_PROGRAMS[target] = text
     shapes = dict(re.findall(r"^\s*(%\S+) = (\w+)\[", text, re.M))
     calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"(__cublas\$lt[^\"]*)\"", text)
     return [[call, *(shapes.get(name) for name in operands.split(", ")[:2])]
@@ -506,3 +510,28 @@ def test_the_gpu_targets_know_their_cuda_version_so_fp8_gemms_compile(tmp_path):
         )  # fmt: skip
     )
     assert {g[0] for g in _fp8_dense_gemms(str(unversioned))} == {"__cublas$lt$matmul"}
+
+
+def test_the_kernel_inventory_names_the_fp8_gemms_and_prices_them_at_the_fp8_peak():
+    """The FP8 layer's program read as the cluster model reads a step: its three GEMMs counted
+    among the GEMMs and as FP8 ones, their FLOPs the layer's (2 · 512 · 128 · 256 each), and the
+    H100 cluster prices them at its FP8 peak."""
+    from t5scale.analysis.hlo_module import parse_module
+    from t5scale.analysis.kernels import read_program
+    from t5scale.whatif.gpu_step import kernel_seconds
+
+    if "h100_sxm" not in _FP8_PROGRAMS:
+        _fp8_dense_gemms("h100_sxm")
+    program = read_program(parse_module(_FP8_PROGRAMS["h100_sxm"]))
+    inventory = program.inventory
+    assert inventory.fp8_gemm.count == inventory.gemm.count == 3
+    assert inventory.fp8_gemm.flops == inventory.gemm.flops == 3 * 2 * 512 * 128 * 256
+    assert "of which fp8    3×" in inventory.summary()
+    parse_gin(["gin/clusters/h100.gin"], [], [])
+    cluster = build_hardware()
+    gemm = next(k for k in program.kernels if k.kind == "gemm")
+    as_bf16 = dataclasses.replace(gemm, dtype="bf16", flops=gemm.flops * 1e6)  # compute-bound
+    as_fp8 = dataclasses.replace(as_bf16, dtype=gemm.dtype)
+    assert kernel_seconds(as_fp8, cluster, launch_s=0) == pytest.approx(
+        kernel_seconds(as_bf16, cluster, launch_s=0) * 989.4 / 1978.9
+    )

@@ -9,7 +9,8 @@ too.
 - loops multiply, as t5scale/analysis/hlo_walk.py walks them: a `while` body runs its known trip
   count per run of its caller and its condition never (XLA's WhileThunk does not evaluate it); a
   loop of unknown trip count has its body and condition counted once, and is noted;
-- classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot), `attention` (cuDNN's
+- classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot; those of 8-bit
+  float operands, cuBLASLt's FP8 GEMMs, also counted as `fp8_gemm`), `attention` (cuDNN's
   `__cudnn$fmha…`, and t5scale's Triton kernels `t5_attention_…`:
   t5scale/model/attention_kernels.py), `copy` (kernels that move data and compute nothing: copy,
   transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made only of those, index
@@ -162,6 +163,7 @@ class KernelInventory(JsonRecord):
     collective: ClassTotal  # bytes: operands read, results written, per device
     other: ClassTotal
     unknown_trip_count_loops: int = 0
+    fp8_gemm: ClassTotal = ClassTotal()  # the GEMMs among `gemm` whose operands are 8-bit floats
 
     @property
     def kernels(self) -> int:
@@ -177,6 +179,10 @@ class KernelInventory(JsonRecord):
                 f"  written {format_bytes(total.bytes_written):>10}"
             )
             lines.append(line + (f"  {total.flops:.4g} FLOP" if total.flops else ""))
+        if self.fp8_gemm.count:
+            lines.insert(
+                1, f"  of which fp8 {self.fp8_gemm.count:>4}×  {self.fp8_gemm.flops:.4g} FLOP"
+            )
         return "\n".join(lines)
 
 
@@ -192,11 +198,18 @@ class Program(JsonRecord):
     @property
     def inventory(self) -> KernelInventory:
         totals = dict.fromkeys(KERNEL_CLASSES, ClassTotal())
+        fp8_gemm = ClassTotal()
         for kernel in self.kernels:
             runs = kernel.runs
-            totals[kernel.kind] = totals[kernel.kind].plus(
-                runs, runs * kernel.bytes_read, runs * kernel.bytes_written, runs * kernel.flops
+            work = (
+                runs,
+                runs * kernel.bytes_read,
+                runs * kernel.bytes_written,
+                runs * kernel.flops,
             )
+            totals[kernel.kind] = totals[kernel.kind].plus(*work)
+            if kernel.kind == "gemm" and (kernel.dtype or "").startswith("f8"):
+                fp8_gemm = fp8_gemm.plus(*work)
         collective = ClassTotal()
         for scheduled in self.collectives:
             op = scheduled.op
@@ -204,8 +217,9 @@ class Program(JsonRecord):
                 op.count, op.count * op.operand_bytes, op.count * op.bytes, 0.0
             )
         return KernelInventory(
-            **totals, collective=collective, unknown_trip_count_loops=self.unknown_trip_count_loops
-        )
+            **totals, collective=collective, unknown_trip_count_loops=self.unknown_trip_count_loops,
+            fp8_gemm=fp8_gemm,
+        )  # fmt: skip
 
 
 def read_program(module: Module) -> Program:

@@ -22,9 +22,11 @@ from t5scale.target import Target
 # sparse figures, twice these: H100 Tensor Core GPU (SXM5, PCIe), H200 Tensor Core GPU, A100
 # Tensor Core GPU (SXM4).
 GPU_DATASHEET = {
-    "NVIDIA H200": {"bfloat16": 989.4e12, "float32": 494.7e12},
-    "NVIDIA H100 PCIe": {"bfloat16": 756.0e12, "float32": 378.0e12},
-    "NVIDIA H100": {"bfloat16": 989.4e12, "float32": 494.7e12},  # SXM
+    # float8: dense FP8 tensor cores, half the datasheets' "with sparsity" figures; an A100 has
+    # none (XLA compiles FP8 dots for it as bf16 GEMMs)
+    "NVIDIA H200": {"bfloat16": 989.4e12, "float32": 494.7e12, "float8": 1978.9e12},
+    "NVIDIA H100 PCIe": {"bfloat16": 756.0e12, "float32": 378.0e12, "float8": 1513.0e12},
+    "NVIDIA H100": {"bfloat16": 989.4e12, "float32": 494.7e12, "float8": 1978.9e12},  # SXM
     "NVIDIA A100": {"bfloat16": 312.0e12, "float32": 156.0e12},  # SXM
 }
 

@@ -16,7 +16,9 @@ class GpuFigures(Protocol):
     gpus_per_node: int
     peak_flops: float
     peak_flops_float32: float
+    peak_flops_float8: float | None  # None: no FP8 tensor cores
     gemm_efficiency: float
+    gemm_efficiency_float8: float
     attention_efficiency: float
     memory_bandwidth: float
     memory_efficiency: float

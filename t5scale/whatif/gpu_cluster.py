@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from t5scale.whatif.program_time import ProgramTime
     from t5scale.whatif.simulate import SimulateConfig
 
-EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "roofline_fraction")
+EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "roofline_fraction",
+                "gemm_efficiency_float8")  # fmt: skip
 NAMES = ("name", "gpu", "gpu_target")
-PEAKS = {"peak_flops": "bfloat16", "peak_flops_float32": "float32"}
+PEAKS = {"peak_flops": "bfloat16", "peak_flops_float32": "float32", "peak_flops_float8": "float8"}
+OPTIONAL = ("peak_flops_float8",)  # None on a GPU without FP8 tensor cores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +66,14 @@ class ClusterConfig:
     nvlink_latency_s: float  # one ring step inside a node
     network_latency_s: float  # one ring (or tree) step between nodes
     collective_launch_s: float  # fixed cost of one collective
-    # dense 16-bit and TF32 (fp32 compute) tensor cores; None: the GPU's datasheet figure
+    # dense 16-bit, TF32 (fp32 compute) and FP8 tensor cores; None: the GPU's datasheet figure
+    # (for FP8 none where the GPU has no FP8 tensor cores)
     peak_flops: float | None = None
     peak_flops_float32: float | None = None
+    peak_flops_float8: float | None = None
+    # Fraction of the FP8 peak that large FP8 GEMMs reach. None: gemm_efficiency, an assumption
+    # until the GPU check times an FP8 step (issue 62): no FP8 GEMM has been measured here.
+    gemm_efficiency_float8: float | None = None
     # XLA's description of the GPU to compile for without it: a name in t5scale/gpu_targets/
     # ('h100_sxm') or a GpuTargetConfig file (t5scale/xla_gpu.py). None: no GPU compiles.
     gpu_target: str | None = None
@@ -81,10 +88,12 @@ class ClusterConfig:
                               f"got {self.gpu!r}")  # fmt: skip
         for name, dtype in PEAKS.items():
             if getattr(self, name) is None:
-                object.__setattr__(self, name, GPU_DATASHEET[self.gpu][dtype])
+                object.__setattr__(self, name, GPU_DATASHEET[self.gpu].get(dtype))
+        if self.gemm_efficiency_float8 is None:
+            object.__setattr__(self, "gemm_efficiency_float8", self.gemm_efficiency)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in NAMES:
+            if field.name in NAMES or (field.name in OPTIONAL and value is None):
                 continue
             if field.name == "gpus_per_node" and value < 1:
                 raise ConfigError(f"ClusterConfig.gpus_per_node must be >= 1, got {value!r}")

@@ -3,7 +3,8 @@ Program): the GPU path, where step_time.py's CPU path has to assume what XLA:GPU
 and overlaps.
 
 - compute: each kernel runs at the slower of its FLOPs at the achieved GEMM rate (peak ×
-  gemm_efficiency; the 16-bit peak, or `peak_flops_float32` for f32 operands; fused attention
+  gemm_efficiency; the 16-bit peak, `peak_flops_float32` for f32 operands, or for 8-bit float
+  operands `peak_flops_float8` × `gemm_efficiency_float8`; fused attention
   at peak × attention_efficiency, as measured on the card) and its bytes
   read and written at the achieved bandwidth (memory_bandwidth × memory_efficiency), plus one
   launch (KERNEL_LAUNCH_S). `fit_factor`, the share of that roofline a compiled step reaches,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.kernels import Kernel, Program
+from t5scale.errors import ConfigError
 from t5scale.whatif.figures import GpuFigures
 from t5scale.whatif.nccl import collective_seconds, full_bytes, placement
 from t5scale.whatif.program_time import ProgramTime, timed_program
@@ -36,6 +38,21 @@ from t5scale.whatif.program_time import ProgramTime, timed_program
 # between the queued gap and the host-bound cost; measured steps are to refit it.
 KERNEL_LAUNCH_S = 2e-6
 _FLOAT32 = ("f32", "f64")
+_FLOAT8 = "f8"  # f8e4m3fn, f8e5m2: an FP8 cuBLASLt GEMM's operands
+
+
+def _achieved_flops(kernel: Kernel, cluster: GpuFigures) -> float:
+    """The FLOP/s `kernel`'s arithmetic runs at: its class's efficiency of its dtype's peak."""
+    if kernel.kind != "attention" and kernel.dtype and kernel.dtype.startswith(_FLOAT8):
+        if cluster.peak_flops_float8 is None:
+            raise ConfigError("the program has FP8 GEMMs and the cluster's GPU no FP8 peak "
+                              "(ClusterConfig.peak_flops_float8)")  # fmt: skip
+        return cluster.peak_flops_float8 * cluster.gemm_efficiency_float8
+    peak = cluster.peak_flops_float32 if kernel.dtype in _FLOAT32 else cluster.peak_flops
+    efficiency = (
+        cluster.attention_efficiency if kernel.kind == "attention" else cluster.gemm_efficiency
+    )
+    return peak * efficiency
 
 
 def kernel_seconds(
@@ -46,11 +63,7 @@ def kernel_seconds(
 ) -> float:
     """One run of `kernel`: the slower of its FLOPs and its bytes, over `fit_factor`, plus its
     launch."""
-    peak = cluster.peak_flops_float32 if kernel.dtype in _FLOAT32 else cluster.peak_flops
-    efficiency = (
-        cluster.attention_efficiency if kernel.kind == "attention" else cluster.gemm_efficiency
-    )
-    arithmetic = kernel.flops / (peak * efficiency)
+    arithmetic = kernel.flops / _achieved_flops(kernel, cluster)
     memory = (kernel.bytes_read + kernel.bytes_written) / (
         cluster.memory_bandwidth * cluster.memory_efficiency
     )
