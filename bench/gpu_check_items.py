@@ -67,10 +67,41 @@ def device_item(results: Results, shapes: Shapes, dry_run: bool) -> None:
 
     seconds = timed(chain, matrix, repeats=5)
     results.write(bf16_matmul_flops=products * 2 * size**3 / seconds, matmul_size=size)
+    _fp8_matmul(results, matrix, products)
     length = (1024 if not dry_run else 16) * MIB  # bf16 elements: 2 GiB on the card
     array = jnp.ones((length,), jnp.bfloat16)
     seconds = timed(jax.jit(lambda x: x + 1), array, repeats=10)
     results.write(copy_bytes_per_s=2 * array.nbytes / seconds, copy_bytes=array.nbytes)
+
+
+def _fp8_matmul(results: Results, matrix, products: int) -> None:
+    """The bf16 chain again through flax's FP8 dot (e4m3 operands, delayed scaling): on a
+    Hopper card one FP8 cuBLASLt GEMM per product, counted in the compiled program. What it
+    reaches of the FP8 peak is the cluster model's `gemm_efficiency_float8` (issue 62), assumed
+    equal to the bf16 GEMMs' until this measures it."""
+    import jax
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+
+    scale, history = jnp.ones((1,), jnp.float32), jnp.zeros((16,), jnp.float32)
+    meta = dict(lhs_scale=scale, rhs_scale=scale, grad_scale=scale, lhs_amax_history=history,
+                rhs_amax_history=history, grad_amax_history=history)  # fmt: skip
+
+    @jax.jit
+    def chain(product):
+        for _ in range(products):
+            product = fp8_ops.fp8_scaled_dot_general(
+                product, matrix, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16,
+                quantize_compute_type=jnp.bfloat16, **meta,
+            )  # fmt: skip
+        return product
+
+    compiled = chain.lower(matrix).compile()
+    fp8_gemms = compiled.as_text().count('custom_call_target="__cublas$lt$matmul$f8"')
+    seconds = timed(compiled, matrix, repeats=5)
+    size = matrix.shape[0]
+    results.write(fp8_matmul_flops=products * 2 * size**3 / seconds, fp8_gemms=fp8_gemms,
+                  fp8_products=products)  # fmt: skip
 
 
 def _nvidia_smi(fields: str) -> str | None:

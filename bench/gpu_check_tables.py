@@ -38,6 +38,13 @@ def _device(device: dict[str, Any]) -> list[str]:
             f"{device['bf16_matmul_flops'] / 1e12:,.0f} TFLOP/s; device-to-device copy "
             f"{device.get('copy_bytes_per_s', 0) / 1e12:,.2f} TB/s (read + written, median of 10)."
         )
+    if "fp8_matmul_flops" in device:
+        text.append(
+            f"The same chain through flax's FP8 dot: {device['fp8_matmul_flops'] / 1e12:,.0f} "
+            f"TFLOP/s, {device['fp8_matmul_flops'] / device['bf16_matmul_flops']:.2f}× bf16; "
+            f"{device['fp8_gemms']} of its {device['fp8_products']} products are FP8 cuBLASLt "
+            f"GEMMs in the compiled program."
+        )
     if device.get("platform") == "cpu":
         text.append(
             "A dry run on the CPU (mt5_tiny, small lengths, Pallas's interpreter): it checks the "

@@ -46,6 +46,11 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     }
     device = next(line for line in lines if "bf16_matmul_flops" in line)
     assert device["bf16_matmul_flops"] > 0
+    # The chain through flax's FP8 dot: timed here, its FP8 GEMMs only on a card
+    # (test_xla_gpu.py compiles the same dot into them for an H100)
+    fp8 = next(line for line in lines if "fp8_matmul_flops" in line)
+    assert fp8["fp8_matmul_flops"] > 0 and fp8["fp8_gemms"] == 0
+    assert "through flax's FP8 dot" in (out / "gpu_check.md").read_text()
     # Three attentions in each dtype, the kernels (interpreted) within the tests' tolerance of
     # the einsum path in fp32 and never further from exact than it in bf16.
     kernels = [line for line in lines if "verdict" in line]
