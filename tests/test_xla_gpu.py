@@ -535,3 +535,51 @@ def test_the_kernel_inventory_names_the_fp8_gemms_and_prices_them_at_the_fp8_pea
     assert kernel_seconds(as_fp8, cluster, launch_s=0) == pytest.approx(
         kernel_seconds(as_bf16, cluster, launch_s=0) * 989.4 / 1978.9
     )
+
+
+# The forms of t5scale/model/mt5.py's layer matmuls (q, k, v; o; the gated FFN's stacked input
+# projection; its output projection), at small sizes: the einsums issue 62 puts in FP8.
+LAYER_EINSUMS = [
+    ("bqd,dhk->bqhk", (2, 64, 128), (128, 4, 32)),
+    ("bqhk,hkd->bqd", (2, 64, 4, 32), (4, 32, 128)),
+    ("bld,dtf->bltf", (2, 64, 128), (128, 2, 256)),
+    ("blf,fd->bld", (2, 64, 256), (256, 128)),
+]
+
+
+@pytest.mark.parametrize(
+    "equation, x_shape, w_shape", LAYER_EINSUMS, ids=[e[0] for e in LAYER_EINSUMS]
+)
+def test_each_layer_einsum_through_flax_s_fp8_einsum_is_three_fp8_gemms(equation, x_shape, w_shape):
+    """Forward and backward through `fp8_ops.Fp8Einsum`, compiled for one H100: the product,
+    the input's gradient and the weight's, each an FP8 cuBLASLt GEMM (multi-axis contractions
+    and batch-free stacks included), and no bf16 GEMM left."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from t5scale.xla_gpu import compiler_options
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, w):
+            return fp8_ops.Fp8Einsum()(equation, x, w)
+
+    devices = GpuTopology("h100_sxm").devices()
+    replicated = NamedSharding(Mesh(devices, ("d",)), PartitionSpec())
+    x, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=replicated)
+            for shape in (x_shape, w_shape))  # fmt: skip
+    variables = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+        jax.eval_shape(Layer().init, jax.random.key(0), x, w),
+    )
+
+    def loss(variables, x, w):
+        return jnp.sum(Layer().apply(variables, x, w).astype(jnp.float32) ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(variables, x, w)
+    text = lowered.compile(compiler_options(devices)).as_text()
+    assert (
+        re.findall(r'custom_call_target="(__cublas[^"]*)"', text) == ["__cublas$lt$matmul$f8"] * 3
+    )
