@@ -454,36 +454,48 @@ def test_simulate_times_a_pipeline_across_nodes_from_its_program():
     assert "| pipeline (micro-batches) |" in format_simulation(result)
 
 
-_FP8_PROGRAMS: dict[str, str] = {}  # the FP8 layer's programs, by target
+def _gradient_program(layer, target: str, *input_shapes: tuple[int, ...]) -> str:
+    """The program, compiled for one `target` GPU as t5scale compiles (its options and cache
+    policy), of the gradient of a sum of squares of the flax `layer`'s bf16 output, with respect
+    to its variables and its bf16 inputs."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from t5scale.target import Target
+
+    gpu = Target.compile_only_gpus(GpuTopology(target))
+    replicated = NamedSharding(Mesh(gpu.devices, ("d",)), PartitionSpec())
+    inputs = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=replicated)
+              for shape in input_shapes]  # fmt: skip
+    variables = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+        jax.eval_shape(layer.init, jax.random.key(0), *inputs),
+    )
+
+    def loss(variables, *inputs):
+        return jnp.sum(layer.apply(variables, *inputs).astype(jnp.float32) ** 2)
+
+    arguments = tuple(range(1 + len(inputs)))
+    lowered = jax.jit(jax.grad(loss, argnums=arguments)).lower(variables, *inputs)
+    with gpu.compiling():
+        return lowered.compile(gpu.compiler_options).as_text()
 
 
-def _fp8_dense_gemms(target: str) -> list[list[str]]:
-    """A bf16 Dense layer with flax's FP8 dot (delayed scaling), forward and backward, compiled
-    for one `target` GPU: each cuBLASLt GEMM's target and its two matrix operands' types."""
+def _fp8_dense_program(target: str) -> str:
+    """A bf16 Dense layer with flax's FP8 dot (delayed scaling), forward and backward."""
     import flax.linen as nn
     import jax.numpy as jnp
     from flax.linen import fp8_ops
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from t5scale.xla_gpu import compiler_options
-
-    devices = GpuTopology(target).devices()
     layer = nn.Dense(256, dtype=jnp.bfloat16, use_bias=False,
                      dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)  # fmt: skip
-    x = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
-    replicated = NamedSharding(Mesh(devices, ("d",)), PartitionSpec())
-    variables = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-        jax.eval_shape(layer.init, jax.random.key(0), x),
-    )
-    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+    return _gradient_program(layer, target, (512, 128))
 
-    def loss(variables, x):
-        return jnp.sum(layer.apply(variables, x).astype(jnp.float32) ** 2)
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x)
-    text = lowered.compile(compiler_options(devices)).as_text()
-    _FP8_PROGRAMS[target] = text
+def _fp8_dense_gemms(target: str) -> list[list[str]]:
+    """The FP8 Dense layer's cuBLASLt GEMMs on `target`: each call's target and its two matrix
+    operands' types."""
+    text = _fp8_dense_program(target)
     shapes = dict(re.findall(r"^\s*(%\S+) = (\w+)\[", text, re.M))
     calls = re.findall(r"custom-call\(([^)]*)\), custom_call_target=\"(__cublas\$lt[^\"]*)\"", text)
     return [[call, *(shapes.get(name) for name in operands.split(", ")[:2])]
@@ -520,9 +532,7 @@ def test_the_kernel_inventory_names_the_fp8_gemms_and_prices_them_at_the_fp8_pea
     from t5scale.analysis.kernels import read_program
     from t5scale.whatif.gpu_step import kernel_seconds
 
-    if "h100_sxm" not in _FP8_PROGRAMS:
-        _fp8_dense_gemms("h100_sxm")
-    program = read_program(parse_module(_FP8_PROGRAMS["h100_sxm"]))
+    program = read_program(parse_module(_fp8_dense_program("h100_sxm")))
     inventory = program.inventory
     assert inventory.fp8_gemm.count == inventory.gemm.count == 3
     assert inventory.fp8_gemm.flops == inventory.gemm.flops == 3 * 2 * 512 * 128 * 256
@@ -555,31 +565,14 @@ def test_each_layer_einsum_through_flax_s_fp8_einsum_is_three_fp8_gemms(equation
     the input's gradient and the weight's, each an FP8 cuBLASLt GEMM (multi-axis contractions
     and batch-free stacks included), and no bf16 GEMM left."""
     import flax.linen as nn
-    import jax.numpy as jnp
     from flax.linen import fp8_ops
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from t5scale.xla_gpu import compiler_options
 
     class Layer(nn.Module):
         @nn.compact
         def __call__(self, x, w):
             return fp8_ops.Fp8Einsum()(equation, x, w)
 
-    devices = GpuTopology("h100_sxm").devices()
-    replicated = NamedSharding(Mesh(devices, ("d",)), PartitionSpec())
-    x, w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=replicated)
-            for shape in (x_shape, w_shape))  # fmt: skip
-    variables = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-        jax.eval_shape(Layer().init, jax.random.key(0), x, w),
-    )
-
-    def loss(variables, x, w):
-        return jnp.sum(Layer().apply(variables, x, w).astype(jnp.float32) ** 2)
-
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(variables, x, w)
-    text = lowered.compile(compiler_options(devices)).as_text()
+    text = _gradient_program(Layer(), "h100_sxm", x_shape, w_shape)
     assert (
         re.findall(r'custom_call_target="(__cublas[^"]*)"', text) == ["__cublas$lt$matmul$f8"] * 3
     )

@@ -122,6 +122,11 @@ class Kernel(JsonRecord):
     bytes_written: int = 0
     dtype: str | None = None  # GEMMs and attention: their operands' element type, e.g. bf16
 
+    @property
+    def is_fp8_gemm(self) -> bool:
+        """A GEMM of 8-bit float operands (f8e4m3fn, f8e5m2): cuBLASLt's FP8 GEMMs."""
+        return self.kind == "gemm" and (self.dtype or "").startswith("f8")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledCollective(JsonRecord):
@@ -208,7 +213,7 @@ class Program(JsonRecord):
                 runs * kernel.flops,
             )
             totals[kernel.kind] = totals[kernel.kind].plus(*work)
-            if kernel.kind == "gemm" and (kernel.dtype or "").startswith("f8"):
+            if kernel.is_fp8_gemm:
                 fp8_gemm = fp8_gemm.plus(*work)
         collective = ClassTotal()
         for scheduled in self.collectives:

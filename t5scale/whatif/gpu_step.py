@@ -38,12 +38,11 @@ from t5scale.whatif.program_time import ProgramTime, timed_program
 # between the queued gap and the host-bound cost; measured steps are to refit it.
 KERNEL_LAUNCH_S = 2e-6
 _FLOAT32 = ("f32", "f64")
-_FLOAT8 = "f8"  # f8e4m3fn, f8e5m2: an FP8 cuBLASLt GEMM's operands
 
 
 def _achieved_flops(kernel: Kernel, cluster: GpuFigures) -> float:
     """The FLOP/s `kernel`'s arithmetic runs at: its class's efficiency of its dtype's peak."""
-    if kernel.kind != "attention" and kernel.dtype and kernel.dtype.startswith(_FLOAT8):
+    if kernel.is_fp8_gemm:
         if cluster.peak_flops_float8 is None:
             raise ConfigError("the program has FP8 GEMMs and the cluster's GPU no FP8 peak "
                               "(ClusterConfig.peak_flops_float8)")  # fmt: skip
