@@ -126,9 +126,9 @@ def step_item(
     step = setup.compile()
     if not _write_memory(results, setup, step):
         return  # nothing runs: XLA's own estimate says it does not fit (docs/gpu_check.md)
-    seconds, metrics, state, batches, create_state_s = _time_steps(jax, setup, step, run, shapes)
+    seconds, losses, state, batches, create_state_s = _time_steps(jax, setup, step, run, shapes)
     results.write(create_state_s=create_state_s)
-    step_s = _write_times(results, setup, run, shapes, peak, seconds, metrics)
+    step_s = _write_times(results, setup, run, shapes, peak, seconds, losses)
     program = step if step.setup.target.is_gpu else h100_program(run)
     if program is None:
         results.write(prediction=None, why="no GPU program: jax's CUDA plugin is not installed")
@@ -155,8 +155,10 @@ def _write_memory(results: Results, setup, step) -> bool:
     return xla_peak <= budget
 
 
-def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any, Any, list, float]:
-    """Seconds of each step, warm-ups first, the last step's metrics, the state and batches to
+def _time_steps(
+    jax, setup, step, run, shapes: Shapes
+) -> tuple[list[float], list[float], Any, list, float]:
+    """Seconds and loss of each step, warm-ups first, the state and batches to
     go on stepping from (the state passed in is donated: the one returned is live), and the
     seconds the state's creation took."""
     from t5scale.data.synthetic import synthetic_batch
@@ -171,15 +173,16 @@ def _time_steps(jax, setup, step, run, shapes: Shapes) -> tuple[list[float], Any
         )
         for i in range(3)
     ]
-    seconds = []
+    seconds, losses = [], []
     for i in range(shapes.warmup_steps + shapes.timed_steps):
         start = time.perf_counter()
         state, metrics = step.compiled(state, batches[i % len(batches)])
         jax.block_until_ready((state, metrics))
         seconds.append(time.perf_counter() - start)
+        losses.append(float(metrics.loss))  # after the clock: the step is done
         if sum(seconds) > TIMED_STEPS_S and i >= shapes.warmup_steps + 2:
             break  # a step far slower than expected: three timed steps say so, and save time
-    return seconds, metrics, state, batches, setup_s
+    return seconds, losses, state, batches, setup_s
 
 
 def _write_times(
@@ -189,7 +192,7 @@ def _write_times(
     shapes: Shapes,
     peak: float | None,
     seconds: list[float],
-    metrics,
+    losses: list[float],
 ) -> float:
     """The timed steps' median, tokens/s and MFU, written; the median."""
     from t5scale.analysis.flops import mfu, training_flops_per_step
@@ -204,7 +207,7 @@ def _write_times(
     datasheet = datasheet_peak(run.model.dtype)
     results.write(
         step_s=step_s, steps_s=timed_s, warmup_s=seconds[: shapes.warmup_steps],
-        tokens_per_s=tokens / step_s, loss=float(metrics.loss),
+        tokens_per_s=tokens / step_s, loss=losses[-1], losses=losses,
         mfu_measured_peak=mfu(flops, step_s, peak, 1) if peak else None,
         mfu_datasheet=mfu(flops, step_s, datasheet, 1) if datasheet else None,
         allocator_peak_bytes=allocator_peak(setup.mesh),
@@ -233,9 +236,11 @@ def _write_prediction(results: Results, device, program, run, step_s: float) -> 
 
 
 def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool,
-             batch: int | None = None, loss_chunk_tokens: int | None = None):  # fmt: skip
-    """The timed run: mixed precision, AdamW without clipping (as bench/bench_step.py), at the
-    shapes' batch or `batch`, the loss in chunks of `loss_chunk_tokens` (None: chosen)."""
+             batch: int | None = None, loss_chunk_tokens: int | None = None,
+             precision: str = "mixed"):  # fmt: skip
+    """The timed run: mixed precision (or `precision`: 'fp8'), AdamW without clipping (as
+    bench/bench_step.py), at the shapes' batch or `batch`, the loss in chunks of
+    `loss_chunk_tokens` (None: chosen)."""
     from t5scale.data.config import DataConfig
     from t5scale.model.sizes import preset
     from t5scale.train.config import RunConfig, TrainConfig
@@ -250,7 +255,7 @@ def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers
         optimizer=OptimizerConfig(grad_clip_norm=None),
         train=TrainConfig(batch_size=batch or shapes.batch),
         data=DataConfig(input_length=shapes.input_length, target_length=shapes.target_length),
-        precision=PrecisionConfig(mode="mixed"),
+        precision=PrecisionConfig(mode=precision),
     )
 
 

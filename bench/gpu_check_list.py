@@ -56,10 +56,13 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     large, small, extra_large = shapes.models
 
     def step(model: str, remat: str, attention: str, estimate: float, unrolled=False,
-             batch: int | None = None, chunk: int | None = None, extra: bool = False) -> Item:  # fmt: skip
+             batch: int | None = None, chunk: int | None = None, extra: bool = False,
+             precision: str = "mixed") -> Item:  # fmt: skip
         layers = "unrolled" if unrolled else "loop"
         options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
         name = f"step {model} {remat} {attention} {layers}"
+        if precision != "mixed":  # gin/precision/<precision>.gin's run
+            options["precision"], name = precision, f"{name} {precision}"
         if batch:
             options["batch"], name = batch, f"{name} batch {batch}"
         if chunk:  # ModelConfig.loss_chunk_tokens (default: chosen, 264 at these shapes)
@@ -72,6 +75,10 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         Item("device", 18, "device"),  # 13 measured; +5 estimated for the FP8 chain (sixteenth)
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
         step(large, "dots", "fused", 40),
+        # issue 62: FP8 GEMMs for the layers (gin/precision/fp8.gin) against the step above,
+        # and the loss of both over the timed steps (estimate: the mixed step's, and 5 s more
+        # for the quantization's compile; never run)
+        step(large, "dots", "fused", 45, precision="fp8"),
         step(small, "dots", "fused", 40),
         # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
         # zero-fills and copies were a third of the time neither GEMM nor attention)
@@ -80,10 +87,11 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # the loss in 7 chunks, not 28: the head's fp32 weight gradient written 7 times a step
         # (docs/benchmarks.md, fifteenth: 11 ms of this step at 28), for a 1 GB logits block
         step(small, "dots", "fused", 58, unrolled=True, chunk=1048),
-        # the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full (XLA's
-        # estimate, compiled for an H100 here: docs/benchmarks.md)
-        step(extra_large, "full", "fused", 75, batch=shapes.xl_batch),
         step(large, "full", "fused", 35),
+        # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
+        # (XLA's estimate, compiled for an H100 here: docs/benchmarks.md; 2.97 s a step on the
+        # H200, fourteenth)
+        step(extra_large, "full", "fused", 75, batch=shapes.xl_batch, extra=True),
         # extras: the einsum steps, measured before (docs/benchmarks.md), for the cluster
         # model's comparison; the kernels in fp32, which 'auto' no longer runs
         step(

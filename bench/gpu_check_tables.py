@@ -19,7 +19,7 @@ def tables(path: Path, profiles: bool = True) -> str:
             merged.setdefault(line["item"], {}).update(line)
     text = ["# GPU check", "", *_device(merged.get("device", {}))]
     text += _kernel_rows(lines) + _attention_rate(lines) + _speed_rows(lines) + _sweep_rows(lines)
-    text += _step_rows(merged)
+    text += _step_rows(merged) + _fp8_rows(merged)
     for name, row in merged.items():
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")
@@ -146,6 +146,31 @@ def _step_rows(merged: dict[str, dict[str, Any]]) -> list[str]:
     return text
 
 
+def _fp8_rows(merged: dict[str, dict[str, Any]]) -> list[str]:
+    """Each FP8 step against the same step in mixed precision: the speed-up (issue 62's goal on
+    an H100: 1.3×) and the loss of both over every step, warm-ups first (the same batches)."""
+    pairs = [
+        (item.name.removesuffix(" fp8"), item.name)
+        for item in work_list(GPU, extras=True) + work_list(DRY_RUN, extras=True)
+        if item.options.get("precision") == "fp8"
+    ]
+    rows = [(merged[m], merged[f]) for m, f in dict(pairs).items()
+            if "step_s" in merged.get(m, {}) and "step_s" in merged.get(f, {})]  # fmt: skip
+    if not rows:
+        return []
+    text = ["", "## FP8 against mixed precision (the same step, the same batches)", "",
+            "| step | mixed | fp8 | speed-up | losses, mixed | losses, fp8 |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for mixed, fp8 in rows:
+        losses = [", ".join(f"{x:.3f}" for x in row.get("losses", [])) for row in (mixed, fp8)]
+        text.append(
+            f"| {fp8['item'].removeprefix('step ')} | {mixed['step_s']:.4f} s | "
+            f"{fp8['step_s']:.4f} s | {mixed['step_s'] / fp8['step_s']:.2f}× | "
+            f"{losses[0]} | {losses[1]} |"
+        )
+    return text
+
+
 def _tflops(flops: float | None, milliseconds: float) -> str:
     return "–" if not flops else f"{flops / milliseconds / 1e9:,.1f}"
 
@@ -184,6 +209,8 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
     model = options["model"] + (f" (batch {options['batch']})" if "batch" in options else "")
     if "loss_chunk_tokens" in options:
         model += f" (loss chunks of {options['loss_chunk_tokens']})"
+    if "precision" in options:
+        model += f" ({options['precision']})"
     return (
         f"| {model} | {options['remat']} | "
         f"{row.get('attention_ran', options['attention'])} | {layers} | "

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, cli_in_process, process_env
+from conftest import REPO, cli_in_process, cli_inline, process_env
 
 from t5scale.data.config import DataConfig
 from t5scale.errors import ConfigError, DataError
@@ -118,6 +118,9 @@ TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
         "--gin.TARGET_LENGTH=8"]  # fmt: skip
 
 
+FP8 = ["--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/precision/fp8.gin"]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -129,6 +132,14 @@ TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
             "ModelConfig.remat 'none' is now 'dots' (it keeps the matmuls' outputs",
         ),
         (["params", "--num_processes=0"], "DistributedConfig.num_processes must be >= 1"),
+        (
+            ["params", *FP8, "--gin.ModelConfig.dtype='float32'"],
+            "PrecisionConfig.mode='fp8' runs the rest of the model in bf16: set ModelConfig.dtype",
+        ),
+        (
+            ["params", *FP8, "--gin.PrecisionConfig.fp8_amax_history=0"],
+            "PrecisionConfig.fp8_amax_history must be >= 1 (the steps each FP8 scale is made from)",
+        ),
         (["params", "--num_processes=1", "--process_id=3"], "process_id must be >= 0 and below"),
         (["train", *TINY, "--gin.MODEL_DIR=/proc/t5scale-no/x"], "cannot be used as a directory"),
         # a multi-process run without a coordinator: a DistributedError when it joins
@@ -137,6 +148,39 @@ TINY = ["--gin_file=gin/models/mt5_tiny.gin", "--gin.DATA_SOURCE=synthetic",
 )
 def test_bad_input_through_the_cli_is_one_line(args, says, capsys):
     assert says in _one_line(*cli_in_process(args, capsys)[::2])
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            [
+                "plan",
+                *FP8,
+                "--gin_file=gin/clusters/tpu_v5e.gin",
+                "--gin.TpuPodConfig.slice='v5e-8'",
+            ],
+            "PrecisionConfig.mode='fp8' is for Hopper GPUs (FP8 cuBLASLt GEMMs); TPUs run mixed",
+        ),
+        (
+            ["train", *TINY, *FP8, "--gin.ParallelConfig.pipeline=2"],
+            "PrecisionConfig.mode='fp8' with pipeline stages is not built yet",
+        ),
+        (
+            [
+                "train",
+                *TINY,
+                *FP8,
+                "--gin.ReplicaSyncConfig.mode='diloco'",
+                "--gin.ParallelConfig.replica=2",
+            ],
+            "PrecisionConfig.mode='fp8' with local SGD or DiLoCo is not built yet",
+        ),  # fmt: skip
+    ],
+    ids=["tpu", "pipeline", "diloco"],
+)
+def test_fp8_where_it_is_not_built_is_one_line(args, says, capsys, monkeypatch):
+    assert says in _one_line(*cli_inline(args, capsys, monkeypatch)[::2])
 
 
 def test_a_model_dir_that_is_a_file_is_one_line(tmp_path, capsys):

@@ -416,6 +416,27 @@ def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_agai
     assert dots.analysis.kernels.attention.count < full.analysis.kernels.attention.count
 
 
+def test_every_layer_gemm_of_the_fp8_step_is_an_fp8_gemm():
+    """gin/precision/fp8.gin's step for one H100: each layer's matmuls (6 an encoder layer, 10 a
+    decoder layer), forward and both gradients, are FP8 cuBLASLt GEMMs, named so by the kernel
+    inventory; the output layer's three (forward and its gradients, in the tiled head) are the
+    only bf16 ones. Their FLOPs are the mixed step's; the mixed step has fewer GEMMs (79
+    against 99 here), as XLA merges bf16 GEMMs that share an operand and no FP8 ones."""
+    fp8 = _one_h100_step("PrecisionConfig.mode='fp8'", "ModelConfig.remat='dots'")
+    mixed = _one_h100_step("ModelConfig.remat='dots'")
+    model = fp8.setup.run.model
+    assert fp8.analysis.to_json()["precision"]["mode"] == "fp8"
+    kernels, reference = fp8.analysis.kernels, mixed.analysis.kernels
+    layer_matmuls = 6 * model.num_encoder_layers + 10 * model.num_decoder_layers
+    assert kernels.fp8_gemm.count == 3 * layer_matmuls
+    assert kernels.gemm.count - kernels.fp8_gemm.count == 3
+    assert reference.fp8_gemm.count == 0
+    assert kernels.gemm.flops == reference.gemm.flops
+    assert kernels.gemm.count > reference.gemm.count
+    text = fp8.compiled.as_text()
+    assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3 * layer_matmuls
+
+
 @pytest.mark.slow  # four H100 programs; CI: what remat 'dots' keeps of the attention (above)
 def test_unrolled_dots_keeps_the_norms_and_the_gated_gelu(monkeypatch):
     """Unrolled, remat 'dots' also keeps the norms' outputs and the gated GELU's product

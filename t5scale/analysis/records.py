@@ -21,7 +21,7 @@ from t5scale.model.sizes import RENAMED_REMATS
 class StatePrecision(JsonRecord):
     """In what dtypes the model state is kept (t5scale/train/precision.py)."""
 
-    mode: str  # 'mixed' or 'float32'
+    mode: str  # 'mixed', 'fp8' (mixed, with FP8 GEMMs for the layers) or 'float32'
     parameters: str
     gradients: str
     fp32_master: bool

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from t5scale.model import attention_vjp
@@ -42,6 +43,9 @@ NEG_INF = -1e10
 # (mT5 does not tie them), by their names in the parameter tree.
 EMBEDDING, LM_HEAD = "embedding", "lm_head"
 ENCODER, DECODER, LAYERS = "encoder", "decoder", "layers"  # module names in the tree
+# The collection of the FP8 matmuls' scales and amax histories (flax's fp8_ops): their
+# "gradient" is their next value, never a step for the optimizer (t5scale/train/fp8.py).
+FP8_STATE = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
 def _keep_params(params, path: tuple[str, ...]):
@@ -119,6 +123,15 @@ class _Module(nn.Module):
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return self.hooks.constrain(x, axes)
 
+    def matmul(self, name: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """x · w by `equation`: in the compute dtype, or with an FP8 amax history an FP8 GEMM with
+        delayed scaling (flax's Fp8Einsum, its scales and histories in FP8_STATE under
+        `<name>_fp8`): e4m3 operands forward, an e5m2 gradient backward (docs/concepts.md)."""
+        if self.cfg.fp8_amax_history is None:
+            return jnp.einsum(equation, x, w)
+        fp8 = fp8_ops.Fp8Einsum(amax_history_length=self.cfg.fp8_amax_history, name=f"{name}_fp8")
+        return fp8(equation, x, w)
+
 
 def _normal(stddev: float):
     return nn.initializers.normal(stddev=stddev)
@@ -150,9 +163,9 @@ class Attention(_Module):
         wv = self.weight("value", _normal(d**-0.5), (d, h, k), ("embed", "heads", "kv"))
         wo = self.weight("out", _normal((h * k) ** -0.5), (h, k, d), ("heads", "kv", "embed"))
         head_axes = ("batch", "length", "heads", "kv")
-        q = self.constrain(jnp.einsum("bqd,dhk->bqhk", x_q, wq), head_axes)
-        key = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wk), head_axes)
-        value = self.constrain(jnp.einsum("bsd,dhk->bshk", x_kv, wv), head_axes)
+        q = self.constrain(self.matmul("query", "bqd,dhk->bqhk", x_q, wq), head_axes)
+        key = self.constrain(self.matmul("key", "bsd,dhk->bshk", x_kv, wk), head_axes)
+        value = self.constrain(self.matmul("value", "bsd,dhk->bshk", x_kv, wv), head_axes)
         if self.cfg.fused_route:
             backend = self.hooks.kernels if self.cfg.attention == "fused" else "reference"
             context = self.hooks.attend(q, key, value, *bias, causal=self.causal, backend=backend)
@@ -161,7 +174,7 @@ class Attention(_Module):
             probs = jax.nn.softmax(logits, axis=-1).astype(self.cfg.dtype)
             context = jnp.einsum("bhqs,bshk->bqhk", probs, value)
         context = self.constrain(context, head_axes)
-        return jnp.einsum("bqhk,hkd->bqd", context, wo)
+        return self.matmul("out", "bqhk,hkd->bqd", context, wo)
 
 
 class GatedGeluMlp(_Module):
@@ -173,10 +186,10 @@ class GatedGeluMlp(_Module):
         wo = self.weight("wo", _normal(f**-0.5), (f, d), ("mlp", "embed"))
         # Both input projections in one matmul: [d, 2, f] has the memory layout of the two
         # weights side by side, and stacking (not concatenating) keeps `mlp` shardable.
-        both = jnp.einsum("bld,dtf->bltf", x, jnp.stack([wi_0, wi_1], axis=1))
+        both = self.matmul("wi", "bld,dtf->bltf", x, jnp.stack([wi_0, wi_1], axis=1))
         hidden = jax.nn.gelu(both[:, :, 0], approximate=True) * both[:, :, 1]
         hidden = self.constrain(checkpoint_name(hidden, "gated_gelu"), ("batch", "length", "mlp"))
-        return hidden @ wo
+        return self.matmul("wo", "blf,fd->bld", hidden, wo)
 
 
 def relative_position_bucket(
@@ -299,7 +312,7 @@ def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast
     rematted = nn.remat(layer_cls, policy=policy, prevent_cse=unrolled)
     return nn.scan(
         rematted,
-        variable_axes={"params": 0},
+        variable_axes={"params": 0, FP8_STATE: 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,) * broadcast_args,
         length=num_layers,
@@ -478,14 +491,44 @@ class MT5(_Module):
         return self.constrain(logits, ("batch", "length", "vocab"))
 
 
-def abstract_params(
-    cfg: ModelConfig, batch_size: int = 1, input_length: int = 8, target_length: int = 8
-):
+def model_variables(params: Any, fp8: Any = None) -> dict[str, Any]:
+    """What `MT5.apply` takes: the parameters, and the FP8 matmuls' state where they have one."""
+    return {"params": params} if fp8 is None else {"params": params, FP8_STATE: fp8}
+
+
+def _abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    return jax.eval_shape(MT5(cfg).init, jax.random.key(0), tokens, tokens)
+
+
+def abstract_params(cfg: ModelConfig):
     """Parameter shapes with their logical axes (flax LogicallyPartitioned boxes), nothing allocated."""
-    model = MT5(cfg)
-    enc = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)
-    dec = jax.ShapeDtypeStruct((batch_size, target_length), jnp.int32)
-    return jax.eval_shape(model.init, jax.random.key(0), enc, dec)["params"]
+    return _abstract_variables(cfg)["params"]
+
+
+def abstract_fp8_state(cfg: ModelConfig) -> Any:
+    """The FP8 matmuls' scales and amax histories (jax.ShapeDtypeStruct, stacked by layer as the
+    parameters are); None without FP8."""
+    if cfg.fp8_amax_history is None:
+        return None
+    return _abstract_variables(cfg)[FP8_STATE]
+
+
+def fresh_fp8_state(cfg: ModelConfig, full: Callable = np.full) -> Any:
+    """The FP8 state as flax's Fp8Einsum starts it, made by `full` (np.full: in host memory;
+    jnp.full inside a jit); None without FP8."""
+    shapes = abstract_fp8_state(cfg)
+    return None if shapes is None else fp8_state_like(shapes, full)
+
+
+def fp8_state_like(shapes: Any, full: Callable = np.full) -> Any:
+    """A fresh FP8 state of these shapes: scales 1, amax histories 0."""
+
+    def start(path, leaf: jax.ShapeDtypeStruct):
+        fill = 1.0 if str(path[-1].key).endswith("_scale") else 0.0
+        return full(leaf.shape, fill, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(start, shapes)
 
 
 # The parameter tree's layout, for code outside model/ (flax names each part after its module).

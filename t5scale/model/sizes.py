@@ -100,6 +100,10 @@ class ModelConfig:
     # six times the compile time; docs/benchmarks.md, "The layer loop"). Parameters are stacked
     # on a leading layer axis either way, so checkpoints do not depend on it.
     scan_layers: bool = True
+    # FP8 GEMMs for the layers' matmuls (t5scale/model/mt5.py, `Matmul`) with delayed scaling
+    # over this many steps of amax history; None: the matmuls run in `dtype`. Set by the run from
+    # PrecisionConfig (mode 'fp8', gin/precision/fp8.gin), not by hand.
+    fp8_amax_history: int | None = None
 
     def __post_init__(self) -> None:
         # before the type check, whose line would not say what the old name became
@@ -135,6 +139,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention must be dot, fused, fused_reference or auto, got "
                 f"{self.attention!r}"
+            )
+        if self.fp8_amax_history is not None and self.fp8_amax_history < 1:
+            raise ValueError(
+                f"ModelConfig.fp8_amax_history must be None or >= 1, got {self.fp8_amax_history}"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")

@@ -1,8 +1,11 @@
-"""Orbax checkpoints of a run: MODEL_DIR/checkpoints/<step>/{state, meta}.
+"""Orbax checkpoints of a run: MODEL_DIR/checkpoints/<step>/{state, meta, fp8}.
 
 - `state`: the TrainState (parameters, optimizer state, step), written by every process for its
   own shards and restored straight into the shardings of whatever stage and mesh the restoring
   run uses (orbax reshards), so a checkpoint moves between ZeRO stages and device counts.
+- `fp8`: in fp8 precision, the FP8 matmuls' scales and amax histories (t5scale/train/fp8.py),
+  an item of their own, so that a run moves between fp8 and mixed precision: a run that has
+  none restores fresh ones, a run without FP8 leaves them, each said in one line.
 - `meta`: JSON, a `CheckpointMeta` — the step, the data stream's position, the model's
   dimensions, the optimizer, how replicas synchronised, and the run itself (its RunConfig).
 
@@ -28,6 +31,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from t5scale.errors import ConfigError
+from t5scale.model.mt5 import fp8_state_like
 from t5scale.model.sizes import ModelConfig
 from t5scale.startup import absl_quiet
 from t5scale.target import Target
@@ -94,19 +98,20 @@ class Checkpoints:
             cleanup_tmp_directories=not self.read_only,  # what a killed save left behind
             read_only=self.read_only,
         )
-        return ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        items = ("state", "meta", "fp8")
+        return ocp.CheckpointManager(self.directory, options=options, item_names=items)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: CheckpointMeta) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta.to_json())
-            ),
-            force=True,
-        )
+        """`state` (a TrainState: its FP8 state, if any, as the `fp8` item) and its meta."""
+        fp8 = getattr(state, "fp8", None)
+        items = {"meta": ocp.args.JsonSave(meta.to_json())}
+        if fp8 is not None:
+            state, items["fp8"] = state.replace(fp8=None), ocp.args.StandardSave(fp8)
+        items["state"] = ocp.args.StandardSave(state)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore_latest(
         self, abstract_state: Any, model: ModelConfig, optimizer: str
@@ -129,12 +134,37 @@ class Checkpoints:
             check_compatible(meta, model, optimizer, where)  # a mismatch is the user's: stop
             target = abstract_state(meta) if callable(abstract_state) else abstract_state
             try:
-                state = self.restore(step, state=ocp.args.StandardRestore(target)).state
+                state = self.restore_state(step, target)
+                state = state.replace(fp8=self._restore_fp8(step, meta, target.fp8, where))
             except Exception as error:  # noqa: BLE001
                 self._set_aside(step, error)
                 continue
             return Restored(state, meta)
         return None
+
+    def restore_state(self, step: int, target: Any) -> Any:
+        """The `state` item at `step`, restored into `target` (its FP8 state left to the caller)."""
+        return self.restore(step, state=ocp.args.StandardRestore(target.replace(fp8=None))).state
+
+    def _restore_fp8(self, step: int, meta: CheckpointMeta, target: Any, where: str) -> Any:
+        """The FP8 state the checkpoint holds for a run that has one (`target` not None): its own,
+        or fresh where it has none of this shape (a mixed run's, `convert`'s); None for a run
+        without one."""
+        has_fp8 = (self.directory / str(step) / "fp8").is_dir()
+        if target is None:
+            if has_fp8:
+                _say(f"{where}: its FP8 scales and amax histories are left out (this run's "
+                     "precision has no FP8 matmuls)")  # fmt: skip
+            return None
+        saved = meta.run.precision.fp8_amax_history if has_fp8 and meta.run else None
+        history = _amax_history_length(target)
+        if saved == history:
+            return self.restore(step, fp8=ocp.args.StandardRestore(target)).fp8
+        why = (f"its amax histories are {saved} steps, this run's {history}" if has_fp8
+               else "it holds no FP8 state")  # fmt: skip
+        _say(f"{where}: {why}; the FP8 scales and amax histories start fresh")
+        fresh = fp8_state_like(target)
+        return jax.device_put(fresh, jax.tree.map(lambda x: x.sharding, target))
 
     def meta(self, step: int) -> CheckpointMeta:
         """The meta of the checkpoint at `step`."""
@@ -172,6 +202,16 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _amax_history_length(fp8: Any) -> int:
+    paths = jax.tree_util.tree_flatten_with_path(fp8)[0]
+    return next(x.shape[-1] for path, x in paths if str(path[-1].key).endswith("amax_history"))
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(f"t5scale: {line}", file=sys.stderr, flush=True)
 
 
 def write_converted(model_dir: str, run: RunConfig, params: Any) -> Path:

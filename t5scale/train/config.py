@@ -132,6 +132,11 @@ class RunConfig(JsonRecord):
         # A ValueError where the two disagree. local SGD or DiLoCo on one replica is refused by
         # the training loop only: `simulate` times its outer step on one node too.
         resolve(self.precision, self.model.dtype)
+        # The model's matmuls follow the precision: FP8 ones only in mode 'fp8'.
+        history = self.precision.fp8_amax_history if self.precision.mode == "fp8" else None
+        if self.model.fp8_amax_history != history:
+            model = dataclasses.replace(self.model, fp8_amax_history=history)
+            object.__setattr__(self, "model", model)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Self:

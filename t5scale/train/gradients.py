@@ -37,12 +37,13 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.data.batch import Batch
 from t5scale.model.head import loss_sums, model_loss_sums
-from t5scale.model.mt5 import EMBEDDING, LM_HEAD, MT5, ShardingHooks
+from t5scale.model.mt5 import EMBEDDING, LM_HEAD, MT5, ShardingHooks, model_variables
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel import collectives, rules, vocab
 from t5scale.parallel.attention import attend_on_mesh, kernels_for
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout
 from t5scale.parallel.mesh import DATA_AXES
+from t5scale.train import fp8 as fp8_state
 from t5scale.train import pipeline
 from t5scale.train.metrics import LossSums
 from t5scale.train.precision import Precision
@@ -163,7 +164,7 @@ def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
 
 
 def dense_loss_sums(
-    model: ModelConfig, hooks: ShardingHooks, params: Any, batch: Batch, z_loss: float
+    model: ModelConfig, hooks: ShardingHooks, params: Any, fp8: Any, batch: Batch, z_loss: float
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, cross-entropy sum, z-loss sum) with the whole output projection on every device,
     in chunks of tokens (t5scale/model/head.py), or with loss_chunk_tokens = 0 from the whole
@@ -171,10 +172,10 @@ def dense_loss_sums(
     targets, weights = batch.decoder_target_tokens, batch.decoder_loss_weights
     module = MT5(model, hooks)
     if model.loss_chunk_tokens == 0:
-        logits = module.apply({"params": params}, *batch.model_inputs())
+        logits = module.apply(model_variables(params, fp8), *batch.model_inputs())
         cross_entropy, z_term = loss_sums(logits, targets, weights, z_loss)
         return cross_entropy + z_term, cross_entropy, z_term
-    decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
+    decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
     return model_loss_sums(
         model, decoded, params[LM_HEAD], targets, weights, z_loss, constrain=_constrain
     )
@@ -184,6 +185,7 @@ def vocabulary_parallel_loss_sums(
     model: ModelConfig,
     hooks: ShardingHooks,
     params: Any,
+    fp8: Any,
     batch: Batch,
     z_loss: float,
     slice_size: int,
@@ -198,7 +200,7 @@ def vocabulary_parallel_loss_sums(
 
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
-    decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
+    decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
     return vocab.loss_sums(model, decoded, params[LM_HEAD], batch, z_loss, _constrain)
 
 
@@ -209,9 +211,11 @@ def micro_batch_loss(
     z_loss: float,
     total_weight: jax.Array,
     params: Any,
+    fp8: Any,
     batch: Batch,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """(this micro-batch's share of the step's mean loss, its (cross-entropy, z-loss) sums)."""
+    """(this micro-batch's share of the step's mean loss, its (cross-entropy, z-loss) sums);
+    `fp8`: the FP8 matmuls' state (t5scale/train/fp8.py), or None."""
     local_batch, input_length = batch.encoder_input_tokens.shape
     split = layout.vocabulary_parallel and vocab.pays_off(
         local_batch * layout.zero_size,
@@ -228,10 +232,10 @@ def micro_batch_loss(
     if split:
         slice_size = layout.leaves[LM_HEAD].padded[1] // layout.zero_size
         sums = vocabulary_parallel_loss_sums(
-            model, hooks, params, batch, z_loss, slice_size, last_collective
+            model, hooks, params, fp8, batch, z_loss, slice_size, last_collective
         )
     else:
-        sums = dense_loss_sums(model, hooks, params, batch, z_loss)
+        sums = dense_loss_sums(model, hooks, params, fp8, batch, z_loss)
     loss, cross_entropy, z_term = sums
     return loss / total_weight, (cross_entropy, z_term)
 
@@ -244,6 +248,7 @@ def pipelined_loss(
     total_weight: jax.Array,
     micro_batches: int,
     params: Any,
+    fp8: None,
     batch: Batch,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(this stage's share of the step's mean loss, its (cross-entropy, z-loss) sums): every
@@ -327,26 +332,41 @@ def all_reduce_gradients(grads: Any, layout: StateLayout) -> Any:
 
 
 def accumulate_gradients(
-    loss_fn: Callable, params: Any, batch: Batch, layout: StateLayout, micro_batches: int, dtype
-) -> tuple[Any, tuple[jax.Array, jax.Array]]:
-    """(gradients summed over the micro-batches in `dtype`, their per-micro-batch loss sums), in a
-    scan; one micro-batch without one.
+    loss_fn: Callable,
+    params: Any,
+    fp8: Any,
+    batch: Batch,
+    layout: StateLayout,
+    micro_batches: int,
+    dtype,
+) -> tuple[Any, Any, tuple[jax.Array, jax.Array]]:
+    """(gradients summed over the micro-batches in `dtype`, the next FP8 state (their max, or
+    None), their per-micro-batch loss sums), in a scan; one micro-batch without one.
 
     Why not a scan of length 1: XLA:TPU's expensive-invariant-code-motion pass hoists the layer
     loops out of such a loop before the loop is simplified away, and copies of them stay: the
     compiled mt5_small step ran 1.7x the model's matmul FLOPs on a v5p (docs/cluster_model.md)."""
 
     def accumulate(accumulator, micro_batch: Batch):
-        (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch)
+        summed, next_fp8 = accumulator
+        (_, sums), (grads, fp8_now) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+            params, fp8, micro_batch
+        )
         grads = reduce_scatter_micro_batch(grads, layout)
-        return jax.tree.map(jnp.add, accumulator, grads), sums
+        return (jax.tree.map(jnp.add, summed, grads), fp8_state.merge(next_fp8, fp8_now)), sums
 
-    start = layout.map(functools.partial(zero_accumulator, layout, dtype))
+    start = (
+        layout.map(functools.partial(zero_accumulator, layout, dtype)),
+        jax.tree.map(
+            lambda x: collectives.to_varying(x, layout.manual_axes), fp8_state.lowest_like(fp8)
+        ),
+    )
     if micro_batches == 1:
-        grads, sums = accumulate(start, batch)
-        return grads, jax.tree.map(lambda x: x[None], sums)
+        (grads, next_fp8), sums = accumulate(start, batch)
+        return grads, next_fp8, jax.tree.map(lambda x: x[None], sums)
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
-    return lax.scan(accumulate, start, micro)
+    (grads, next_fp8), sums = lax.scan(accumulate, start, micro)
+    return grads, next_fp8, sums
 
 
 # ---- the shard_map ----------------------------------------------------------------------------
@@ -359,61 +379,70 @@ def _local_gradients(
     micro_batches: int,
     z_loss: float,
     params,
+    fp8,
     batch,
-) -> tuple[Any, LossSums]:
+) -> tuple[Any, Any, LossSums]:
     weights = batch.decoder_loss_weights.astype(jnp.float32)
     total_weight = jnp.maximum(lax.psum(jnp.sum(weights), layout.data_axes), 1.0)
     # Gradients come out in the dtype of what is differentiated: the parameters themselves, or
     # an fp32 view of the bf16 working copy when mixed precision reduces in fp32 (the model
     # casts each weight to its compute dtype where it is used; stage 3 gathers it in bf16).
+    # Varying before they are differentiated, so that JAX reduces none of the gradients itself.
     manual = layout.manual_axes
     params = jax.tree.map(
         lambda leaf: collectives.to_varying(leaf.astype(precision.grad_dtype), manual), params
     )
+    fp8 = jax.tree.map(lambda leaf: collectives.to_varying(leaf, manual), fp8)
     if layout.pipeline_stages > 1:
         loss_fn = functools.partial(
             pipelined_loss, model, layout, precision, z_loss, total_weight, micro_batches
         )
         (_, (cross_entropy, z_term)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, batch
+            params, None, batch
         )
+        next_fp8 = None
     else:
         loss_fn = functools.partial(
             micro_batch_loss, model, layout, precision, z_loss, total_weight
         )
-        grads, (cross_entropy, z_term) = accumulate_gradients(
-            loss_fn, params, batch, layout, micro_batches, precision.grad_dtype
+        grads, next_fp8, (cross_entropy, z_term) = accumulate_gradients(
+            loss_fn, params, fp8, batch, layout, micro_batches, precision.grad_dtype
         )
     grads = all_reduce_gradients(grads, layout)
+    next_fp8 = fp8_state.max_over_devices(next_fp8, layout.data_axes, after=grads)
     # Ordered after the gradients: see t5scale/parallel/collectives.py.
     sums = jnp.stack([jnp.sum(cross_entropy), jnp.sum(z_term)])
     over = (*layout.data_axes, "pipeline") if layout.pipeline_stages > 1 else layout.data_axes
-    sums = lax.psum(collectives.ordered_after(sums, grads), over)
-    return grads, LossSums(cross_entropy=sums[0], z_loss=sums[1], target_tokens=total_weight)
+    sums = lax.psum(collectives.ordered_after(sums, (grads, next_fp8)), over)
+    return (
+        grads,
+        next_fp8,
+        LossSums(cross_entropy=sums[0], z_loss=sums[1], target_tokens=total_weight),
+    )
 
 
 def gradient_fn(
     model: ModelConfig, layout: StateLayout, precision: Precision, micro_batches: int, z_loss: float
 ):
-    """(params, batch) → (gradients in their at-rest layout and precision.grad_dtype, LossSums over
-    the global batch), as a shard_map; where replicas step on their own, everything has a leading
-    replica axis."""
+    """(params, FP8 state or None, batch) → (gradients in their at-rest layout and
+    precision.grad_dtype, the next FP8 state, LossSums over the global batch), as a shard_map;
+    where replicas step on their own (no FP8 there), everything has a leading replica axis."""
     local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
     param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
     if layout.sync_replicas:
         return jax.shard_map(
-            local, mesh=layout.mesh, in_specs=(param_specs, P(DATA_AXES)),
-            out_specs=(grad_specs, P()), axis_names=set(layout.manual_axes),
+            local, mesh=layout.mesh, in_specs=(param_specs, P(), P(DATA_AXES)),
+            out_specs=(grad_specs, P(), P()), axis_names=set(layout.manual_axes),
         )  # fmt: skip
 
-    def one_replica(params, batch):
+    def one_replica(params, fp8, batch):
         squeeze = functools.partial(jax.tree.map, lambda x: x[0])
         unsqueeze = functools.partial(jax.tree.map, lambda x: x[None])
-        grads, sums = local(squeeze(params), squeeze(batch))
-        return unsqueeze(grads), unsqueeze(sums)
+        grads, _, sums = local(squeeze(params), None, squeeze(batch))
+        return unsqueeze(grads), None, unsqueeze(sums)
 
     return jax.shard_map(
         one_replica, mesh=layout.mesh,
-        in_specs=(specs_over_replicas(param_specs), P("replica", "zero")),
-        out_specs=(specs_over_replicas(grad_specs), P("replica")), axis_names=set(DATA_AXES),
+        in_specs=(specs_over_replicas(param_specs), P(), P("replica", "zero")),
+        out_specs=(specs_over_replicas(grad_specs), P(), P("replica")), axis_names=set(DATA_AXES),
     )  # fmt: skip

@@ -172,18 +172,20 @@ def _write_run_files(
 
 
 def validation_loss(setup: Setup, held_out: Batches):
-    """evaluate(params) → mean validation loss over the first batches of the held-out split."""
+    """evaluate(state) → mean validation loss over the first batches of the held-out split."""
     data = setup.run.data
     batches = [b for _, b in zip(range(data.validation_batches), held_out, strict=False)]
     if not batches:
         raise ConfigError(f"the validation split of {data.source!r} data yields no full batch")
     eval_step = setup.eval_step()
 
-    def evaluate(params) -> float:
+    def evaluate(state) -> float:
+        params = setup.model_params(state)
         # Every device's part done (device_get reads one copy of a replicated sum): a process
         # must not exit with a device still in a cross-process step (t5scale/cli.py's check).
         sums = [
-            jax.device_get(jax.block_until_ready(eval_step(params, batch))) for batch in batches
+            jax.device_get(jax.block_until_ready(eval_step(params, state.fp8, batch)))
+            for batch in batches
         ]
         total = sum(float(s.cross_entropy + s.z_loss) for s in sums)
         return total / max(sum(float(s.target_tokens) for s in sums), 1.0)
@@ -278,7 +280,7 @@ def _run_steps(
                 record = dataclasses.replace(record, skipped_steps=skipped)
                 if evaluate and _validation_due(run, record.step):
                     # a chunk's last step (local SGD, DiLoCo: the last synchronised parameters)
-                    loss = evaluate(programs.setup.model_params(state))
+                    loss = evaluate(state)
                     record = dataclasses.replace(record, validation_loss=loss)
                 log.write(record)
                 instruments.write(record)

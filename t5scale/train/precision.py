@@ -28,18 +28,22 @@ import jax.numpy as jnp
 
 from t5scale.errors import check_field_types
 
-MODES = ("auto", "float32", "mixed")
+MODES = ("auto", "float32", "mixed", "fp8")
 REDUCE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """mode: 'mixed' (DeepSpeed's layout, above), 'float32' (fp32 parameters, gradients and
-    optimizer state), or 'auto': mixed when ModelConfig.dtype is bfloat16, else float32.
-    reduce_dtype: in mixed mode, the dtype gradients are reduced and accumulated in."""
+    optimizer state), 'fp8' (mixed, with the layers' matmuls as FP8 GEMMs: t5scale/train/fp8.py),
+    or 'auto': mixed when ModelConfig.dtype is bfloat16, else float32.
+    reduce_dtype: in mixed mode, the dtype gradients are reduced and accumulated in.
+    fp8_amax_history: in fp8 mode, the steps of amax each FP8 scale is made from (delayed
+    scaling; 1,024 as Transformer Engine's and flax's default)."""
 
     mode: str = "auto"
     reduce_dtype: str = "bfloat16"
+    fp8_amax_history: int = 1024
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -50,6 +54,11 @@ class PrecisionConfig:
                 f"PrecisionConfig.reduce_dtype must be one of {REDUCE_DTYPES}, "
                 f"got {self.reduce_dtype!r}"
             )
+        if self.fp8_amax_history < 1:
+            raise ValueError(
+                "PrecisionConfig.fp8_amax_history must be >= 1 (the steps each FP8 scale is made "
+                f"from), got {self.fp8_amax_history}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,18 +68,26 @@ class Precision:
     mixed: bool
     param_dtype: Any  # the parameters the model computes with (the working copy when mixed)
     grad_dtype: Any  # the gradients as reduced and accumulated
+    fp8: bool = False  # mixed, with FP8 GEMMs for the layers' matmuls
 
     @property
     def name(self) -> str:
-        return "mixed" if self.mixed else "float32"
+        return "fp8" if self.fp8 else "mixed" if self.mixed else "float32"
 
 
 FLOAT32 = Precision(False, jnp.dtype(jnp.float32), jnp.dtype(jnp.float32))
 
 
 def resolve(config: PrecisionConfig, compute_dtype: str) -> Precision:
-    """A ValueError where the two disagree: mixed precision computes in bf16."""
-    mixed = config.mode == "mixed" or (config.mode == "auto" and compute_dtype == "bfloat16")
+    """A ValueError where the two disagree: mixed precision (and fp8's) computes in bf16."""
+    if config.mode == "fp8" and compute_dtype != "bfloat16":
+        raise ValueError(
+            "PrecisionConfig.mode='fp8' runs the rest of the model in bf16: set "
+            "ModelConfig.dtype='bfloat16' (gin/precision/fp8.gin does both)"
+        )
+    mixed = config.mode in ("mixed", "fp8") or (
+        config.mode == "auto" and compute_dtype == "bfloat16"
+    )
     if mixed and compute_dtype != "bfloat16":
         raise ValueError(
             "PrecisionConfig.mode='mixed' computes with a bf16 working copy: set "
@@ -78,7 +95,8 @@ def resolve(config: PrecisionConfig, compute_dtype: str) -> Precision:
         )
     if not mixed:
         return FLOAT32
-    return Precision(True, jnp.dtype(jnp.bfloat16), jnp.dtype(config.reduce_dtype))
+    bf16, reduced = jnp.dtype(jnp.bfloat16), jnp.dtype(config.reduce_dtype)
+    return Precision(True, bf16, reduced, fp8=config.mode == "fp8")
 
 
 class MasterState(flax.struct.PyTreeNode):

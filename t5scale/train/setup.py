@@ -31,7 +31,7 @@ from t5scale.errors import ConfigError
 from t5scale.model.sizes import REMAT_LADDER, attention_for
 from t5scale.parallel.mesh import data_parallel_size, make_mesh
 from t5scale.target import Target
-from t5scale.train import optim
+from t5scale.train import fp8, optim
 from t5scale.train.config import RunConfig
 from t5scale.train.metrics import StepMetrics
 from t5scale.train.state import StateForm, TrainState, build_form
@@ -219,8 +219,9 @@ class Setup:
             batch_bytes_per_device=per_device_bytes(
                 batch, batch.map(lambda x: x.sharding)
             ),
-            parameters_and_optimizer_bytes_per_device=per_device_bytes(
-                (state.params, state.opt_state), (shardings.params, shardings.opt_state)
+            parameters_and_optimizer_bytes_per_device=per_device_bytes(  # and the FP8 state
+                (state.params, state.opt_state, state.fp8),
+                (shardings.params, shardings.opt_state, shardings.fp8),
             ),
             gradient_bytes_per_device=per_device_bytes(grads, layout.grad_shardings),
             outer_state_bytes_per_device=(
@@ -298,6 +299,8 @@ def build_setup(run: RunConfig, target: Target | list | None = None) -> Setup:
     replica sync, the abstract state in its shardings); a ConfigError or MeshError in one
     line where the run cannot be laid out on them."""
     target = Target.of(target)
+    if run.precision.mode == "fp8":
+        fp8.check_supported(target.platform, run.parallel.pipeline, run.sync.local)
     mesh = make_mesh(run.parallel, list(target.devices))
     run = dataclasses.replace(run, model=attention_for(run.model, target.fused_kernels))
     check_batch(run, mesh)

@@ -36,12 +36,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from t5scale.analysis.memory import ModelStateBytes, model_state_bytes
 from t5scale.errors import ConfigError
-from t5scale.model.mt5 import abstract_params, init_params, layer_stacks
+from t5scale.model.mt5 import abstract_params, fresh_fp8_state, init_params, layer_stacks
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.layout import LeafLayout, StateLayout, is_leaf_layout, make_layout
 from t5scale.parallel.zero import STAGES
 from t5scale.train.checkpoint_meta import CheckpointMeta
 from t5scale.train.config import RunConfig
+from t5scale.train.fp8 import shardings as fp8_shardings
 from t5scale.train.precision import FLOAT32, MasterState, Precision, cast, resolve
 from t5scale.train.replicas import (
     OuterState,
@@ -64,6 +65,9 @@ class TrainState(flax.struct.PyTreeNode):
     # Local SGD and DiLoCo (t5scale/train/replicas.py): the OuterState, with `params` and
     # `opt_state` then one per replica on a leading axis. None when replicas step together.
     outer: Any = None
+    # The FP8 matmuls' scales and amax histories (t5scale/train/fp8.py), replicated and replaced
+    # by each step, never by the optimizer; None without FP8.
+    fp8: Any = None
 
 
 # eq=False: a form is compared and hashed by identity (its jitted conversions are cached on it).
@@ -190,7 +194,8 @@ class StateForm:
         if self.is_canonical:
             return state
         if not self.layout.padded and self.outer_tx is None:  # mixed: the master and moments
-            return TrainState(state.step, state.opt_state.master, state.opt_state.inner)
+            master, inner = state.opt_state.master, state.opt_state.inner
+            return TrainState(state.step, master, inner, fp8=state.fp8)
         return self._to_canonical_jitted(state)
 
     def from_canonical(
@@ -251,7 +256,7 @@ class StateForm:
             params = cast(params, precision.param_dtype)
         if layout.stage.shard_parameters:
             params = layout.pad(params)
-        return TrainState(canonical.step, params, opt_state)
+        return TrainState(canonical.step, params, opt_state, fp8=canonical.fp8)
 
     def _one_canonical_of(self, state: TrainState) -> TrainState:
         params, opt_state = state.params, state.opt_state
@@ -259,7 +264,7 @@ class StateForm:
             params, opt_state = opt_state.master, opt_state.inner
         layout = self.layout
         opt_state = _map_opt_params(self.tx, lambda x, leaf: leaf.unpad(x), opt_state, layout)
-        return TrainState(state.step, layout.unpad(params), opt_state)
+        return TrainState(state.step, layout.unpad(params), opt_state, fp8=state.fp8)
 
     def _for_each_replica(self, convert, resize, state: TrainState) -> TrainState:
         """`convert` of local SGD's or DiLoCo's state: each replica's parameters and optimizer
@@ -307,7 +312,8 @@ def _canonical_initializer(
 
     def init(rng: jax.Array) -> TrainState:
         params = init_params(model, rng)
-        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        fp8 = fresh_fp8_state(model, jnp.full)
+        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8=fp8)
         return state if replicas is None else _local_canonical(state, replicas, outer_tx)
 
     return init
@@ -363,6 +369,7 @@ def _at_rest_shardings(
         step=NamedSharding(layout.mesh, PartitionSpec()),
         params=layout.param_shardings,
         opt_state=opt_state,
+        fp8=fp8_shardings(layout.mesh, shapes.fp8),
     )
 
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
-from t5scale.model.mt5 import LM_HEAD, MT5, ShardingHooks
+from t5scale.model.mt5 import LM_HEAD, MT5, ShardingHooks, model_variables
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.attention import kernels_for
 from t5scale.parallel.layout import StateLayout
@@ -127,10 +127,11 @@ def _update_fn(
     """update(state, grads, sums) → (parameters, optimizer state, metrics) after the update of
     one replica (or all of them, when they step together)."""
 
-    def update(state: TrainState, grads, sums: LossSums):
+    def update(state: TrainState, grads, sums: LossSums, next_fp8=None):
         params, opt_state = apply_update(tx, layout, precision, state, grads)
         metrics = _step_metrics(sums, optax.tree.norm(cast(grads, jnp.float32)))
         finite = metrics.nonfinite == 0
+        fp8 = next_fp8  # replaced, never stepped: t5scale/train/fp8.py
         if skip:  # a non-finite step leaves the state as it was
 
             def keep(new_tree, old_tree):
@@ -141,7 +142,8 @@ def _update_fn(
                 )
 
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-        return params, opt_state, metrics
+            fp8 = keep(fp8, state.fp8)
+        return TrainState(state.step + 1, params, opt_state, state.outer, fp8), metrics
 
     return update
 
@@ -150,9 +152,8 @@ def _synchronous_step(gradients, update):
     """step(state, batch) → (state, metrics) of replicas that step together."""
 
     def step(state: TrainState, batch: Batch):
-        grads, sums = gradients(state.params, batch)
-        params, opt_state, metrics = update(state, grads, sums)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        grads, next_fp8, sums = gradients(state.params, state.fp8, batch)
+        return update(state, grads, sums, next_fp8)
 
     return step
 
@@ -166,10 +167,13 @@ def _step_of_each_replica(layout: StateLayout, gradients, update):
     def step(state: TrainState, batch: Batch):
         # Each replica's slice of the global batch on a leading axis (no data moves).
         slices = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), batch)
-        grads, sums = gradients(state.params, lax.with_sharding_constraint(slices, slices_sharding))
+        grads, _, sums = gradients(
+            state.params, None, lax.with_sharding_constraint(slices, slices_sharding)
+        )
 
         def one_replica(params, opt_state, grads, sums):
-            return update(TrainState(state.step, params, opt_state), grads, sums)
+            new, metrics = update(TrainState(state.step, params, opt_state), grads, sums)
+            return new.params, new.opt_state, metrics
 
         params, opt_state, metrics = jax.vmap(one_replica, spmd_axis_name="replica")(
             state.params, state.opt_state, grads, sums
@@ -258,25 +262,33 @@ def _stack(batches: tuple[Batch, ...], sharding: NamedSharding) -> Batch:
 def gradient_fn_jitted(
     model: ModelConfig, layout: StateLayout, train: TrainConfig, precision: Precision = FLOAT32
 ) -> jax.stages.Wrapped:
-    """The gradient computation alone, jitted with at-rest shardings (for memory accounting)."""
+    """The gradient computation alone, (params, batch) → (gradients, LossSums), jitted with
+    at-rest shardings (for memory accounting; without FP8)."""
+    gradients = gradient_fn(model, layout, precision, train.micro_batches, train.z_loss)
+
+    def grads_and_sums(params, batch: Batch):
+        grads, _, sums = gradients(params, None, batch)
+        return grads, sums
+
     return jax.jit(
-        gradient_fn(model, layout, precision, train.micro_batches, train.z_loss),
+        grads_and_sums,
         in_shardings=(layout.param_shardings, batch_sharding(layout)),
         out_shardings=(layout.grad_shardings, NamedSharding(layout.mesh, P())),
     )
 
 
 def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
-    """The jitted eval(params, batch) → LossSums: summed losses and target tokens (no update).
+    """The jitted eval(params, FP8 state or None, batch) → LossSums: summed losses and target
+    tokens (no update; the FP8 matmuls quantize with the state's scales).
 
     A forward pass only, so it is left to XLA's automatic partitioning: the parameters keep
     their at-rest shardings and XLA gathers what stage 3 shards (and cuts off its padding).
     """
     module = MT5(model, ShardingHooks(kernels=kernels_for(layout.mesh)))
 
-    def evaluate(params, batch: Batch) -> LossSums:
+    def evaluate(params, fp8, batch: Batch) -> LossSums:
         params = layout.unpad(params)
-        decoded = module.apply({"params": params}, *batch.model_inputs(), project=False)
+        decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
         weights = batch.decoder_loss_weights.astype(jnp.float32)
         _, cross_entropy, z_term = model_loss_sums(
             model, decoded, params[LM_HEAD], batch.decoder_target_tokens, weights, z_loss
@@ -285,6 +297,6 @@ def make_eval_step(model: ModelConfig, layout: StateLayout, z_loss: float):
 
     return jax.jit(
         evaluate,
-        in_shardings=(layout.param_shardings, batch_sharding(layout)),
+        in_shardings=(layout.param_shardings, None, batch_sharding(layout)),
         out_shardings=NamedSharding(layout.mesh, P()),
     )

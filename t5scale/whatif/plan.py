@@ -293,10 +293,15 @@ def _plan_target(plan: PlanConfig, hardware: Hardware | None) -> tuple[Target, f
 
 
 def _precision_words(precision: StatePrecision) -> str:
-    if precision.mode == "mixed":
+    if precision.mode in ("mixed", "fp8"):
+        fp8 = (
+            "; FP8 GEMMs for the layers' matmuls, their scales and amax histories replicated"
+            if precision.mode == "fp8"
+            else ""
+        )
         return (
             f"mixed precision ({precision.parameters} working copy, {precision.gradients} "
-            "gradients, fp32 master in the optimizer state)"
+            f"gradients, fp32 master in the optimizer state{fp8})"
         )
     return "fp32 parameters, gradients and optimizer state"
 
