@@ -195,9 +195,10 @@ def test_pipeline_layouts_predict_a_point_and_plot_it(tmp_path):
 def test_seed_study_predicted_on_both_clusters(tmp_path):
     plot = tmp_path / "seed.png"
     printed = run_script(tmp_path, "seed_study_predicted.py", "--models", "mt5_tiny", "--nodes",
-                         "1", "--stages", "1", "--plot", str(plot))  # fmt: skip
-    ((_, stage, a100, h100),) = table_rows(printed, "mt5_tiny")[:1]
-    assert stage == "1" and float(a100.rstrip("*")) > 0 and float(h100.rstrip("*")) > 0
+                         "1", "--stages", "1", "--fp8", "--plot", str(plot))  # fmt: skip
+    ((_, stage, a100, h100, h100_fp8),) = table_rows(printed, "mt5_tiny")[:1]
+    assert stage == "1" and all(float(cell.rstrip("*")) > 0 for cell in (a100, h100, h100_fp8))
+    assert "| model | stage | A100 ×1 | H100 ×1 | H100 FP8 ×1 |" in printed
     assert plot.stat().st_size > 0
 
 
@@ -213,6 +214,21 @@ def test_diloco_learning_trains_and_tabulates(tmp_path):
     ]  # fmt: skip
     assert all(r["final_validation_loss"] > 0 and r["bytes_per_token"] > 0 for r in runs)
     assert len(table_rows(printed, "2")) == 2 and plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_fp8_learning_trains_both_precisions_and_tabulates(tmp_path):
+    out, plot = tmp_path / "fp8.json", tmp_path / "fp8.png"
+    printed = run_script(tmp_path, "fp8_learning.py", "--steps", "2", "--layers", "1",
+                         "--batch_size", "8", "--validate_every", "2", "--out", str(out),
+                         "--plot", str(plot))  # fmt: skip
+    runs = json.loads(out.read_text())
+    assert [r["precision"] for r in runs] == ["mixed", "fp8"]
+    assert all(len(r["train"]) == 2 and r["final_validation_loss"] > 0 for r in runs)
+    assert [row[0] for row in table_rows(printed, "mixed") + table_rows(printed, "fp8")] == [
+        "mixed", "fp8"
+    ]  # fmt: skip
+    assert plot.stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from t5scale.config import study_runs
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.study.config import Point, StudyConfig
@@ -41,6 +42,7 @@ from t5scale.whatif.simulate import SimulateConfig, simulate
         ({"input_length": 1}, "StudyConfig.input_length and target_length must be >= 2, got 1"),
         ({"dtype": "float16"}, "StudyConfig.dtype must be one of float32, bfloat16, got 'float16'"),
         ({"precision": "half"}, "StudyConfig.precision: .*'half'"),
+        ({"precision": "fp8"}, "StudyConfig.precision: .*'fp8' runs the rest of the model in bf16"),
         ({"optimizer": "adam"}, "StudyConfig.optimizer: .*'adam'"),
         ({"data_source": "wiki"}, "StudyConfig.data_source: .*'wiki'"),
         ({"tensor": 0}, "StudyConfig.tensor must be >= 1, got 0"),  # was ZeroDivisionError
@@ -73,6 +75,14 @@ def test_study_config_refuses_what_no_trial_could_run(fields, message):
 def test_study_config_takes_gin_lists_and_a_launcher_on_path():
     config = StudyConfig(models=["mt5_tiny"], learning_rates=[1, 3e-3], trial_launcher="env")
     assert config.models == ("mt5_tiny",) and config.learning_rates == (1, 3e-3)
+
+
+def test_an_fp8_study_runs_its_trials_with_fp8_matmuls():
+    """StudyConfig.precision 'fp8' (bf16 compute): each trial's run has the FP8 matmuls."""
+    config = StudyConfig(models=["mt5_tiny"], precision="fp8", dtype="bfloat16")
+    point = config.point(config.configurations()[0], 2)
+    run = point.run(study_runs(config)["mt5_tiny"])
+    assert run.precision.mode == "fp8" and run.model.fp8_amax_history == 1024
 
 
 def test_a_study_dir_that_is_a_file_is_one_error(tmp_path):

@@ -18,7 +18,7 @@ from t5scale.model.sizes import REMAT_LADDER, RENAMED_REMATS, SIZES, DType, Mode
 from t5scale.parallel.zero import check_stages, with_pipeline
 from t5scale.train.config import RunConfig
 from t5scale.train.optim import OptimizerConfig
-from t5scale.train.precision import PrecisionConfig
+from t5scale.train.precision import PrecisionConfig, resolve
 from t5scale.train.replicas import MODES, ReplicaSyncConfig
 from t5scale.whatif.weak_scaling import weak_scale
 
@@ -171,6 +171,10 @@ class StudyConfig:
                 f"StudyConfig.dtype must be one of {', '.join(get_args(DType))}, got {self.dtype!r}"
             )
         _reraise("StudyConfig.precision", lambda: PrecisionConfig(mode=self.precision))
+        _reraise(  # mixed and fp8 compute in bf16
+            "StudyConfig.precision",
+            lambda: resolve(PrecisionConfig(mode=self.precision), self.dtype),
+        )
         _reraise("StudyConfig.optimizer", lambda: OptimizerConfig(name=self.optimizer))
         _reraise("StudyConfig.data_source", lambda: DataConfig(source=self.data_source))
         if self.device_memory_gb is not None and not self.device_memory_gb > 0:

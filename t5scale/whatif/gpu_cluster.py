@@ -174,9 +174,13 @@ class ClusterConfig:
         return None  # plan leaves NCCL's time to simulate
 
     def describe(self, config: SimulateConfig) -> str:
+        fp8 = ""
+        if self.peak_flops_float8:
+            efficiency = self.gemm_efficiency_float8 or self.gemm_efficiency
+            fp8 = f" (FP8 GEMMs: {self.peak_flops_float8 / 1e12:g} at {efficiency:.0%})"
         return (
             f"{self.name} nodes ({self.gpus_per_node} GPUs each; "
-            f"{self.peak_flops / 1e12:g} TFLOP/s peak, GEMMs at {self.gemm_efficiency:.0%}; "
+            f"{self.peak_flops / 1e12:g} TFLOP/s peak, GEMMs at {self.gemm_efficiency:.0%}{fp8}; "
             f"bus bandwidth NVLink {self.nvlink_bus_bandwidth / 1e9:g} GB/s, network "
             f"{self.network_bus_bandwidth / 1e9:g} GB/s per node; overlap "
             f"{'from the step' if config.overlap else 'off'}); micro-batch "
