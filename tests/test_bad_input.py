@@ -163,10 +163,6 @@ def test_bad_input_through_the_cli_is_one_line(args, says, capsys):
             "PrecisionConfig.mode='fp8' is for Hopper GPUs (FP8 cuBLASLt GEMMs); TPUs run mixed",
         ),
         (
-            ["train", *TINY, *FP8, "--gin.ParallelConfig.pipeline=2"],
-            "PrecisionConfig.mode='fp8' with pipeline stages is not built yet",
-        ),
-        (
             [
                 "train",
                 *TINY,
@@ -177,7 +173,7 @@ def test_bad_input_through_the_cli_is_one_line(args, says, capsys):
             "PrecisionConfig.mode='fp8' with local SGD or DiLoCo is not built yet",
         ),  # fmt: skip
     ],
-    ids=["tpu", "pipeline", "diloco"],
+    ids=["tpu", "diloco"],
 )
 def test_fp8_where_it_is_not_built_is_one_line(args, says, capsys, monkeypatch):
     assert says in _one_line(*cli_inline(args, capsys, monkeypatch)[::2])

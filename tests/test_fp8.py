@@ -29,9 +29,11 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 
 @functools.cache
-def _train(precision: str, devices: int, stage: int, micro_batches: int, tensor: int = 1):
+def _train(precision: str, devices: int, stage: int, micro_batches: int, tensor: int = 1,
+           pipeline: int = 1):  # fmt: skip
     """(losses, FP8 state on the host or None) after STEPS steps of the shared small run."""
-    parallel = ParallelConfig(zero_stage=stage, zero=devices // tensor, tensor=tensor)
+    zero = devices // (tensor * pipeline)
+    parallel = ParallelConfig(zero_stage=stage, zero=zero, tensor=tensor, pipeline=pipeline)
     setup = tiny_setup(
         parallel, devices, model=BF16_MODEL,
         precision=PrecisionConfig(mode=precision, fp8_amax_history=HISTORY),
@@ -92,25 +94,36 @@ def test_the_next_fp8_state_is_the_max_over_the_data_parallel_devices():
     np.testing.assert_array_equal(reduced["a"]["amax_history"], [1.0, 1.0, 1.0, 7.0])
 
 
-def test_the_fp8_state_of_zero_3_tensor_parallel_and_micro_batches_is_that_of_one_device():
-    """ZeRO-3 over 2 devices × tensor 2, with 2 micro-batches, records what one device records
-    of the whole batch. The first step's kernel amaxes agree exactly: the same parameters, each
-    split over `tensor`, whose amax XLA takes over the whole. Its input amaxes agree to 5%
-    (matmuls blocked for other shapes round differently in bf16, and a value that crosses an
-    e4m3 step on its way moves by 6-12%); the rest to 25%: the gradients pass through e5m2 (2
-    bits of mantissa), and the later steps start from the parameters those gradients made.
-    The reduction over the data-parallel devices itself is exact (the test above)."""
+def _assert_the_state_of_one_device(fp8) -> None:
+    """`fp8` after STEPS steps of a run over several devices is what one device records of the
+    whole batch. The first step's kernel amaxes agree exactly: the same parameters, however
+    split (XLA takes the amax of an operand split over `tensor` over the whole). Its input
+    amaxes agree to 5% (matmuls blocked for other shapes round differently in bf16, and a value
+    that crosses an e4m3 step on its way moves by 6-12%); the rest to 25%: the gradients pass
+    through e5m2 (2 bits of mantissa), and the later steps start from the parameters those
+    gradients made. The reductions themselves are exact (the test above)."""
     _, one = _train("fp8", 1, 0, 1)
-    _, many = _train("fp8", 4, 3, 2, tensor=2)
     first_step = (1 - STEPS) % HISTORY  # where the ring keeps the first step's amax
     for name, state in _matmuls(one).items():
-        for leaf, value in _matmuls(many)[name].items():
+        for leaf, value in _matmuls(fp8)[name].items():
             where = f"{name}/{leaf}"
             np.testing.assert_allclose(value, state[leaf], rtol=0.25, err_msg=where)
             if leaf in ("input_amax_history", "kernel_amax_history"):
                 got, want = value[:, first_step], state[leaf][:, first_step]
                 exact = leaf == "kernel_amax_history"
                 np.testing.assert_allclose(got, want, rtol=0 if exact else 0.05, err_msg=where)
+
+
+def test_the_fp8_state_of_zero_3_tensor_parallel_and_micro_batches_is_that_of_one_device():
+    """ZeRO-3 over 2 devices × tensor 2, with 2 micro-batches: the max over devices and
+    micro-batches."""
+    _assert_the_state_of_one_device(_train("fp8", 4, 3, 2, tensor=2)[1])
+
+
+def test_the_fp8_state_of_a_pipeline_is_that_of_one_device():
+    """2 pipeline stages × ZeRO-1 over 2 devices, 2 micro-batches: each stage keeps its own
+    layers' state, the max over the schedule's ticks (a tick's copy each)."""
+    _assert_the_state_of_one_device(_train("fp8", 4, 1, 2, pipeline=2)[1])
 
 
 def test_fp8_trains_as_mixed_precision_does():

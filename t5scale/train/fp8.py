@@ -13,13 +13,17 @@ next scales and histories back as their "gradients". So here they are:
   on one flat buffer, as Transformer Engine reduces amaxes over its data-parallel group;
 - replicated on every device at every ZeRO stage: some 72 KiB an encoder layer and 120 KiB a
   decoder layer with histories of 1,024, against megabytes of parameters. Tensor parallelism
-  needs nothing more: `tensor` is partitioned by XLA, whose amax is over the whole operand;
+  needs nothing more: `tensor` is partitioned by XLA, whose amax is over the whole operand.
+  With pipeline stages each stage keeps its own layers' (every FP8 matmul is in a layer stack,
+  split over `pipeline` as the parameters are), and a stage's next state is the max over the
+  pipeline's ticks as well (`spread_over_ticks`): autodiff would sum them;
 - their own checkpoint item (t5scale/train/checkpoint.py), so that a run moves between fp8 and
   mixed precision; `export` and `convert` never see them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -32,9 +36,32 @@ from t5scale.errors import ConfigError
 from t5scale.parallel import collectives
 
 
+def spec(pipeline_stages: int) -> PartitionSpec:
+    """Every leaf's: replicated, or its layers split over the pipeline's stages."""
+    return PartitionSpec("pipeline") if pipeline_stages > 1 else PartitionSpec()
+
+
 def shardings(mesh: Mesh, fp8: Any) -> Any:
-    """Replicated: every device quantizes with the same scales."""
-    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), fp8)
+    """Every device of a (pipeline) stage quantizes with the same scales."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec(mesh.shape["pipeline"])), fp8)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def spread_over_ticks(fp8: Any, ticks: int) -> Any:
+    """The FP8 state once per tick of a pipeline's schedule ([ticks, ...]); the next state it
+    gets back is the max over the ticks (a broadcast's transpose would sum them)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (ticks, *x.shape)), fp8)
+
+
+def _spread_forward(fp8: Any, ticks: int):
+    return spread_over_ticks(fp8, ticks), None
+
+
+def _spread_backward(ticks: int, _, per_tick: Any):
+    return (jax.tree.map(lambda x: jnp.max(x, axis=0), per_tick),)
+
+
+spread_over_ticks.defvjp(_spread_forward, _spread_backward)
 
 
 def lowest_like(fp8: Any) -> Any:
@@ -62,17 +89,12 @@ def max_over_devices(fp8: Any, axes: tuple[str, ...], after: Any) -> Any:
     )
 
 
-def check_supported(platform: str, pipeline_stages: int, local_sync: bool) -> None:
+def check_supported(platform: str, local_sync: bool) -> None:
     """One ConfigError line where FP8 is asked for what it is not built for."""
     if platform == "tpu":
         raise ConfigError(
             "PrecisionConfig.mode='fp8' is for Hopper GPUs (FP8 cuBLASLt GEMMs); TPUs run mixed "
             "precision here: use gin/precision/mixed.gin"
-        )
-    if pipeline_stages > 1:
-        raise ConfigError(
-            "PrecisionConfig.mode='fp8' with pipeline stages is not built yet: use "
-            "ParallelConfig.pipeline=1, or mixed precision"
         )
     if local_sync:
         raise ConfigError(

@@ -248,13 +248,13 @@ def pipelined_loss(
     total_weight: jax.Array,
     micro_batches: int,
     params: Any,
-    fp8: None,  # FP8 with pipeline stages is not built (t5scale/train/fp8.py)
+    fp8: Any,
     batch: Batch,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """(this stage's share of the step's mean loss, its (cross-entropy, z-loss) sums): every
     micro-batch through the pipeline's stages (t5scale/train/pipeline.py)."""
     loss, cross_entropy, z_term = pipeline.pipelined_loss_sums(
-        model, model_hooks(layout, precision), params, batch, z_loss, micro_batches,
+        model, model_hooks(layout, precision), params, fp8, batch, z_loss, micro_batches,
         layout.pipeline_stages, layout.manual_axes,
     )  # fmt: skip
     return loss / total_weight, (cross_entropy, z_term)
@@ -397,10 +397,9 @@ def _local_gradients(
         loss_fn = functools.partial(
             pipelined_loss, model, layout, precision, z_loss, total_weight, micro_batches
         )
-        (_, (cross_entropy, z_term)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, None, batch
-        )
-        next_fp8 = None
+        (_, (cross_entropy, z_term)), (grads, next_fp8) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(params, fp8, batch)
     else:
         loss_fn = functools.partial(
             micro_batch_loss, model, layout, precision, z_loss, total_weight
@@ -429,10 +428,11 @@ def gradient_fn(
     where replicas step on their own (no FP8 there), everything has a leading replica axis."""
     local = functools.partial(_local_gradients, model, layout, precision, micro_batches, z_loss)
     param_specs, grad_specs = layout.manual_param_specs, layout.manual_grad_specs
+    fp8_spec = fp8_state.spec(layout.pipeline_stages)
     if layout.sync_replicas:
         return jax.shard_map(
-            local, mesh=layout.mesh, in_specs=(param_specs, P(), P(DATA_AXES)),
-            out_specs=(grad_specs, P(), P()), axis_names=set(layout.manual_axes),
+            local, mesh=layout.mesh, in_specs=(param_specs, fp8_spec, P(DATA_AXES)),
+            out_specs=(grad_specs, fp8_spec, P()), axis_names=set(layout.manual_axes),
         )  # fmt: skip
 
     def one_replica(params, fp8, batch):

@@ -24,7 +24,9 @@ from jax import lax
 from t5scale.data.batch import Batch
 from t5scale.model.head import model_loss_sums
 from t5scale.model.mt5 import (
+    DECODER,
     EMBEDDING,
+    ENCODER,
     LM_HEAD,
     Decoder,
     Encoder,
@@ -33,9 +35,11 @@ from t5scale.model.mt5 import (
     decoder_params,
     encoder_attention_bias,
     encoder_params,
+    model_variables,
 )
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.collectives import to_varying
+from t5scale.train import fp8 as fp8_state
 
 AXIS = "pipeline"
 
@@ -55,16 +59,19 @@ def _ring(stages: int) -> list[tuple[int, int]]:
 
 
 def run_schedule(
-    block: Callable[[Any, jax.Array], Any],
+    block: Callable[[Any, jax.Array, Any], Any],
     inputs: Any,
     stages: int,
     manual_axes: tuple[str, ...],
     keep: Callable[[Any], Any] = lambda out: out,
+    fp8: Any = None,
 ) -> Any:
     """GPipe over `pipeline`: each of the M micro-batches of `inputs` (a tree of [M, ...]
-    arrays, read on stage 0) through `block(stage's input, micro-batch index)` on every stage
-    in turn. Returns `keep(output)` of every micro-batch, [M, ...], on stage 0 (what other
-    stages return is not used).
+    arrays, read on stage 0) through `block(stage's input, micro-batch index, FP8 state)` on
+    every stage in turn. Returns `keep(output)` of every micro-batch, [M, ...], on stage 0
+    (what other stages return is not used). `fp8`: the stage's FP8 state or None, given to each
+    tick's block as its own copy, so that its next value is the max over the ticks
+    (t5scale/train/fp8.py).
 
     The micro-batches go in as the scan's inputs and come out as its outputs, never in its
     carry: a [M, ...] buffer in the carry was copied whole in every tick of XLA:GPU's program
@@ -74,17 +81,19 @@ def run_schedule(
     first = stage == 0
 
     def tick(held, ticked):
-        t, fresh = ticked
+        t, fresh, fp8_now = ticked
         index = jnp.clip(t - stage, 0, micro_batches - 1)
         taken = jax.tree.map(lambda a, b: jnp.where(first, a, b), fresh, held)
-        passed = lax.ppermute(block(taken, index), AXIS, _ring(stages))
+        passed = lax.ppermute(block(taken, index, fp8_now), AXIS, _ring(stages))
         # Stage 0 now holds what the last stage finished in this tick (micro-batch t − PP + 1).
         return passed, keep(passed)
 
     drain = stages - 1  # ticks after the last micro-batch went in
     padded = jax.tree.map(lambda x: jnp.pad(x, [(0, drain)] + [(0, 0)] * (x.ndim - 1)), inputs)
     held = jax.tree.map(lambda x: to_varying(jnp.zeros_like(x[0]), manual_axes), inputs)
-    ticked = (jnp.arange(ticks(stages, micro_batches)), padded)
+    steps = ticks(stages, micro_batches)
+    per_tick = None if fp8 is None else fp8_state.spread_over_ticks(fp8, steps)
+    ticked = (jnp.arange(steps), padded, per_tick)
     _, outputs = lax.scan(tick, held, ticked)
     return jax.tree.map(lambda x: x[drain:], outputs)
 
@@ -104,6 +113,7 @@ def pipelined_loss_sums(
     model: ModelConfig,
     hooks: ShardingHooks,
     params: Any,
+    fp8: Any,
     batch: Batch,
     z_loss: float,
     micro_batches: int,
@@ -112,7 +122,8 @@ def pipelined_loss_sums(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, cross-entropy sum, z-loss sum) of this stage's share of the local batch's
     micro-batches, the model run as a pipeline; summed over `pipeline` they are the batch's.
-    `params`: this stage's layers of each stack, and the rest whole."""
+    `params`: this stage's layers of each stack, and the rest whole; `fp8`: the FP8 state of
+    this stage's layers, or None."""
     micro = batch.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]))
     input_length = micro.encoder_input_tokens.shape[-1]
     target_length = micro.decoder_input_tokens.shape[-1]
@@ -132,25 +143,29 @@ def pipelined_loss_sums(
     encoder_position = encoder.apply(encoder_tree, input_length, method=Encoder.position_bias)
     decoder_position = decoder.apply(decoder_tree, target_length, method=Decoder.position_bias)
 
-    def encoder_block(x: jax.Array, index: jax.Array) -> jax.Array:
+    def encoder_block(x: jax.Array, index: jax.Array, fp8_now: Any) -> jax.Array:
         segments = lax.dynamic_index_in_dim(micro.encoder_segment_ids, index, keepdims=False)
         bias = encoder_attention_bias(model, encoder_position, segments)
-        return encoder.apply(encoder_tree, x, bias, method=Encoder.run_layers)
+        variables = model_variables(encoder_params(params), fp8_now)
+        return encoder.apply(variables, x, bias, method=Encoder.run_layers)
 
-    def decoder_block(carried: tuple[jax.Array, jax.Array], index: jax.Array):
+    def decoder_block(carried: tuple[jax.Array, jax.Array], index: jax.Array, fp8_now: Any):
         y, encoded = carried
         segments, encoder_segments = (
             lax.dynamic_index_in_dim(ids, index, keepdims=False)
             for ids in (micro.decoder_segment_ids, micro.encoder_segment_ids)
         )
         biases = decoder_attention_biases(model, decoder_position, segments, encoder_segments)
-        return decoder.apply(decoder_tree, y, encoded, *biases, method=Decoder.run_layers), encoded
+        variables = model_variables(decoder_params(params), fp8_now)
+        return decoder.apply(variables, y, encoded, *biases, method=Decoder.run_layers), encoded
 
-    encoded = run_schedule(encoder_block, encoder_rows, stages, manual_axes)
+    encoder_fp8, decoder_fp8 = (None, None) if fp8 is None else (fp8[ENCODER], fp8[DECODER])
+    encoded = run_schedule(encoder_block, encoder_rows, stages, manual_axes, fp8=encoder_fp8)
     encoded = encoder.apply(encoder_tree, encoded, method=Encoder.finish)
     decoded = run_schedule(
-        decoder_block, (decoder_rows, encoded), stages, manual_axes, keep=lambda out: out[0]
-    )
+        decoder_block, (decoder_rows, encoded), stages, manual_axes, keep=lambda out: out[0],
+        fp8=decoder_fp8,
+    )  # fmt: skip
     decoded = decoder.apply(decoder_tree, decoded, method=Decoder.finish)
     return _my_share_of_the_loss(model, hooks, params, micro, decoded, z_loss, stages)
 

@@ -300,7 +300,7 @@ def build_setup(run: RunConfig, target: Target | list | None = None) -> Setup:
     line where the run cannot be laid out on them."""
     target = Target.of(target)
     if run.precision.mode == "fp8":
-        fp8.check_supported(target.platform, run.parallel.pipeline, run.sync.local)
+        fp8.check_supported(target.platform, run.sync.local)
     mesh = make_mesh(run.parallel, list(target.devices))
     run = dataclasses.replace(run, model=attention_for(run.model, target.fused_kernels))
     check_batch(run, mesh)
