@@ -111,6 +111,12 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     assert winner in typed(on_four)
     assert f"ZeRO stage {winner.point.stage}" in text and "saved" in text
     assert len(compiled) == 2 + len(on_four) // 2 and all(r["status"] == "ok" for r in compiled)
+    # Compile-only trials run in threads, each under its own name: two once shared one, and the
+    # stage-3 program read stage 0's result (its fingerprint), so its timing was reused.
+    fingerprints = {r["config"]["stage"]: r["program_fingerprint"]
+                    for r in compiled if r["config"]["devices"] == 2}  # fmt: skip
+    assert fingerprints[0] != fingerprints[3]
+    assert not any(r.get("same_program_as") for r in timed)
 
     # TensorBoard: one run per timed trial, its steps' losses and times readable by TensorBoard.
     runs = sorted(p.parent for p in (study_dir / "tensorboard").rglob("events.out.tfevents.*"))

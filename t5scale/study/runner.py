@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shlex
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -240,6 +241,7 @@ class _TrialRunner:
         self.min_samples = 0
         # numbered after every trial this study dir has seen, so that no log is overwritten
         self.counter = len(list((study_dir / "trials").glob("0*.spec.json")))
+        self._counting = threading.Lock()
 
     def budget(self, devices: int) -> int | None:
         if self.config.device_memory_gb is not None:
@@ -307,10 +309,12 @@ class _TrialRunner:
             )  # fmt: skip
             self.results.add(record)
             return record, False
-        self.counter += 1
+        with self._counting:  # compile-only trials run in threads: each its own name
+            self.counter += 1
+            name = f"{self.counter:04d}-{kind}"
         spec = self.spec(point, kind, repeat)
         result = run_spec(
-            spec, self.study_dir / "trials", f"{self.counter:04d}-{kind}",
+            spec, self.study_dir / "trials", name,
             self.config.trial_timeout_s, self.launcher(point.devices),
         )  # fmt: skip
         record = TrialRecord(
