@@ -23,6 +23,7 @@ class Shapes:
     matmul: tuple[int, int] = (8192, 20)  # size, products per sample
     remats: tuple[str, ...] = ("dots", "full")  # the large model's
     unrolled: bool = True  # the unrolled layers' step too
+    fp8: bool = True  # the fp8 step too
     extras: bool = False  # the extra items too (Item.extra)
     # the extra large model's batch: on the card, the largest multiple of 8 whose step (remat
     # full) fits one 80 GB H100 by XLA's estimate, compiled for one here (70.1 GiB at 88)
@@ -30,11 +31,12 @@ class Shapes:
 
 
 GPU = Shapes(32, 1024, 229, 16, ("mt5_large", "mt5_small", "mt5_xl"))
-# The dry run checks the script: remat 'full' and the unrolled layers are the same code as the
-# loop with 'dots' under other settings, and its two models are one (a run listed runs once);
-# its extras (--all) are the same items with the einsum attention and in fp32.
+# The dry run checks the script: remat 'full', the unrolled layers and fp8 are the same code as
+# the loop with 'dots' in mixed precision under other settings, and its two models are one (a
+# run listed runs once); its extras (--all) are the fp8 step and the same items with the einsum
+# attention and in fp32.
 DRY_RUN = Shapes(2, 96, 23, 2, ("mt5_tiny", "mt5_tiny", "mt5_tiny"), 3, 1, (256, 2), ("dots",),
-                 False, False, 1)  # fmt: skip
+                 False, False, False, 1)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +103,13 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         step(small, "dots", "dot", 49, extra=True),
         Item("kernels float32", 109, "kernels", {"dtype": "float32"}, extra=True),
     ]
+    extras = extras or shapes.extras
     items = [
         item for item in items
         if item.options.get("remat", "dots") in shapes.remats
         and (shapes.unrolled or item.options.get("scan_layers", True))
-        and (extras or shapes.extras or not item.extra)
+        and (shapes.fp8 or extras or item.options.get("precision") != "fp8")
+        and (extras or not item.extra)
     ]  # fmt: skip
     return list({item.name: item for item in items}.values())
 

@@ -18,9 +18,11 @@ K = 4
 @pytest.mark.parametrize(
     "parallel, devices",
     [
-        pytest.param(ParallelConfig(), 1, marks=pytest.mark.slow),  # CI: the sharded one
+        # CI: tests/test_multihost_training.py trains ZeRO-3 in executions of 4 steps on two
+        # processes against one process's single steps
+        pytest.param(ParallelConfig(), 1, marks=pytest.mark.slow),
         # ZeRO-3's gathers and reduce-scatters inside the loop over steps, with tensor sharding
-        (ParallelConfig(zero_stage=3, zero=4, tensor=2), 8),
+        pytest.param(ParallelConfig(zero_stage=3, zero=4, tensor=2), 8, marks=pytest.mark.slow),
     ],
     ids=["1-device", "stage3-4x2"],
 )
