@@ -115,8 +115,9 @@ def plot(
             if row == len(clusters) - 1:
                 ax.set_xlabel("nodes (8 GPUs each)")
             ax.legend(fontsize=7)
-    figure.suptitle("t5scale simulate: mixed precision, full remat, 4 × 1024/229 sequences per "
-                    "GPU (weak scaling); dashed: no overlap")  # fmt: skip
+    precision = "mixed precision" + ("; FP8: the layers' GEMMs in FP8" if FP8 in clusters else "")
+    figure.suptitle(f"t5scale simulate: {precision}, full remat, 4 × 1024/229 sequences per GPU "
+                    "(weak scaling); dashed: no overlap")  # fmt: skip
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
