@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import REPO, cli_inline, tiny_setup
+from conftest import REPO, cli_inline, tiny_run, tiny_setup
 
 from t5scale.analysis.collective_ops import CollectiveOp
 from t5scale.analysis.flops import training_flops_per_step
@@ -17,6 +17,8 @@ from t5scale.config import build_study_config, parse_gin
 from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
+from t5scale.target import Target
+from t5scale.whatif.compile import analysis_key
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.nccl import Placement, collective_seconds, placement
@@ -243,3 +245,17 @@ def test_a_cluster_files_gpu_peaks_are_the_datasheet_tables():
         )
     with pytest.raises(ConfigError, match="ClusterConfig.gpu must be one of NVIDIA H200"):
         dataclasses.replace(CLUSTER, gpu="NVIDIA Z9")
+
+
+def test_the_analysis_cache_is_keyed_by_the_program_not_by_the_checkout():
+    """Where the data's files are changes no program, so a cache filled in one clone serves
+    another (the key held the vocabulary's absolute path: a seed study run in a second checkout
+    compiled its 144 programs again); what the program is made of still changes the key."""
+    run, target = tiny_run(ParallelConfig(zero_stage=1)), Target.local(2)
+    moved = dataclasses.replace(run.data, corpus_dir="/elsewhere/corpus",
+                                vocabulary="/elsewhere/vocab.model")  # fmt: skip
+    assert analysis_key(dataclasses.replace(run, data=moved), target) == analysis_key(run, target)
+    longer = dataclasses.replace(run.data, input_length=2 * run.data.input_length)
+    assert analysis_key(dataclasses.replace(run, data=longer), target) != analysis_key(run, target)
+    assert analysis_key(run, Target.local(1)) != analysis_key(run, target)
+    assert analysis_key(run, target, 10**9) != analysis_key(run, target)

@@ -77,19 +77,31 @@ def _cache_path() -> Path:
     return Path(root, "t5scale", "step_analyses.json")
 
 
-def cached_analysis(
-    run: RunConfig, target: Target, memory_budget_bytes: int | None = None
-) -> StepAnalysis:
-    """`compile_for(run, target, memory_budget_bytes).analysis`, kept on disk: keyed by the
-    whole run (local SGD's or DiLoCo's H aside: it only divides the outer step's cost, so one
-    compile serves every H), the target, the budget and the JAX version."""
+# Where the data's files are shapes no program: a cache filled in one checkout serves another.
+_DATA_FILES = ("corpus_dir", "vocabulary", "tfds_data_dir")
+
+
+def analysis_key(run: RunConfig, target: Target, memory_budget_bytes: int | None = None) -> str:
+    """The analysis cache's key: the whole run, but for what does not change its program (local
+    SGD's or DiLoCo's H, which only divides the outer step's cost, so one compile serves every
+    H; the data's file paths), the target, the budget and the JAX version."""
     keyed = run.to_json()
     keyed["sync"]["every"] = 1
+    for field in _DATA_FILES:
+        keyed["data"].pop(field, None)
     key_text = json.dumps(
         [keyed, target.compiler_name, target.size, jax.__version__, ANALYSIS_VERSION,
          memory_budget_bytes], sort_keys=True, default=str,
     )  # fmt: skip
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    return hashlib.sha256(key_text.encode()).hexdigest()[:24]
+
+
+def cached_analysis(
+    run: RunConfig, target: Target, memory_budget_bytes: int | None = None
+) -> StepAnalysis:
+    """`compile_for(run, target, memory_budget_bytes).analysis`, kept on disk under
+    `analysis_key`."""
+    key = analysis_key(run, target, memory_budget_bytes)
     path = _cache_path()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:
