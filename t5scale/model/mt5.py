@@ -19,6 +19,7 @@ They default to the identity, a plain gather and the fused attention on whole ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -496,6 +497,9 @@ def model_variables(params: Any, fp8: Any = None) -> dict[str, Any]:
     return {"params": params} if fp8 is None else {"params": params, FP8_STATE: fp8}
 
 
+# Once per configuration: the abstract model is asked for by the layout, the state's shapes and
+# the FP8 state, and tracing the model's init is a second or more each time.
+@functools.lru_cache(maxsize=32)
 def _abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     return jax.eval_shape(MT5(cfg).init, jax.random.key(0), tokens, tokens)

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -311,12 +312,22 @@ def _canonical_initializer(
     The random values do not depend on the mesh (partitionable threefry)."""
 
     def init(rng: jax.Array) -> TrainState:
-        params = init_params(model, rng)
-        fp8 = fresh_fp8_state(model, jnp.full)
-        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8=fp8)
-        return state if replicas is None else _local_canonical(state, replicas, outer_tx)
+        return _canonical_around(model, tx, replicas, outer_tx, init_params(model, rng))
 
     return init
+
+
+def _canonical_around(
+    model: ModelConfig,
+    tx: optax.GradientTransformation,
+    replicas: int | None,
+    outer_tx: optax.GradientTransformation | None,
+    params: Any,
+) -> TrainState:
+    """The canonical state around these parameters: fresh optimizer and FP8 state."""
+    fp8 = fresh_fp8_state(model, jnp.full)
+    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8=fp8)
+    return state if replicas is None else _local_canonical(state, replicas, outer_tx)
 
 
 def _abstract_canonical(
@@ -328,8 +339,10 @@ def _abstract_canonical(
 ) -> TrainState:
     """Everything split over `zero` where the model's shapes allow, as stage 3 would, so that little
     is whole on one device while a checkpoint restores."""
+    # From the abstract parameters (cached per model), not by tracing the model's init again.
+    params = nn.meta.unbox(abstract_params(model))
     shapes = jax.eval_shape(
-        _canonical_initializer(model, tx, replicas, outer_tx), jax.random.key(0)
+        functools.partial(_canonical_around, model, tx, replicas, outer_tx), params
     )
     everything_sharded = dataclasses.replace(layout.unpadded(), stage=STAGES[3])
     shardings = _at_rest_shardings(everything_sharded, tx, shapes, FLOAT32, outer_tx)
