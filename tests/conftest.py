@@ -25,6 +25,11 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"t5scale-tests-{_session}")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The what-if wing's cache of step analyses (t5scale/whatif/compile.py) is the session's too, not
+# the user's: a test must compile what it reads, on a fresh machine as here.
+os.environ.setdefault(
+    "XDG_CACHE_HOME", os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "xdg")
+)
 # t5scale before jax: where jax's CUDA plugin is installed, JAX then starts quietly on the CPU.
 importlib.import_module("t5scale")
 

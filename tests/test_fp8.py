@@ -115,13 +115,15 @@ def _assert_the_state_of_one_device(fp8) -> None:
                 np.testing.assert_allclose(got, want, rtol=0 if exact else 0.05, err_msg=where)
 
 
+@pytest.mark.slow  # CI: the reduction over devices, exact (above); fp8 over ZeRO-3's 2 devices
+# (test_checkpoint.py's kill and resume)
 def test_the_fp8_state_of_zero_3_tensor_parallel_and_micro_batches_is_that_of_one_device():
     """ZeRO-3 over 2 devices × tensor 2, with 2 micro-batches: the max over devices and
     micro-batches."""
     _assert_the_state_of_one_device(_train("fp8", 4, 3, 2, tensor=2)[1])
 
 
-@pytest.mark.slow  # CI: ZeRO-3 × tensor × micro-batches (above) reduces the state the same way
+@pytest.mark.slow  # with ZeRO-3 × tensor × micro-batches (above), under -m slow
 def test_the_fp8_state_of_a_pipeline_is_that_of_one_device():
     """2 pipeline stages × ZeRO-1 over 2 devices, 2 micro-batches: each stage keeps its own
     layers' state, the max over the schedule's ticks (a tick's copy each)."""
@@ -151,6 +153,8 @@ def _losses(model_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
+@pytest.mark.slow  # CI: an fp8 checkpoint resumed bit for bit after a kill (test_checkpoint.py);
+# export of a trained model (test_hf_import.py)
 def test_fp8_checkpoints_move_to_and_from_mixed_and_export_the_parameters_alone(tmp_path, capsys):
     """The FP8 state is the checkpoint's `fp8` item (tests/test_checkpoint.py resumes it bit for
     bit after a kill): mixed precision resumes the checkpoint without it, fp8 the mixed one with

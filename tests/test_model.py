@@ -107,10 +107,11 @@ def test_unrolled_layers_give_the_loop_s_numbers():
     cfg = ModelConfig(vocab_size=256, remat="full")
     unrolled = dataclasses.replace(cfg, scan_layers=False)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 1, cfg.vocab_size)
-    params = nn.meta.unbox(MT5(cfg).init(jax.random.key(0), tokens, tokens)["params"])
+    # jitted: one program each, not an XLA:CPU compile per operation
+    params = nn.meta.unbox(jax.jit(MT5(cfg).init)(jax.random.key(0), tokens, tokens)["params"])
     # init_params makes an unrolled model's parameters by the loop: the same draws (the last
     # bit may differ: XLA scales them in another order)
-    own = nn.meta.unbox(MT5(unrolled).init(jax.random.key(0), tokens, tokens)["params"])
+    own = nn.meta.unbox(jax.jit(MT5(unrolled).init)(jax.random.key(0), tokens, tokens)["params"])
     for a, b in zip(jax.tree.leaves(init_params(unrolled, jax.random.key(0))),
                     jax.tree.leaves(own), strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)

@@ -67,6 +67,7 @@ def test_adafactor_trains_the_same_under_stage_3():
     assert_same_parameters(params, base_params)
 
 
+@pytest.mark.slow  # CI: stage 3's vocabulary-parallel head (test_loss.py) and its table (test_zero.py)
 def test_stage3_gathers_the_tables_when_the_batch_outweighs_them():
     # 8 examples of 32 + 2·16 rows against a 256-id vocabulary: moving the activations would
     # cost as much as gathering the tables (t5scale/parallel/vocab.py), so stage 3 gathers them.

@@ -55,8 +55,7 @@ def _compiled(name: str):
     return setup, setup.compile()
 
 
-# In CI: 2 and 4 stages, whose programs other tests compile too (ZeRO 1 and tensor 2 with a
-# pipeline: the mixed-precision test below); the rest of LAYOUTS is slow.
+# In CI: 2 and 4 stages (the HLO tests below compile 4 too); the rest of LAYOUTS is slow.
 IN_CI = ("pipeline2", "pipeline4")
 
 
@@ -177,6 +176,7 @@ def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
     assert float(original.loss) == float(again.loss)
 
 
+@pytest.mark.slow  # CI: simulate times pipelines from their programs (test_xla_gpu.py, test_tpu.py)
 def test_plan_shows_memory_per_device_per_pipeline_degree(capsys, monkeypatch):
     flags = ["--gin.MICRO_BATCHES=2", "--gin.PlanConfig.pipelines=(1, 2)",
              "--gin.PlanConfig.stages=(1, 2)", "--json"]  # fmt: skip
@@ -232,6 +232,8 @@ def test_a_pipeline_that_does_not_fit_stops_with_one_line(flags, message, capsys
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # CI: a pipeline trains like one device in fp32 (above); mixed precision, remat
+# and the tiled head each without a pipeline
 def test_a_pipeline_composes_with_mixed_precision_remat_and_the_tiled_head():
     model = dataclasses.replace(MODEL, dtype="bfloat16", remat="full", loss_chunk_tokens=8)
     mixed = {"model": model, "precision": PrecisionConfig(mode="mixed"), "steps": STEPS}

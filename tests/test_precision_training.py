@@ -74,8 +74,8 @@ def test_mixed_precision_trains_alike_on_every_stage_and_mesh(parallel, devices)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
 
 
-FP32_PADDED = [
-    ParallelConfig(zero_stage=3, zero=6),
+FP32_PADDED = [  # CI: mixed precision on the same padded mesh (above)
+    pytest.param(ParallelConfig(zero_stage=3, zero=6), marks=SLOW),
     pytest.param(ParallelConfig(zero_stage=1, zero=6), marks=SLOW),
     pytest.param(ParallelConfig(zero_stage=2, zero=6), marks=SLOW),
     pytest.param(ParallelConfig(zero_stage=2, replica=2, zero=3), marks=SLOW),  # 3 pads too

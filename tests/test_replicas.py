@@ -112,8 +112,9 @@ SGD = OptimizerConfig(name="sgd", learning_rate=0.5, warmup_steps=2, grad_clip_n
 @pytest.mark.parametrize(
     "stage, sync",
     [
-        (1, ReplicaSyncConfig("local_sgd", every=1)),
-        pytest.param(  # out of CI's budget: the HLO test compiles stage 3 in CI
+        # CI: DiLoCo's periods and the inner and outer steps' HLO (the tests around this one)
+        pytest.param(1, ReplicaSyncConfig("local_sgd", every=1), marks=pytest.mark.slow),
+        pytest.param(
             3,
             ReplicaSyncConfig("diloco", every=1, outer_learning_rate=1.0, outer_momentum=0.0),
             marks=pytest.mark.slow,

@@ -322,6 +322,7 @@ def test_the_notebooks_whole_grid_compiles_for_a_colab_tpu_runtime(runtime):
     _notebook_grid_on(runtime)
 
 
+@pytest.mark.slow  # CI: every stage across two slices (test_zero_across_slices.py)
 def test_zero_3_over_two_64_chip_slices_is_read_as_gathers_and_dcn_transfers(tpu_plan):
     """ZeRO 3 over two v5p-128 slices. Inside each 64-chip slice XLA:TPU writes a parameter
     all-gather as an all-reduce of zeros into which each chip put its part; between slices it

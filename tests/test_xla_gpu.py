@@ -186,7 +186,9 @@ def test_reused_kernels_and_the_ptxas_stand_in_leave_the_program_as_it_was(two_n
     assert fresh.cost_analysis() == steps[3].compiled.cost_analysis()
 
 
-@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "mixed"])
+# CI: one H100's mixed-precision program (test_attention.py, the H100 step's kernels)
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
 def test_one_h100_program(precision):
     step = compile_for(GpuTopology("h100_sxm"), 0, precision)
     analysis = step.analysis
@@ -404,6 +406,7 @@ def test_unrolled_layers_need_fewer_non_gemm_kernels_and_keep_the_remat():
     assert unrolled.fusion.count + unrolled.copy.count < loop.fusion.count + loop.copy.count
 
 
+@pytest.mark.slow  # CI: the remat ladder's memory on the CPU (test_remat.py)
 def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_again():
     """Remat 'dots' keeps the fused attention's output and log-sum-exp as it keeps matmuls'
     outputs: the backward pass runs only the backward kernels; 'full' runs the forward again."""
