@@ -216,6 +216,7 @@ def test_an_unknown_backend_is_rejected():
         fused_attention(q, q, q, None, segments, segments, False, "cuda")
 
 
+@pytest.mark.slow  # CI: the kernels against the einsum path (above), and the fused step's training
 def test_the_models_own_fused_attention_equals_the_einsum_path():
     """Without a mesh (the model's default `attend`, fused_attention on whole arrays): 'fused'
     runs the kernels (Pallas's interpreter, the default ShardingHooks.kernels), 'fused_reference'

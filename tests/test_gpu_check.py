@@ -31,9 +31,12 @@ def results(out) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
-# CI: the default list; its extras (the fp8 and einsum steps, the fp32 kernels: the same code
-# under other options) with --all under -m slow
-@pytest.mark.parametrize("flags", [(), pytest.param(("--all",), marks=pytest.mark.slow)])
+# Under -m slow, as a bench script that is not quick (issue 61): the default list, and its extras
+# (the fp8 and einsum steps, the fp32 kernels: the same code under other options) with --all.
+# CI: the runner's budget and its one-line errors (below), the step item's profile
+# (test_device_profile.py), the kernels and the fused step (test_attention.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [(), ("--all",)])
 def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     out = tmp_path / "check"
     done = run_check(out, *flags)

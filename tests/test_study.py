@@ -177,6 +177,7 @@ def test_trial_statuses_timeout_out_of_memory_compile_error_crash(tmp_path):
     assert crash["status"] == "crash" and "mt5_missing" in crash["error"]
 
 
+@pytest.mark.slow  # CI: the training loop's profile of chosen steps (test_cli.py), the same code
 def test_a_profile_trial_traces_the_step(tmp_path):
     """StudyConfig.profile_winner runs this trial for each winner after the search."""
     point = Point("mt5_tiny", 1, 1, "auto", 1e-3, devices=2, input_length=32, target_length=8)

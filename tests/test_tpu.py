@@ -463,21 +463,21 @@ TPU_SIMULATE = [*TINY, "--gin_file=gin/precision/mixed.gin", "--gin.ModelConfig.
 
 
 def test_simulate_times_a_tpu_pod_from_its_program_and_says_it_is_unvalidated(capsys, monkeypatch):
-    """`t5scale simulate` with a TPU pod file: stage 3 compiled by XLA:TPU for 1 and 2 slices,
-    its program's operations and collectives timed over ICI and DCN, overlap from the schedule."""
+    """`t5scale simulate` with a TPU pod file: stage 3 compiled by XLA:TPU for 2 slices (one
+    slice: the test below), its program's operations and collectives timed over ICI and DCN,
+    overlap from the schedule."""
     code, out, err = cli_inline(
-        ["simulate", "--json", *TPU_SIMULATE, "--gin.SimulateConfig.nodes=(1, 2)",
+        ["simulate", "--json", *TPU_SIMULATE, "--gin.SimulateConfig.nodes=(2,)",
          "--gin.SimulateConfig.stages=(3,)"], capsys, monkeypatch,
     )  # fmt: skip
     assert code == 0, err
     assert "unvalidated" in err
     result = json.loads(out)
     assert result["path"] == "tpu" and result["compiler"].startswith("xla:tpu TPU v5 lite")
-    one, two = result["rows"]
-    assert (one["devices"], two["devices"]) == (8, 16)
-    for row in (one, two):
-        assert row["compute_s"] > 0 and 0 < row["exposed_communication_s"] <= row["communication_s"]
-        assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_communication_s"])
+    (row,) = result["rows"]
+    assert row["devices"] == 16, row
+    assert row["compute_s"] > 0 and 0 < row["exposed_communication_s"] <= row["communication_s"]
+    assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_communication_s"])
     parse_gin(["gin/models/mt5_tiny.gin"], [flag.removeprefix("--gin.") for flag in TINY[1:]])
     with pytest.raises(ConfigError, match="bf16"):  # fp32 compute: the chips' peak is bf16's
         simulate(build_run_config(), TpuPodConfig(**V5E, slice="v5e-8"), SimulateConfig())
@@ -548,6 +548,7 @@ def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
     assert any(c.op.form == "dcn" and not c.synchronous for c in scheduled)
 
 
+@pytest.mark.slow  # CI: a pipeline timed across GPU nodes (test_xla_gpu.py); TPU slices' DCN above
 def test_simulate_times_a_pipeline_over_ici_and_across_slices(capsys, monkeypatch):
     """A pipeline of 2 stages compiled by XLA:TPU inside one v5e-8 slice and across 2 slices:
     its collective permutes timed over the torus, and between slices over DCN."""
