@@ -1,8 +1,8 @@
 """FP8 matmuls (gin/precision/fp8.gin; t5scale/train/fp8.py) on the CPU, where XLA emulates the
 float8 types: the FP8 state follows delayed scaling's rule and never the optimizer, is the same
 on one device and on 8 with micro-batches (the max over both), trains as mixed precision does,
-and is checkpointed as an item of its own that moves between fp8 and mixed precision (resumed
-bit for bit after a kill: tests/test_checkpoint.py).
+and is checkpointed as an item of its own that a resumed run takes up exactly and that moves
+between fp8 and mixed precision (resumed bit for bit after a kill: tests/test_checkpoint.py).
 
 The program for an H100, where every layer GEMM is an FP8 one, is tests/test_xla_gpu.py's."""
 
@@ -21,6 +21,8 @@ from conftest import TINY_ARGS, TINY_MODEL, cli_in_process, run_steps, tiny_setu
 
 from t5scale.model.hf_import import params_from_hf
 from t5scale.parallel.mesh import ParallelConfig
+from t5scale.train.checkpoint import Checkpoints, saved_meta
+from t5scale.train.config import CheckpointConfig
 from t5scale.train.precision import PrecisionConfig
 
 BF16_MODEL = TINY_MODEL.__class__(vocab_size=TINY_MODEL.vocab_size, dtype="bfloat16")
@@ -30,9 +32,9 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 
 @functools.cache
-def _train(precision: str, devices: int, stage: int, micro_batches: int, tensor: int = 1,
-           pipeline: int = 1):  # fmt: skip
-    """(losses, FP8 state on the host or None) after STEPS steps of the shared small run."""
+def _compiled(precision: str, devices: int, stage: int, micro_batches: int, tensor: int = 1,
+              pipeline: int = 1):  # fmt: skip
+    """(setup, compiled step) of the shared small run: the tests below share each program."""
     zero = devices // (tensor * pipeline)
     parallel = ParallelConfig(zero_stage=stage, zero=zero, tensor=tensor, pipeline=pipeline)
     setup = tiny_setup(
@@ -40,7 +42,14 @@ def _train(precision: str, devices: int, stage: int, micro_batches: int, tensor:
         precision=PrecisionConfig(mode=precision, fp8_amax_history=HISTORY),
         micro_batches=micro_batches,
     )  # fmt: skip
-    state, losses = run_steps(setup, setup.create_state(seed=0), 0, STEPS - 1)
+    return setup, setup.compile().compiled
+
+
+@functools.cache
+def _train(*layout, **more):
+    """(losses, FP8 state on the host or None) after STEPS steps of `_compiled(*layout)`."""
+    setup, step = _compiled(*layout, **more)
+    state, losses = run_steps(setup, setup.create_state(seed=0), 0, STEPS - 1, step)
     return losses, jax.device_get(state.fp8)
 
 
@@ -115,8 +124,7 @@ def _assert_the_state_of_one_device(fp8) -> None:
                 np.testing.assert_allclose(got, want, rtol=0 if exact else 0.05, err_msg=where)
 
 
-@pytest.mark.slow  # CI: the reduction over devices, exact (above); fp8 over ZeRO-3's 2 devices
-# (test_checkpoint.py's kill and resume)
+@pytest.mark.slow  # CI: the reduction over devices, exact (above)
 def test_the_fp8_state_of_zero_3_tensor_parallel_and_micro_batches_is_that_of_one_device():
     """ZeRO-3 over 2 devices × tensor 2, with 2 micro-batches: the max over devices and
     micro-batches."""
@@ -139,6 +147,31 @@ def test_fp8_trains_as_mixed_precision_does():
     np.testing.assert_allclose(fp8, mixed, rtol=2e-2)
 
 
+def test_an_fp8_checkpoint_goes_on_exactly_as_the_run_that_never_stopped(tmp_path):
+    """The FP8 state saved as the checkpoint's `fp8` item and restored with the rest: the next
+    steps' losses and FP8 state are those of the run that never stopped, bit for bit. (In this
+    process; a killed fp8 run's processes: test_checkpoint.py, under -m slow.)"""
+    setup, step = _compiled("fp8", 1, 0, 1)
+    form = setup.form
+    state, _ = run_steps(setup, setup.create_state(seed=0), 0, 1, step)
+    checkpoints = Checkpoints(str(tmp_path), CheckpointConfig())
+    checkpoints.save(2, form.to_canonical(state), saved_meta(setup.run, form, 2, 2))
+    checkpoints.wait()
+    restored = checkpoints.restore_latest(
+        form.restore_target, setup.run.model, setup.run.optimizer.name
+    )
+    checkpoints.close()
+    assert restored.meta.step == 2 and (tmp_path / "checkpoints" / "2" / "fp8").is_dir()
+    resumed = form.from_canonical(restored.state, restored.meta)
+    went_on, losses = run_steps(setup, state, 2, 3, step)
+    again, resumed_losses = run_steps(setup, resumed, 2, 3, step)
+    np.testing.assert_array_equal(resumed_losses, losses)
+    fp8, want = jax.device_get(again.fp8), jax.device_get(went_on.fp8)
+    assert any(np.any(leaf) for leaf in jax.tree.leaves(fp8))
+    for a, b in zip(jax.tree.leaves(fp8), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _train_args(model_dir: Path, precision: str, steps: int) -> list[str]:
     return [
         "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin",
@@ -153,8 +186,7 @@ def _losses(model_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
-@pytest.mark.slow  # CI: an fp8 checkpoint resumed bit for bit after a kill (test_checkpoint.py);
-# export of a trained model (test_hf_import.py)
+@pytest.mark.slow  # CI: an fp8 checkpoint goes on exactly (above); export (test_hf_import.py)
 def test_fp8_checkpoints_move_to_and_from_mixed_and_export_the_parameters_alone(tmp_path, capsys):
     """The FP8 state is the checkpoint's `fp8` item (tests/test_checkpoint.py resumes it bit for
     bit after a kill): mixed precision resumes the checkpoint without it, fp8 the mixed one with

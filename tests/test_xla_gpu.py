@@ -346,6 +346,7 @@ def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
         assert record["analysis"]["compiler"] == "xla:cpu"
 
 
+@pytest.mark.slow  # CI: plan with a cluster file (above) compiles for its GPUs the same way
 def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch):
     job = [
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
@@ -419,6 +420,8 @@ def test_remat_dots_keeps_the_attention_s_output_and_runs_no_forward_kernel_agai
     assert dots.analysis.kernels.attention.count < full.analysis.kernels.attention.count
 
 
+@pytest.mark.slow  # CI: each layer einsum through flax's FP8 einsum is three FP8 GEMMs on an
+# H100 (below), the inventory names and prices them (below), and the fp8 step trains (test_fp8.py)
 def test_every_layer_gemm_of_the_fp8_step_is_an_fp8_gemm():
     """gin/precision/fp8.gin's step for one H100: each layer's matmuls (6 an encoder layer, 10 a
     decoder layer), forward and both gradients, are FP8 cuBLASLt GEMMs, named so by the kernel
@@ -440,7 +443,7 @@ def test_every_layer_gemm_of_the_fp8_step_is_an_fp8_gemm():
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3 * layer_matmuls
 
 
-@pytest.mark.slow  # four H100 programs; CI: what remat 'dots' keeps of the attention (above)
+@pytest.mark.slow  # four H100 programs; CI: the remat ladder's memory (test_remat.py)
 def test_unrolled_dots_keeps_the_norms_and_the_gated_gelu(monkeypatch):
     """Unrolled, remat 'dots' also keeps the norms' outputs and the gated GELU's product
     (mt5.KEPT_UNROLLED): the non-GEMM kernels read and write less than when it makes them again;
