@@ -101,6 +101,7 @@ def test_remat_policies_do_not_change_the_numbers():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # CI: the layer loop, every model's default; unrolling is the GPU check's option
 def test_unrolled_layers_give_the_loop_s_numbers():
     """scan_layers=False unrolls the same scan: the same stacked parameters, loss and gradients
     (that the remat survives unrolling is checked on the H100 program, test_xla_gpu.py)."""

@@ -193,7 +193,9 @@ def test_local_sh_runs_a_two_process_cluster():
     print(f"2-process distributed-check through local.sh: {elapsed:.1f} s wall")
 
 
-@pytest.mark.parametrize("source", ["slurm", "kubernetes"])
+# CI: Kubernetes; SLURM's environment is read the same way, and sbatch starts a cluster in CI
+# (test_launch.py)
+@pytest.mark.parametrize("source", [pytest.param("slurm", marks=pytest.mark.slow), "kubernetes"])
 def test_scheduler_environments_start_the_cluster(source):
     port = free_port()
 

@@ -33,10 +33,12 @@ METRICS_KEYS = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """MODEL_DIR of a real 3-step run: validation and checkpoints at steps 2 and 3."""
+    """MODEL_DIR of a real 3-step run: validation and checkpoints at steps 2 and 3. (test_cli.py's
+    run's settings: the session's compilation cache serves the second of the two.)"""
     model_dir = tmp_path_factory.mktemp("records") / "run"
     done = run_cli(
-        "train", *TINY_ARGS, "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=2",
+        "train", *TINY_ARGS, "--gin_file=gin/zero/stage2.gin", "--gin.ModelConfig.remat='auto'",
+        "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=2",
         "--gin.DataConfig.validation_every=2", "--gin.DataConfig.validation_batches=1",
         f"--gin.MODEL_DIR={model_dir}",
     )  # fmt: skip

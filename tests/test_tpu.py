@@ -462,6 +462,7 @@ TPU_SIMULATE = [*TINY, "--gin_file=gin/precision/mixed.gin", "--gin.ModelConfig.
                 "--gin.SimulateConfig.micro_batch_size=2"]  # fmt: skip
 
 
+@pytest.mark.slow  # CI: simulate of one slice (below); every stage across two (test_zero_across_slices)
 def test_simulate_times_a_tpu_pod_from_its_program_and_says_it_is_unvalidated(capsys, monkeypatch):
     """`t5scale simulate` with a TPU pod file: stage 3 compiled by XLA:TPU for 2 slices (one
     slice: the test below), its program's operations and collectives timed over ICI and DCN,
@@ -529,6 +530,7 @@ def test_any_other_compiler_failure_is_one_line():
     assert "t5scale_no_such_kernel not found" in line
 
 
+@pytest.mark.slow  # reads the program the test above compiled, from its cache
 def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
     """The TPU program's schedule (kernels.read_program) and its collective count
     (hlo.collective_ops) read the same collectives, bytes for bytes: XLA:TPU's async start

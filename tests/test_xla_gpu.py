@@ -198,6 +198,7 @@ def test_one_h100_program(precision):
     assert "__cublas$" in step.compiled.as_text()  # GEMMs by cuBLAS, not Triton (no autotuner)
 
 
+@pytest.mark.slow  # CI: simulate compiles for a cluster file's GPUs (below); plan, for a TPU pod's
 def test_plan_with_a_cluster_file_compiles_for_its_gpus(capsys, monkeypatch):
     code, out, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/precision/mixed.gin",
