@@ -463,6 +463,8 @@ def test_unrolled_dots_keeps_the_norms_and_the_gated_gelu(monkeypatch):
     assert kept[True] == made_again[True]
 
 
+@pytest.mark.slow  # CI: a pipeline's program and its idle ticks (test_pipeline.py), simulate's
+# GPU path (above)
 def test_simulate_times_a_pipeline_across_nodes_from_its_program():
     from t5scale.whatif.nccl import placement
     from t5scale.whatif.simulate import SimulateConfig, format_simulation, simulate
