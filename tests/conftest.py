@@ -62,21 +62,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The files that take longest (a minute or more each, 2026-11-29), handed to the workers first:
-# xdist gives out whole files (--dist loadfile) in collection order, so a long file collected
-# last would finish alone while the other worker waits.
-LONGEST_FIRST = ("test_study.py", "test_attention.py", "test_checkpoint.py", "test_tpu.py",
-                 "test_multihost_training.py")  # fmt: skip
-
-
-def pytest_collection_modifyitems(session, config, items):
-    def rank(item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
-
-
 def pytest_sessionstart(session):
     """Without t5scale's channel-id stand-in (t5scale/xla_cpu.py) a newer JAX would deadlock the
     multi-device tests: stop at once and say why instead."""
