@@ -1,7 +1,7 @@
 """bench/gpu_check.py, the check a GPU runs when one is lent (docs/gpu_check.md), run here as
 its dry run: the whole work list, each item in its own process, on the CPU with mt5_tiny, the
 kernels under Pallas's interpreter and the predictions from the same runs compiled for an H100
-without one. So the check cannot rot between GPUs."""
+without one (under -m slow: run it before a GPU run). So the check cannot rot between GPUs."""
 
 import importlib
 import json
