@@ -176,7 +176,7 @@ def test_a_pipelined_checkpoint_restores_unpipelined_and_back_exactly(tmp_path):
     assert float(original.loss) == float(again.loss)
 
 
-@pytest.mark.slow  # CI: simulate times pipelines from their programs (test_xla_gpu.py, test_tpu.py)
+@pytest.mark.slow  # CI: a pipeline's program, its idle ticks and its checkpoint (in this file)
 def test_plan_shows_memory_per_device_per_pipeline_degree(capsys, monkeypatch):
     flags = ["--gin.MICRO_BATCHES=2", "--gin.PlanConfig.pipelines=(1, 2)",
              "--gin.PlanConfig.stages=(1, 2)", "--json"]  # fmt: skip

@@ -238,8 +238,8 @@ def test_study_config_errors_are_one_line(tmp_path):
     assert missing.returncode == 2 and "run `t5scale study`" in missing.stderr
 
 
-@pytest.mark.slow  # CI: plan per stage compiled for TPU slices (test_tpu.py) and GPUs
-# (test_xla_gpu.py); the study's compile-only round reads the same CPU programs
+@pytest.mark.slow  # CI: plan per stage compiled for TPU slices (test_tpu.py); the study's
+# compile-only round reads the same CPU programs
 def test_plan_answers_per_stage_without_running(capsys, monkeypatch):
     code, out, err = cli_inline([
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin.DEVICES=2",
@@ -261,7 +261,7 @@ def test_plan_answers_per_stage_without_running(capsys, monkeypatch):
 
 
 @pytest.mark.slow  # CI: simulate on the GPU path (test_xla_gpu.py, which also runs this CPU path
-# once) and on TPU slices (test_tpu.py); DiLoCo's rounds are timed in CI by test_replicas.py
+# once) and on a TPU slice (test_tpu.py); DiLoCo's periods train in CI (test_replicas.py)
 def test_simulate_finds_stage_0_faster_than_3_and_diminishing_returns(
     tmp_path, capsys, monkeypatch
 ):

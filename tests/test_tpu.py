@@ -550,7 +550,7 @@ def test_the_schedule_finds_every_collective_the_count_finds_on_two_slices():
     assert any(c.op.form == "dcn" and not c.synchronous for c in scheduled)
 
 
-@pytest.mark.slow  # CI: a pipeline timed across GPU nodes (test_xla_gpu.py); TPU slices' DCN above
+@pytest.mark.slow  # CI: a pipeline's program (test_pipeline.py); simulate of one slice (above)
 def test_simulate_times_a_pipeline_over_ici_and_across_slices(capsys, monkeypatch):
     """A pipeline of 2 stages compiled by XLA:TPU inside one v5e-8 slice and across 2 slices:
     its collective permutes timed over the torus, and between slices over DCN."""

@@ -347,7 +347,7 @@ def test_the_study_compiles_for_the_cluster_gpus_and_times_on_the_cpu(tmp_path):
         assert record["analysis"]["compiler"] == "xla:cpu"
 
 
-@pytest.mark.slow  # CI: plan with a cluster file (above) compiles for its GPUs the same way
+@pytest.mark.slow  # CI: simulate compiles for a cluster file's GPUs (below); plan, a TPU pod's
 def test_plan_compile_checks_a_job_as_its_gin_files_give_it(capsys, monkeypatch):
     job = [
         "plan", "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage2.gin",
