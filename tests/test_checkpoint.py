@@ -42,30 +42,30 @@ def _saved_fp8(model_dir: Path, step: int) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(restored)]
 
 
-# The real data path (the shipped corpus; one language and a short shuffle buffer keep the
-# pipeline's start-up short in each process), ZeRO-3 over 2 CPU devices, a checkpoint every 2
-# steps; in fp32, or with FP8 matmuls, whose scales and amax histories are state of their own
-# that a resumed run must take up exactly.
+# ZeRO-3 over 2 CPU devices, a checkpoint every 2 steps; in fp32, or with FP8 matmuls, whose
+# scales and amax histories are state of their own that a resumed run must take up exactly. The
+# data resume at the checkpoint's position: synthetic batches (skipped to it), or the shipped
+# corpus (one language and a short shuffle buffer keep its start-up short; TensorFlow's import
+# and the pipeline's start still cost each process some 15 s here).
 RESUME_ARGS = [
     "train", "--cpu_devices=2",
     "--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/zero/stage3.gin",
-    "--gin.DATA_SOURCE=corpus", "--gin.DataConfig.languages=('en',)",
-    "--gin.DataConfig.corpus_shuffle_buffer=16",
+    "--gin.DataConfig.languages=('en',)", "--gin.DataConfig.corpus_shuffle_buffer=16",
     "--gin.INPUT_LENGTH=64", "--gin.TARGET_LENGTH=16", "--gin.BATCH_SIZE=4",
     "--gin.TRAIN_STEPS=12", "--gin.CHECKPOINT_EVERY=2",
 ]  # fmt: skip
 
 
-def _start(model_dir: Path, precision: str = "fp32") -> subprocess.Popen:
+def _start(model_dir: Path, precision: str, data: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    precision_file = f"--gin_file=gin/precision/{precision}.gin"
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "t5scale.cli",
             *RESUME_ARGS,
-            precision_file,
+            f"--gin_file=gin/precision/{precision}.gin",
+            f"--gin.DATA_SOURCE='{data}'",
             f"--gin.MODEL_DIR='{model_dir}'",
         ],  # fmt: skip
         cwd=REPO,
@@ -96,17 +96,25 @@ def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum:
     return logged
 
 
-# CI: fp32; an fp8 checkpoint's exact resume in one process (test_fp8.py). In fp8 (a longer
-# compile in each of the four processes), under -m slow.
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp8", marks=pytest.mark.slow)])
-def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path, precision):
+# CI: fp32 on synthetic data; the corpus resumes at a position in test_data.py, an fp8
+# checkpoint exactly in one process in test_fp8.py. On the corpus, and in fp8 (a longer compile
+# in each of the four processes), under -m slow.
+@pytest.mark.parametrize(
+    "precision, data",
+    [
+        ("fp32", "synthetic"),
+        pytest.param("fp32", "corpus", marks=pytest.mark.slow),
+        pytest.param("fp8", "corpus", marks=pytest.mark.slow),
+    ],
+)
+def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path, precision, data):
     run_dir = tmp_path / "interrupted"
     events, reference = [], None
     for step, signum in [(3, signal.SIGKILL), (8, signal.SIGTERM)]:
-        process = _start(run_dir, precision)
+        process = _start(run_dir, precision, data)
         if reference is None:  # beside the chain, once its program is in the compilation cache
             _wait_for_step(process, run_dir, 1)
-            reference = _start(tmp_path / "reference", precision)
+            reference = _start(tmp_path / "reference", precision, data)
         sent_at = _signal_after(process, run_dir, step, signum)
         out, err = process.communicate(timeout=120)
         events.append((signum.name, sent_at, process.returncode))
@@ -115,7 +123,7 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
             assert "preempted (SIGTERM): checkpoint saved at step" in out
         else:
             assert process.returncode == -signal.SIGKILL
-    final = _start(run_dir, precision)
+    final = _start(run_dir, precision, data)
     out, err = final.communicate(timeout=300)
     assert final.returncode == 0, err
     assert "resuming from the checkpoint at step" in out
