@@ -200,6 +200,23 @@ def cli_inline(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
     return cli_in_process(args, capsys)
 
 
+def count_parses(monkeypatch) -> list[str]:
+    """The texts t5scale's HLO parser is given from now on (in this test), wherever a module
+    imported it by name."""
+    from t5scale.analysis import hlo_module
+
+    parse, parsed = hlo_module.parse_module, []
+
+    def counted(text: str) -> hlo_module.Module:
+        parsed.append(text)
+        return parse(text)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("t5scale")]:
+        if getattr(module, "parse_module", None) is parse:
+            monkeypatch.setattr(module, "parse_module", counted)
+    return parsed
+
+
 # ---- several processes on 127.0.0.1 -----------------------------------------------------------
 
 

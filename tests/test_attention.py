@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     TINY_MODEL,
     assert_same_parameters,
+    count_parses,
     one_device_reference,
     run_steps,
     tiny_setup,
@@ -305,11 +306,12 @@ def test_an_unknown_attention_is_rejected():
         pytest.param(4, 1, marks=pytest.mark.slow),
     ],
 )
-def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor):
+def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor, monkeypatch):
     """mt5_tiny at ZeRO 3 on `gpus` H100s of one node, 3 examples per GPU (compiled, not run),
     mixed precision: with 'auto' the step is the fused one, Triton's kernels for every attention,
     forward and backward, and no [batch, heads, q, k] tensor, which the einsum path has; its
-    GEMMs are cuBLAS's (no autotuner for Triton's)."""
+    GEMMs are cuBLAS's (no autotuner for Triton's). The step's analysis (its collectives, its
+    kernels) reads the program from one parse of its text."""
     from t5scale.xla_gpu import GpuTopology
 
     topology = GpuTopology("h100_sxm", nodes=1, gpus_per_node=gpus)
@@ -323,7 +325,10 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor):
         run = weak_scale(build_run_config(), 3, topology.size, 3, tensor=tensor,
                          dcn_groups=topology.nodes)  # fmt: skip
         setup = build_setup(run, topology.devices())
+        parsed = count_parses(monkeypatch)
         step = setup.compile()
+        assert step.analysis.program.kernels and step.analysis.program.collectives is not None
+        assert parsed == [step.compiled.as_text()], f"parsed {len(parsed)} times"
         assert step.analysis.attention == setup.run.model.attention  # step_analysis.json's
         assert step.analysis.compiler.startswith("xla:gpu NVIDIA H100")
         assert bool(step.analysis.collective_ops) == (gpus > 1)  # one GPU: nothing to exchange
