@@ -58,16 +58,11 @@ RESUME_ARGS = [
 
 def _start(model_dir: Path, precision: str, data: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "t5scale.cli", *RESUME_ARGS,
+               f"--gin_file=gin/precision/{precision}.gin", f"--gin.DATA_SOURCE='{data}'",
+               f"--gin.MODEL_DIR='{model_dir}'"]  # fmt: skip
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "t5scale.cli",
-            *RESUME_ARGS,
-            f"--gin_file=gin/precision/{precision}.gin",
-            f"--gin.DATA_SOURCE='{data}'",
-            f"--gin.MODEL_DIR='{model_dir}'",
-        ],  # fmt: skip
+        command,
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
