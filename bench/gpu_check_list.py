@@ -86,8 +86,8 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # zero-fills and copies were a third of the time neither GEMM nor attention)
         step(large, "dots", "fused", 97, unrolled=True),
         step(small, "dots", "fused", 58, unrolled=True),
-        # the loss in 7 chunks, not 28: the head's fp32 weight gradient written 7 times a step
-        # (docs/benchmarks.md, fifteenth: 11 ms of this step at 28), for a 1 GB logits block
+        # the loss in 7 chunks, not 28: the head's weight gradient is written 7 times either way
+        # (products of 4 chunks, twenty-first); this times 1 GB blocks of logits against 264 MB
         step(small, "dots", "fused", 58, unrolled=True, chunk=1048),
         step(large, "full", "fused", 35),
         # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full

@@ -8,8 +8,10 @@ per step, for each attention and remat setting (issue 34's measure of the GPU st
 Each step as `t5scale plan` builds it for one H100 (gin/clusters/h100.gin): mixed precision,
 batch 32 of 1024/229, ZeRO 0, AdamW. Prints a markdown table: XLA's arguments + temporaries per
 device, how many [32, heads, q, k] score tensors the program text holds, and the kernel
-inventory per step (loops multiplied out; t5scale/analysis/kernels.py) with the bytes the
-non-GEMM kernels read and write, and the compile time.
+inventory per step (loops multiplied out; t5scale/analysis/kernels.py) with the bytes the GEMMs
+and the non-GEMM kernels read and write, the cluster model's step for the program on
+gin/clusters/h100.gin (t5scale/whatif/gpu_step.py; a prediction, not a measurement), and the
+compile time.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import jax  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 
 from t5scale import xla_gpu  # noqa: E402
-from t5scale.config import build_run_config, parse_gin  # noqa: E402
+from t5scale.config import build_hardware, build_run_config, parse_gin  # noqa: E402
 from t5scale.train.setup import build_setup  # noqa: E402
+from t5scale.whatif.gpu_step import predict_program  # noqa: E402
 from t5scale.whatif.weak_scaling import weak_scale  # noqa: E402
 
 MODELS = ("mt5_small", "mt5_base", "mt5_large")
@@ -42,7 +45,7 @@ def score_tensors(hlo_text: str) -> int:
 
 def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
     parse_gin(
-        [f"gin/models/{model}.gin", "gin/precision/mixed.gin"],
+        [f"gin/models/{model}.gin", "gin/precision/mixed.gin", "gin/clusters/h100.gin"],
         [f"ModelConfig.remat='{remat}'", f"ModelConfig.attention='{attention}'",
          f"ModelConfig.scan_layers={layers == 'loop'}",
          f"INPUT_LENGTH={INPUT}", f"TARGET_LENGTH={TARGET}"],
@@ -55,13 +58,16 @@ def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
     kernels = step.analysis.kernels
     non_gemm = kernels.fusion.count + kernels.copy.count
     non_gemm_bytes = sum(t.bytes_read + t.bytes_written for t in (kernels.fusion, kernels.copy))
+    gemm_bytes = kernels.gemm.bytes_read + kernels.gemm.bytes_written
+    predicted = predict_program(step.analysis.program, build_hardware(), 1)
     return (
         f"| {model} | {step.setup.run.model.attention} | {remat} | {layers} | "
         f"{memory.argument_size_in_bytes / 1e9:.1f} + {memory.temp_size_in_bytes / 1e9:.1f} = "
         f"{(memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 1e9:.1f} GB | "
         f"{score_tensors(step.compiled.as_text())} | {kernels.gemm.count:,} | "
         f"{kernels.attention.count:,} | {kernels.fusion.count:,} | {kernels.copy.count:,} | "
-        f"{non_gemm:,} | {non_gemm_bytes / 1e9:,.0f} GB | {cpu_s:.0f} CPU-s |"
+        f"{non_gemm:,} | {gemm_bytes / 1e9:,.1f} GB | {non_gemm_bytes / 1e9:,.1f} GB | "
+        f"{predicted.step_s * 1e3:,.1f} ms | {cpu_s:.0f} CPU-s |"
     )
 
 
@@ -74,8 +80,9 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| model | attention | remat | layers | arguments + temporaries | score tensors | GEMMs | "
-        "attention kernels | fusions | copies | non-GEMM | non-GEMM bytes | compile |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "attention kernels | fusions | copies | non-GEMM | GEMM bytes | non-GEMM bytes | "
+        "predicted step (h100.gin) | compile |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     for model in args.models:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import relative_difference, synthetic_batches, tiny_setup
 
-from t5scale.model.head import HeadLoss, chunk_tokens, head_loss, loss_sums
+from t5scale.model.head import HeadLoss, chunk_tokens, chunks_per_product, head_loss, loss_sums
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.precision import PrecisionConfig
@@ -28,11 +28,17 @@ def _head_inputs(tokens: int = 37, d_model: int = 16, vocab: int = 300):
     return x, w, targets, weights
 
 
-@pytest.mark.parametrize(  # 5 and 8 leave a partial last chunk
-    "chunk",
-    [pytest.param(1, marks=pytest.mark.slow), 5, pytest.param(8, marks=pytest.mark.slow), 37],
+@pytest.mark.parametrize(  # of 37 tokens, 5 and 8 leave a partial last chunk
+    ("chunk", "product_chunks"),
+    [
+        pytest.param(1, 1, marks=pytest.mark.slow),
+        (5, 1),
+        (5, 3),  # 8 chunks in products of 3: the last product has a chunk of padding alone
+        pytest.param(8, 2, marks=pytest.mark.slow),
+        (37, 1),
+    ],
 )
-def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk):
+def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk, product_chunks):
     x, w, targets, weights = _head_inputs()
 
     def whole(x, w):
@@ -40,7 +46,8 @@ def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk):
         return cross_entropy + z_term, (cross_entropy, z_term)
 
     def tiled(x, w):
-        how = HeadLoss(z_loss=Z_LOSS, chunk=chunk, vocab_size=w.shape[1])
+        how = HeadLoss(z_loss=Z_LOSS, chunk=chunk, vocab_size=w.shape[1],
+                       product_chunks=product_chunks)  # fmt: skip
         loss, cross_entropy, z_term = head_loss(x, w, targets, weights, weights, how)
         return loss, (cross_entropy, z_term)
 
@@ -74,6 +81,17 @@ def test_automatic_chunks_hold_one_block_of_logits_within_256_mib_and_pad_little
     assert chunk_tokens(5, tokens=128, vocab_columns=1024) == 5
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         ModelConfig(loss_chunk_tokens=-1)
+
+
+def test_the_projection_s_gradient_sums_about_1024_tokens_a_product():
+    # 28 chunks of 264: 7 products of 4 chunks (1,056 tokens), not 28 of one
+    assert chunks_per_product(264, 28) == 4
+    # 3,664 targets would make 14 chunks, which products of 4 do not divide: 16 of 232
+    assert chunk_tokens(None, tokens=3664, vocab_columns=250112) == 232
+    assert chunks_per_product(232, 16) == 4
+    assert chunks_per_product(1048, 7) == 1  # chunks of 1,048 are products of their own
+    assert chunks_per_product(264, 29) == 1  # a count only 1 and itself divide: no padding
+    assert chunks_per_product(5, 4) == 4  # small chunks: all of them in one product
 
 
 # ---- the train step's gradients on 8 devices ------------------------------------------------

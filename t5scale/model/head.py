@@ -16,6 +16,9 @@ the one scalar the step scales the loss by (1 / target tokens), so nothing is re
 backward pass only scales the two gradients it kept — the decoder output's ([tokens, d_model])
 and the projection's ([d_model, vocab], the size of the gradient it will be anyway). The
 projection's FLOPs are those of the untiled head: one matmul forward, two for the gradient.
+The logits' gradients of a few chunks, about PRODUCT_TOKENS tokens, are kept in one bf16 buffer
+and meet in one product for each of the two gradients: the projection's fp32 gradient is read
+and written once a product, not once a chunk.
 
 Split by vocabulary (`HeadLoss.axis`, stage 3's vocabulary-parallel head, t5scale/parallel/
 vocab.py), each device holds a slice of the columns; each chunk's maximum, sum of exponentials
@@ -44,6 +47,14 @@ NEG_INF = -1e10
 # Automatic chunks keep one [chunk, vocab slice] block of fp32 logits within this many bytes:
 # at most 268 tokens at mT5's 250,112 ids, whose products still fill a GPU's matmul units.
 CHUNK_BYTES = 256 * 2**20
+# Tokens whose logits' gradients meet in one product for the projection's gradient. Each product
+# reads and writes the whole fp32 [d_model, vocab] sum, 8 bytes an entry for 2·K FLOPs, K its
+# tokens: at one chunk of 264 that is about 58 FLOP a byte, far below a GPU's ridge (an H100's
+# 989 TFLOP/s × 0.70 over 3.35 TB/s × 0.89: about 230), and an H200 spent 22 ms of mt5_large's
+# step on 28 such products for 5.4 ms of arithmetic (docs/benchmarks.md, fifteenth session).
+# About 1,024 tokens a product reach about 200 FLOP a byte, for the bf16 gradients of a few
+# chunks kept at once (0.5 GB at mT5's vocabulary), not a larger block of fp32 logits.
+PRODUCT_TOKENS = 1024
 
 
 def loss_sums(
@@ -69,14 +80,26 @@ def weighted_sums(
 
 def chunk_tokens(requested: int | None, tokens: int, vocab_columns: int) -> int:
     """Tokens per chunk: `requested`, or for None as few chunks as keep each block of fp32
-    logits within CHUNK_BYTES, evened out (to a multiple of 8) so that the last chunk's padding
-    costs next to nothing; never more than `tokens`."""
+    logits within CHUNK_BYTES, as many as whole products of about PRODUCT_TOKENS take, evened
+    out (to a multiple of 8) so that the last chunk's padding costs next to nothing; never more
+    than `tokens`."""
     if requested is None:
         largest = max(1, CHUNK_BYTES // (4 * vocab_columns))
         chunks = -(-tokens // largest)
+        per_product = max(1, round(PRODUCT_TOKENS / largest))
+        if chunks > per_product:
+            chunks = -(-chunks // per_product) * per_product
         even = -(-tokens // chunks)
         requested = min(largest, -(-even // 8) * 8)
     return max(1, min(requested, tokens))
+
+
+def chunks_per_product(chunk: int, chunks: int) -> int:
+    """How many chunks' logit gradients one product sums into the projection's gradient: the
+    divisor of `chunks` nearest PRODUCT_TOKENS / chunk (no chunk of padding alone is added)."""
+    wanted = max(1.0, PRODUCT_TOKENS / chunk)
+    divisors = [k for k in range(1, chunks + 1) if chunks % k == 0]
+    return min(divisors, key=lambda k: (abs(k - wanted), -k))
 
 
 def _keep(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -100,9 +123,11 @@ def model_loss_sums(
     loss_chunk_tokens (0: all tokens in one chunk); `counted` defaults to `weights`."""
     x = decoded.reshape(-1, decoded.shape[-1])
     requested = x.shape[0] if model.loss_chunk_tokens == 0 else model.loss_chunk_tokens
+    chunk = chunk_tokens(requested, x.shape[0], lm_head.shape[1])
     how = HeadLoss(
-        z_loss=z_loss, chunk=chunk_tokens(requested, x.shape[0], lm_head.shape[1]),
-        vocab_size=model.vocab_size, compute_dtype=model.dtype, axis=axis, constrain=constrain,
+        z_loss=z_loss, chunk=chunk, vocab_size=model.vocab_size, compute_dtype=model.dtype,
+        axis=axis, constrain=constrain,
+        product_chunks=chunks_per_product(chunk, -(-x.shape[0] // chunk)),
     )  # fmt: skip
     weights = weights.reshape(-1).astype(jnp.float32)
     counted = weights if counted is None else counted.reshape(-1).astype(jnp.float32)
@@ -117,7 +142,8 @@ class HeadLoss:
     vocabulary split over `axis`) take no part. axis: the manual mesh axis the columns are split
     over, or None. compute_dtype: the matmuls' input dtype (they accumulate in fp32).
     constrain(array, logical axes): pins a block's sharding (tensor parallelism splits the
-    vocabulary of the logits and of the projection's gradient).
+    vocabulary of the logits and of the projection's gradient). product_chunks: chunks whose
+    logit gradients one product sums into the projection's gradient (PRODUCT_TOKENS).
     """
 
     z_loss: float
@@ -126,6 +152,7 @@ class HeadLoss:
     compute_dtype: str = "float32"
     axis: str | None = None
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep
+    product_chunks: int = 1
 
 
 def head_loss(
@@ -153,15 +180,16 @@ def _across_slices(how: HeadLoss, reduce, x: jax.Array) -> jax.Array:
     return x if how.axis is None else reduce(x, how.axis)
 
 
-def _in_chunks(how: HeadLoss, *arrays: jax.Array) -> tuple[int, list[jax.Array]]:
-    """The arrays (leading axis: tokens) zero-padded to whole chunks, as [chunks, chunk, …]."""
+def _in_chunks(how: HeadLoss, group: int, *arrays: jax.Array) -> tuple[int, list[jax.Array]]:
+    """The arrays (leading axis: tokens) zero-padded to whole groups of `group` chunks, as
+    [groups, group, chunk, …]."""
     tokens = arrays[0].shape[0]
-    chunks = -(-tokens // how.chunk)
-    padding = chunks * how.chunk - tokens
+    groups = -(-tokens // (group * how.chunk))
+    padding = groups * group * how.chunk - tokens
 
     def split(a: jax.Array) -> jax.Array:
         a = jnp.pad(a, [(0, padding)] + [(0, 0)] * (a.ndim - 1))
-        return a.reshape(chunks, how.chunk, *a.shape[1:])
+        return a.reshape(groups, group, how.chunk, *a.shape[1:])
 
     return tokens, [split(a) for a in arrays]
 
@@ -193,55 +221,84 @@ def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
     return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
+def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
+    """One chunk's log Z and target logit per token, and with_gradients its logits' gradient
+    (per unit of the loss's cotangent), from x_c [chunk, d_model] through w in the compute dtype."""
+    x_c, t_c, w_c = inputs
+    columns = w.shape[1]
+    # The column ids made here, not captured: XLA fuses an iota into its users.
+    column = _column_start(how, columns) + lax.broadcasted_iota(jnp.int32, (how.chunk, columns), 1)
+    logits = jnp.matmul(x_c, w, preferred_element_type=jnp.float32)
+    logits = how.constrain(logits, ("length", "vocab"))
+    if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
+        logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
+    local_peak, local_sum = max_and_sum_exp(logits)
+    peak = _across_slices(how, lax.pmax, local_peak)
+    is_target = column == t_c[:, None]
+    local = jnp.stack([
+        local_sum * jnp.exp(local_peak - peak),  # each slice's sum, rescaled to one peak
+        jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1),
+    ])  # fmt: skip
+    sum_exp, target_logit = _across_slices(how, lax.psum, local)
+    log_z = peak + jnp.log(sum_exp)
+    if not with_gradients:
+        return log_z, target_logit
+    # d loss / d logit = weight · ((1 + 2z·log Z)·softmax − [target]), per unit cotangent.
+    scale = w_c * (1.0 + 2.0 * how.z_loss * log_z)
+    d_logits = scale[:, None] * jnp.exp(logits - log_z[:, None])
+    d_logits = (d_logits - jnp.where(is_target, w_c[:, None], 0.0)).astype(w.dtype)
+    return log_z, target_logit, how.constrain(d_logits, ("length", "vocab"))
+
+
+def _chunk_group(how: HeadLoss, w: jax.Array, carry, inputs):
+    """A group of how.product_chunks chunks (a scan's step): their logits' gradients are written,
+    in place, into one buffer that every group reuses, and meet in one product for each
+    gradient (PRODUCT_TOKENS). carry: (w's gradient so far, the buffer)."""
+    dw, kept = carry
+    sums = []
+    for i in range(how.product_chunks):
+        # After the chunk before it (a barrier): one block of fp32 logits lives at a time.
+        inputs_i, kept = lax.optimization_barrier(([a[i] for a in inputs], kept))
+        *sums_i, d_logits = _chunk(how, w, True, inputs_i)
+        kept = lax.dynamic_update_slice_in_dim(kept, d_logits, i * how.chunk, axis=0)
+        sums.append(sums_i)
+    kept = how.constrain(kept, ("length", "vocab"))
+    dx = jnp.matmul(kept, w.T, preferred_element_type=jnp.float32)
+    # x's transpose behind a barrier: both products stay in the row-major form fast CPU
+    # kernels take (t5scale/model/mt5.py, project_to_vocab).
+    x_t = lax.optimization_barrier(inputs[0].reshape(-1, w.shape[0]).T)
+    dw = dw + jnp.matmul(x_t, kept, preferred_element_type=jnp.float32)
+    log_z, target_logit = (jnp.stack(a) for a in zip(*sums, strict=True))
+    carry = (how.constrain(dw, ("embed", "vocab")), kept)
+    return carry, (log_z, target_logit, dx.reshape(how.product_chunks, how.chunk, -1))
+
+
 def _scan_chunks(how: HeadLoss, x, w, targets, weights, counted, with_gradients: bool):
     """The loss, each token's log Z and target logit, and with_gradients the loss's gradients
     (per unit of the loss's cotangent) for x (fp32) and w (fp32)."""
     dtype = jnp.dtype(how.compute_dtype)
     w_compute = w.astype(dtype)
-    columns = w.shape[1]
-    start = _column_start(how, columns)
-    tokens, (xs, ts, ws) = _in_chunks(how, x.astype(dtype), targets, weights.astype(jnp.float32))
-
-    def chunk(dw, inputs):
-        x_c, t_c, w_c = inputs
-        # The column ids made here, not captured: XLA fuses an iota into its users.
-        column = start + lax.broadcasted_iota(jnp.int32, (how.chunk, columns), 1)
-        logits = jnp.matmul(x_c, w_compute, preferred_element_type=jnp.float32)
-        logits = how.constrain(logits, ("length", "vocab"))
-        if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
-            logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
-        local_peak, local_sum = max_and_sum_exp(logits)
-        peak = _across_slices(how, lax.pmax, local_peak)
-        is_target = column == t_c[:, None]
-        local = jnp.stack([
-            local_sum * jnp.exp(local_peak - peak),  # each slice's sum, rescaled to one peak
-            jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1),
-        ])  # fmt: skip
-        sum_exp, target_logit = _across_slices(how, lax.psum, local)
-        log_z = peak + jnp.log(sum_exp)
-        if not with_gradients:
-            return dw, (log_z, target_logit, None)
-        # d loss / d logit = weight · ((1 + 2z·log Z)·softmax − [target]), per unit cotangent.
-        scale = w_c * (1.0 + 2.0 * how.z_loss * log_z)
-        d_logits = scale[:, None] * jnp.exp(logits - log_z[:, None])
-        d_logits = (d_logits - jnp.where(is_target, w_c[:, None], 0.0)).astype(dtype)
-        d_logits = how.constrain(d_logits, ("length", "vocab"))
-        dx = jnp.matmul(d_logits, w_compute.T, preferred_element_type=jnp.float32)
-        # x's transpose behind a barrier: both products stay in the row-major form fast CPU
-        # kernels take (t5scale/model/mt5.py, project_to_vocab).
-        x_t = lax.optimization_barrier(x_c.T)
-        dw = dw + jnp.matmul(x_t, d_logits, preferred_element_type=jnp.float32)
-        return how.constrain(dw, ("embed", "vocab")), (log_z, target_logit, dx)
-
-    dw = None
+    group = how.product_chunks if with_gradients else 1
+    tokens, chunks = _in_chunks(how, group, x.astype(dtype), targets, weights.astype(jnp.float32))
     if with_gradients:
         dw = how.constrain(_zeros_varying_as(w.shape, x, w), ("embed", "vocab"))
-    dw, (log_z, target_logit, dx) = lax.scan(chunk, dw, (xs, ts, ws))
-    log_z, target_logit = log_z.reshape(-1)[:tokens], target_logit.reshape(-1)[:tokens]
+        kept = _zeros_varying_as((group * how.chunk, w.shape[1]), x, w).astype(dtype)
+        carry = (dw, how.constrain(kept, ("length", "vocab")))
+        step = functools.partial(_chunk_group, how, w_compute)
+    else:
+        carry = None
+
+        def step(carry, inputs):
+            return carry, _chunk(how, w_compute, False, [a[0] for a in inputs])
+
+    carry, per_chunk = lax.scan(step, carry, chunks)
+    log_z, target_logit = (a.reshape(-1)[:tokens] for a in per_chunk[:2])
     per_token = log_z - target_logit + how.z_loss * jnp.square(log_z)
     loss = jnp.sum(per_token * counted.astype(jnp.float32))
-    gradients = (dx.reshape(-1, x.shape[1])[:tokens], dw) if with_gradients else None
-    return (loss, log_z, target_logit), gradients
+    if not with_gradients:
+        return (loss, log_z, target_logit), None
+    dx = per_chunk[2].reshape(-1, x.shape[1])[:tokens]
+    return (loss, log_z, target_logit), (dx, carry[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
