@@ -15,6 +15,7 @@ from t5scale.config import build_run_config, parse_gin
 from t5scale.model.mt5 import (
     MT5,
     abstract_params,
+    gated_gelu,
     init_params,
     project_to_vocab,
     relative_position_bucket,
@@ -144,6 +145,33 @@ def test_vocab_projection_has_the_gradients_of_a_plain_matmul(dtype):
     for a, b in zip(mine, plain, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_gelu_has_the_gradients_of_autodiff(dtype):
+    """The gated GELU's hand-written gradient (in bf16 each (a, b) pair's two gradients as one
+    32-bit word) against autodiff of gelu(a) · b in fp32 on the same inputs: to fp32's rounding
+    in fp32, to bf16's in bf16, each gradient in its own place of the pair."""
+    k_both, k_grad = jax.random.split(jax.random.key(1))
+    both = (3 * jax.random.normal(k_both, (3, 5, 24, 2))).astype(dtype)
+    grad = jax.random.normal(k_grad, (3, 5, 24)).astype(dtype)
+
+    def plain(pairs):
+        return jax.nn.gelu(pairs[..., 0], approximate=True) * pairs[..., 1]
+
+    want_out, want_vjp = jax.vjp(plain, both.astype(jnp.float32))
+    (want,) = want_vjp(grad.astype(jnp.float32))
+    out, vjp = jax.vjp(gated_gelu, both)
+    (got,) = jax.jit(vjp)(grad)
+    assert got.shape == both.shape and got.dtype == jnp.dtype(dtype)
+    tol = 1e-5 if dtype == "float32" else 1e-2  # bf16: 8 bits of mantissa, a few roundings
+    largest = float(jnp.abs(want).max())
+    # the forward pass is jax.nn.gelu's, in the compute dtype
+    np.testing.assert_allclose(np.float32(out), want_out, rtol=tol,
+                               atol=tol * float(jnp.abs(want_out).max()))  # fmt: skip
+    for half in (0, 1):  # each of a pair's gradients in its place
+        np.testing.assert_allclose(np.float32(got[..., half]), want[..., half],
+                                   rtol=tol, atol=tol * largest)  # fmt: skip
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
