@@ -5,6 +5,7 @@ bad cluster files."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 from conftest import REPO, cli_inline, tiny_run, tiny_setup
@@ -18,7 +19,7 @@ from t5scale.errors import ConfigError
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.target import Target
-from t5scale.whatif.compile import analysis_key
+from t5scale.whatif.compile import PACKAGE, PROGRAM_CODE, analysis_key, program_code_digest
 from t5scale.whatif.compute import ComputeTime, step_compute
 from t5scale.whatif.gpu_cluster import ClusterConfig
 from t5scale.whatif.nccl import Placement, collective_seconds, placement
@@ -263,3 +264,18 @@ def test_the_analysis_cache_is_keyed_by_the_program_not_by_the_checkout():
     assert analysis_key(dataclasses.replace(run, data=longer), target) != analysis_key(run, target)
     assert analysis_key(run, Target.local(1)) != analysis_key(run, target)
     assert analysis_key(run, target, 10**9) != analysis_key(run, target)
+
+
+def test_the_analysis_cache_is_keyed_by_the_code_that_makes_the_program(tmp_path):
+    """A copy of the package digests alike (a second clone shares the cache); a change to the
+    model's code changes the digest, a change to the cluster model's pricing does not."""
+    copy = tmp_path / "t5scale"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert all((copy / entry).exists() for entry in PROGRAM_CODE)
+    assert program_code_digest(copy) == program_code_digest(PACKAGE)
+    with open(copy / "whatif" / "gpu_step.py", "a") as f:
+        f.write("# priced again\n")
+    assert program_code_digest.__wrapped__(copy) == program_code_digest(PACKAGE)
+    with open(copy / "model" / "head.py", "a") as f:
+        f.write("# a changed program\n")
+    assert program_code_digest.__wrapped__(copy) != program_code_digest(PACKAGE)

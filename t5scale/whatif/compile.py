@@ -12,6 +12,7 @@ run and the target, since compiling a large model for 64 devices takes tens of s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -70,6 +71,14 @@ def compile_for(
 # 16: gradients reduced as flat buffers, train/gradients.py; 17: only across slices or nodes).
 ANALYSIS_VERSION = 17
 _CACHE_WRITE = threading.Lock()
+# The code that makes a step's program or reads it, by its path in the package: its bytes are
+# part of the key, so that no analysis of a program the code no longer makes is served (the head's
+# products and the gated GELU's gradient changed every GPU program of the twenty-first session
+# and no run field). The cluster model's pricing (whatif/, but this file) is not among them:
+# refitting it reuses every compiled program.
+PROGRAM_CODE = ("model", "train", "parallel", "analysis", "data/batch.py", "target.py",
+                "xla_cpu.py", "xla_gpu.py", "xla_tpu.py", "whatif/compile.py")  # fmt: skip
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _cache_path() -> Path:
@@ -81,17 +90,31 @@ def _cache_path() -> Path:
 _DATA_FILES = ("corpus_dir", "vocabulary", "tfds_data_dir")
 
 
+@functools.cache
+def program_code_digest(package: Path = PACKAGE) -> str:
+    """A digest of PROGRAM_CODE's files under `package`: their paths within it and their bytes,
+    so that two checkouts of the same code share it."""
+    digest = hashlib.sha256()
+    for entry in PROGRAM_CODE:
+        path = package / entry
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.relative_to(package).as_posix().encode() + b"\0")
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def analysis_key(run: RunConfig, target: Target, memory_budget_bytes: int | None = None) -> str:
     """The analysis cache's key: the whole run, but for what does not change its program (local
     SGD's or DiLoCo's H, which only divides the outer step's cost, so one compile serves every
-    H; the data's file paths), the target, the budget and the JAX version."""
+    H; the data's file paths), the target, the budget, the JAX version and the code that makes
+    the program (program_code_digest)."""
     keyed = run.to_json()
     keyed["sync"]["every"] = 1
     for field in _DATA_FILES:
         keyed["data"].pop(field, None)
     key_text = json.dumps(
         [keyed, target.compiler_name, target.size, jax.__version__, ANALYSIS_VERSION,
-         memory_budget_bytes], sort_keys=True, default=str,
+         memory_budget_bytes, program_code_digest()], sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.sha256(key_text.encode()).hexdigest()[:24]
 
