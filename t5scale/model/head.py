@@ -16,9 +16,9 @@ the one scalar the step scales the loss by (1 / target tokens), so nothing is re
 backward pass only scales the two gradients it kept — the decoder output's ([tokens, d_model])
 and the projection's ([d_model, vocab], the size of the gradient it will be anyway). The
 projection's FLOPs are those of the untiled head: one matmul forward, two for the gradient.
-The logits' gradients of a few chunks, about PRODUCT_TOKENS tokens, are kept in one bf16 buffer
-and meet in one product for each of the two gradients: the projection's fp32 gradient is read
-and written once a product, not once a chunk.
+The logits' gradients of a few chunks, about PRODUCT_TOKENS tokens, are kept in one buffer (in
+the compute dtype) and meet in one product for each of the two gradients: the projection's fp32
+gradient is read and written once a product, not once a chunk.
 
 Split by vocabulary (`HeadLoss.axis`, stage 3's vocabulary-parallel head, t5scale/parallel/
 vocab.py), each device holds a slice of the columns; each chunk's maximum, sum of exponentials
