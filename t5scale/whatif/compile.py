@@ -63,21 +63,15 @@ def compile_for(
     return setup.compile(memory_budget_bytes=memory_budget_bytes)
 
 
-# Part of the cache key: a newer step_analysis.json layout never reads an older entry
-# (11: the relative-position bias's gradient sums in f32, a program of its own; 12: one
-# micro-batch runs without a scan, train/gradients.py; 13: a fusion's bytes through the fusions
-# XLA:TPU nests in it; 14: 'auto' attention is the fused kernels on TPUs too; 15: the mesh's
-# `pipeline` axis, and a pipeline's schedule without carried buffers;
-# 16: gradients reduced as flat buffers, train/gradients.py; 17: only across slices or nodes).
-ANALYSIS_VERSION = 17
 _CACHE_WRITE = threading.Lock()
 # The code that makes a step's program or reads it, by its path in the package: its bytes are
 # part of the key, so that no analysis of a program the code no longer makes is served (the head's
 # products and the gated GELU's gradient changed every GPU program of the twenty-first session
-# and no run field). The cluster model's pricing (whatif/, but this file) is not among them:
-# refitting it reuses every compiled program.
-PROGRAM_CODE = ("model", "train", "parallel", "analysis", "data/batch.py", "target.py",
-                "xla_cpu.py", "xla_gpu.py", "xla_tpu.py", "whatif/compile.py")  # fmt: skip
+# and no run field), nor one in an older step_analysis.json layout (analysis/records.py; a
+# version number bumped by hand did this before). The cluster model's pricing (whatif/, but this
+# file) is not among them: refitting it reuses every compiled program.
+PROGRAM_CODE = ("model", "train", "parallel", "analysis", "data/batch.py", "jsonform.py",
+                "target.py", "xla_cpu.py", "xla_gpu.py", "xla_tpu.py", "whatif/compile.py")  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1]
 
 
@@ -113,8 +107,8 @@ def analysis_key(run: RunConfig, target: Target, memory_budget_bytes: int | None
     for field in _DATA_FILES:
         keyed["data"].pop(field, None)
     key_text = json.dumps(
-        [keyed, target.compiler_name, target.size, jax.__version__, ANALYSIS_VERSION,
-         memory_budget_bytes, program_code_digest()], sort_keys=True, default=str,
+        [keyed, target.compiler_name, target.size, jax.__version__, memory_budget_bytes,
+         program_code_digest()], sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.sha256(key_text.encode()).hexdigest()[:24]
 
