@@ -194,27 +194,47 @@ def _tiny(model_dir: Path, steps: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _cut_in_half(data_file: str) -> None:
+    with open(data_file, "r+b") as f:
+        f.truncate(os.path.getsize(data_file) // 2)
+
+
 def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(tmp_path, capsys):
     code, _, _ = cli_in_process(_tiny(tmp_path, 6, "--gin.CHECKPOINT_EVERY=2"), capsys)
     assert code == 0
     first = _read_metrics(tmp_path)
     step_dir = tmp_path / "checkpoints"
     # Step 6: a data file cut in half; step 4: the state's manifest missing.
-    data_file = max(glob.glob(f"{step_dir}/6/state/d/*"), key=os.path.getsize)
-    with open(data_file, "r+b") as f:
-        f.truncate(os.path.getsize(data_file) // 2)
+    _cut_in_half(max(glob.glob(f"{step_dir}/6/state/d/*"), key=os.path.getsize))
     (step_dir / "4" / "state" / "manifest.ocdbt").unlink()
 
-    code, out, err = cli_in_process(_tiny(tmp_path, 8, "--gin.CHECKPOINT_EVERY=2"), capsys)
-    assert code == 0, err
-    warnings = err.strip().splitlines()
-    assert len(warnings) == 2 and all("is damaged" in line for line in warnings), err
-    assert "step 6" in warnings[0] and "step 4" in warnings[1]
-    assert "resuming from the checkpoint at step 2" in out
+    # In a process of its own, to its end: orbax's abandoned reads of a damaged checkpoint
+    # report after the restore has failed (t5scale/train/checkpoint.py, _abandoned_reads_quiet).
+    done = run_cli(*_tiny(tmp_path, 8, "--gin.CHECKPOINT_EVERY=2", "--cpu_devices=8"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = done.stderr.strip().splitlines()
+    assert len(warnings) == 2 and all("is damaged" in line for line in warnings), done.stderr[
+        -3000:
+    ]
+    # each says its innermost cause, not tensorstore's chain and spec
+    assert "step 6 is damaged (OUT_OF_RANGE: Requested byte range" in warnings[0]
+    assert "step 4 is damaged (NOT_FOUND: Metadata at" in warnings[1]
+    assert "tensorstore_spec" not in done.stderr
+    assert "resuming from the checkpoint at step 2" in done.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints_damaged").iterdir()) == ["4", "6"]
     again = _read_metrics(tmp_path)
     assert [r["step"] for r in again] == list(range(1, 9))
     assert [r["loss"] for r in again[:6]] == [r["loss"] for r in first]
+
+    # export only reads: a damaged checkpoint is one line naming the steps it could export
+    _cut_in_half(max(glob.glob(f"{step_dir}/8/state/d/*"), key=os.path.getsize))
+    out_dir = tmp_path / "exported"
+    code, _, err = cli_in_process(["export", f"--gin.MODEL_DIR='{tmp_path}'",
+                                   f"--out_dir={out_dir}"], capsys)  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "checkpoints/8 is damaged (OUT_OF_RANGE: Requested byte range" in err, err
+    assert "export another with --step (there are steps 4, 6)" in err, err
+    assert (step_dir / "8").is_dir() and not out_dir.exists()
 
 
 def test_a_save_on_the_cpu_copies_whole_shards_and_compiles_nothing(tmp_path):

@@ -10,8 +10,9 @@ plain fp32 ZeRO-0 run would resume it (orbax reshards), and only the parameters 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -21,7 +22,12 @@ import orbax.checkpoint as ocp
 from t5scale.errors import ConfigError
 from t5scale.model import hf_export
 from t5scale.parallel.mesh import ParallelConfig
-from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, check_compatible
+from t5scale.train.checkpoint import (
+    CheckpointMeta,
+    Checkpoints,
+    check_compatible,
+    damage_reason,
+)
 from t5scale.train.config import CheckpointConfig, RunConfig, check_output_dir
 from t5scale.train.precision import PrecisionConfig
 from t5scale.train.replicas import ReplicaSyncConfig
@@ -75,6 +81,22 @@ def _run_of(
     return run_of_gin(meta.gin)
 
 
+@contextlib.contextmanager
+def _damage_is_one_line(where: str, step: int, steps: list[int]) -> Iterator[None]:
+    """A checkpoint that orbax cannot read (a file cut short or missing) as one ConfigError;
+    export moves nothing aside: it only reads."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001  (tensorstore's and orbax's errors alike)
+        others = ", ".join(str(other) for other in steps if other != step)
+        raise ConfigError(
+            f"{where} is damaged ({damage_reason(error)})"
+            + (f"; export another with --step (there are steps {others})" if others else "")
+        ) from error
+
+
 def export_checkpoint(
     model_dir: str,
     out_dir: str,
@@ -107,12 +129,14 @@ def export_checkpoint(
         out = Path(out_dir)
         _check_out_dir(out, overwrite)
         where = f"checkpoint {directory}/{step}"
-        meta = checkpoints.meta(step)
+        with _damage_is_one_line(where, step, steps):
+            meta = checkpoints.meta(step)
         run = _run_of(meta, run_of_gin, where)
         check_compatible(meta, run.model, run.optimizer.name, where)
         setup = build_setup(_as_exported(run))
         target = setup.form.restore_target(meta)
-        state = checkpoints.restore(step, state=ocp.args.StandardRestore(target)).state
+        with _damage_is_one_line(where, step, steps):
+            state = checkpoints.restore(step, state=ocp.args.StandardRestore(target)).state
     finally:
         checkpoints.close()
     state = setup.form.from_canonical(state, meta)
