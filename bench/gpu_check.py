@@ -132,10 +132,11 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
         peak = _measured_peak(results_path)
         command = [sys.executable, __file__, "--item", item.name, "--out", str(out)]
         command += ["--dry-run"] * dry_run + ([f"--peak={peak}"] if peak else [])
-        status, why = _run_item(command, out, max(left, 10))
+        status, why = _run_item(command, out, max(left, 10), item.xla_flags)
         Results(results_path, item.name).write(
-            status=status, why=why, wall_s=time.perf_counter() - started - elapsed
-        )
+            status=status, why=why, wall_s=time.perf_counter() - started - elapsed,
+            **({"xla_flags": list(item.xla_flags)} if item.xla_flags else {}),
+        )  # fmt: skip
         for line in lines_of(results_path, item.name):
             if "verdict" in line or "step_s" in line or "fits" in line:
                 print("        " + _summary(line), flush=True)
@@ -148,15 +149,20 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
     return 0 if all(line["status"] == "done" for line in statuses) else 1
 
 
-def _run_item(command: list[str], out: Path, timeout_s: float) -> tuple[str, str | None]:
+def _run_item(
+    command: list[str], out: Path, timeout_s: float, xla_flags: tuple[str, ...] = ()
+) -> tuple[str, str | None]:
     log_path = out / "log.txt"
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))  # fmt: skip
+    if xla_flags:
+        environment["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *xla_flags]).strip()
     environment[TILES_VARIABLE] = str(tiles_file(out))  # the tiles the kernels item chose
     # JAX's allocator takes 75% of a GPU by default; a step that fits the card should run.
     environment.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     with log_path.open("a") as log:
-        log.write(f"$ {' '.join(command)}\n")
+        flags = f"XLA_FLAGS='{environment['XLA_FLAGS']}' " if xla_flags else ""
+        log.write(f"$ {flags}{' '.join(command)}\n")
         log.flush()
         try:
             process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,

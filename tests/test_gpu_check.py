@@ -164,3 +164,28 @@ def test_a_missing_tiles_file_is_one_line(tmp_path):
         f"gpu_check: --tiles {tmp_path / 'nope.json'}: no such file (an earlier run's "
         "attention_tiles.json)"
     ]
+
+
+def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path, monkeypatch):
+    """The dynamic-slice fusion item is item 3's step with one XLA:GPU flag more: its process
+    gets the flag after the caller's XLA_FLAGS, and no other item's does."""
+    flagged = [item for item in gpu_check.work_list(gpu_check.GPU) if item.xla_flags]
+    assert [item.name for item in flagged] == [
+        "step mt5_large dots fused loop dynamic-slice fusion"
+    ]
+    assert flagged[0].options == next(
+        item.options for item in gpu_check.work_list(gpu_check.GPU)
+        if item.name == "step mt5_large dots fused loop"
+    )  # fmt: skip
+    assert not [item for item in gpu_check.work_list(gpu_check.DRY_RUN, True) if item.xla_flags]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    show = [sys.executable, "-c", "import os; print('flags:', os.environ['XLA_FLAGS'])"]
+    for flags in (flagged[0].xla_flags, ()):
+        assert gpu_check._run_item(show, tmp_path, 60, flags) == ("done", None)
+    log = (tmp_path / "log.txt").read_text().splitlines()
+    printed = [line for line in log if line.startswith("flags:")]
+    assert printed == [
+        "flags: --xla_dump_to=/nowhere --xla_gpu_enable_dynamic_slice_fusion=true",
+        "flags: --xla_dump_to=/nowhere",
+    ]
+    assert log[0].startswith("$ XLA_FLAGS='--xla_dump_to=/nowhere --xla_gpu_enable_dynamic_slice")
