@@ -191,6 +191,8 @@ def _write_corpus(root: Path, files: dict[str, bytes]) -> Path:
     [
         ({"empty.txt": b""}, "empty"),
         ({"latin1.txt": "Grüße aus Köln\n".encode("latin-1") * 50}, "not valid UTF-8"),
+        # the pipeline would tokenize it to nothing, its stream repeating nothing for ever
+        ({"blank.txt": b"   \n\t\n" * 5000}, "no text: its lines are empty or whitespace"),
     ],
 )
 def test_bad_files_are_skipped_with_a_counted_warning(tmp_path, caplog, bad, reason):
@@ -231,12 +233,27 @@ def _only_bad_files(root: Path) -> Path:
     return root
 
 
+def _whitespace_alone(root: Path) -> Path:
+    root.joinpath("xx").mkdir(parents=True)
+    root.joinpath("xx", "blank.txt").write_bytes(b"    \n\t\n" * 5000)
+    return root
+
+
+def _one_line(root: Path) -> Path:
+    root.joinpath("xx").mkdir(parents=True)
+    root.joinpath("xx", "one.txt").write_text("hello world\n")
+    return root
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (_missing, "does not exist"),
         (_a_file, "not a directory"),
         (_only_bad_files, "no usable text"),
+        (_whitespace_alone, "no usable text for training"),  # it hung before (2026-11-29)
+        # its one line is the validation split's: training ended at once (a traceback before)
+        (_one_line, "1 line(s) of text, none for training: one line in 50 of each file"),
     ],
 )
 def test_unusable_corpus_stops_at_start_with_one_line(tmp_path, capsys, make, message):

@@ -5,9 +5,11 @@ is one). A language directory becomes one seqio task; the languages are mixed by
 sampling. The scan runs in Python at start-up, so that bad input is reported in plain words
 rather than as a TensorFlow error in the middle of a run:
 
-- a missing or unreadable corpus path, or one with no usable text at all: `DataError` (the CLI
-  prints one line and exits 2);
-- an empty file, or one that is not valid UTF-8: skipped, counted and named in one warning;
+- a missing or unreadable corpus path, or one with no usable text for training at all:
+  `DataError` (the CLI prints one line and exits 2);
+- an empty file, one of whitespace alone, or one that is not valid UTF-8: skipped, counted and
+  named in one warning; so is a language whose lines all fall to the validation split (a file
+  of one line: its first line is held out);
 - a line longer than `max_line_bytes` (a 10 MB line is a broken file, not a document): skipped
   by the pipeline, counted here.
 """
@@ -30,8 +32,9 @@ _CHUNK = 1 << 22  # files are checked 4 MiB at a time, never whole in memory
 @dataclasses.dataclass(frozen=True)
 class TextFile:
     path: str
-    lines: int  # non-empty lines
+    lines: int  # lines with text (not empty, not whitespace alone)
     long_lines: int  # lines over the limit, which the pipeline skips
+    training_lines: int  # lines with text within the limit that the training split reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,44 +54,68 @@ class Corpus:
         return sum(f.long_lines for files in self.files.values() for f in files)
 
 
-def _check_file(path: Path, max_line_bytes: int) -> TextFile | str:
+@dataclasses.dataclass
+class _LineCounter:
+    """Counts a file's lines chunk by chunk, as the pipeline (tasks.py, `_read_lines`) reads
+    them: every `holdout_every`-th line of the file (by its index, empty lines included) is the
+    validation split's, and lines that are empty, whitespace alone or over `limit` bytes are
+    skipped."""
+
+    limit: int
+    holdout_every: int
+    lines: int = 0
+    long_lines: int = 0
+    training_lines: int = 0
+    index: int = 0  # of the open line
+    open_bytes: int = 0
+    open_has_text: bool = False
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            self._extend(chunk[start:end])
+            self._close()
+            start = end + 1
+        self._extend(chunk[start:])
+
+    def finish(self) -> None:
+        if self.open_bytes:  # a last line without a newline
+            self._close()
+
+    def _extend(self, part: bytes) -> None:
+        self.open_bytes += len(part)
+        self.open_has_text = self.open_has_text or bool(part.strip())
+
+    def _close(self) -> None:
+        if self.open_has_text:
+            self.lines += 1
+            long = self.open_bytes > self.limit
+            self.long_lines += long
+            self.training_lines += not long and self.index % self.holdout_every != 0
+        self.index += 1
+        self.open_bytes, self.open_has_text = 0, False
+
+
+def _check_file(path: Path, max_line_bytes: int, holdout_every: int) -> TextFile | str:
     """The file's line counts, or why it is skipped."""
     try:
         if path.stat().st_size == 0:
             return "empty"
         decoder = _Utf8Checker()
-        lines = long_lines = current = 0
+        counter = _LineCounter(max_line_bytes, holdout_every)
         with path.open("rb") as f:
             while chunk := f.read(_CHUNK):
                 if not decoder.feed(chunk):
                     return "not valid UTF-8"
-                lines, long_lines, current = _count_lines(
-                    chunk, lines, long_lines, current, max_line_bytes
-                )
-        if current:  # last line without a newline
-            lines += 1
-            long_lines += current > max_line_bytes
+                counter.feed(chunk)
+        counter.finish()
         if not decoder.finish():
             return "not valid UTF-8"
     except OSError as error:
         return f"unreadable: {error.strerror or error}"
-    if lines == 0:
-        return "no text"
-    return TextFile(str(path), lines, long_lines)
-
-
-def _count_lines(
-    chunk: bytes, lines: int, long_lines: int, current: int, limit: int
-) -> tuple[int, int, int]:
-    """Advance (non-empty lines, long lines, length of the open line) over one chunk."""
-    start = 0
-    while (end := chunk.find(b"\n", start)) != -1:
-        length = current + end - start
-        if length:
-            lines += 1
-            long_lines += length > limit
-        current, start = 0, end + 1
-    return lines, long_lines, current + len(chunk) - start
+    if counter.lines == 0:
+        return "no text: its lines are empty or whitespace"
+    return TextFile(str(path), counter.lines, counter.long_lines, counter.training_lines)
 
 
 class _Utf8Checker:
@@ -113,9 +140,13 @@ class _Utf8Checker:
 
 
 def scan_corpus(
-    root: str, languages: tuple[str, ...] = (), max_line_bytes: int = 1 << 20
+    root: str,
+    languages: tuple[str, ...] = (),
+    max_line_bytes: int = 1 << 20,
+    holdout_every: int = 50,
 ) -> Corpus:
-    """Check every `root/<language>/*.txt`; raise DataError if nothing usable is left."""
+    """Check every `root/<language>/*.txt`; raise DataError if nothing usable is left. A language
+    whose lines all fall to the validation split (DataConfig.holdout_every) is left out."""
     base = Path(root)
     if not base.is_dir():
         raise DataError(f"corpus directory {root!r} does not exist or is not a directory")
@@ -129,15 +160,25 @@ def scan_corpus(
     for language in languages or found:
         usable = []
         for path in sorted((base / language).glob("*.txt")):
-            checked = _check_file(path, max_line_bytes)
+            checked = _check_file(path, max_line_bytes, holdout_every)
             if isinstance(checked, str):
                 skipped.append(f"{path} ({checked})")
             else:
                 usable.append(checked)
-        if usable:
+        if usable and not any(f.training_lines for f in usable):
+            lines = sum(f.lines for f in usable)
+            skipped.append(
+                f"{base / language} ({lines} line(s) of text, none for training: one line "
+                f"in {holdout_every} of each file, its first included, is held out)"
+            )
+        elif usable:
             files[language] = tuple(usable)
     if not files:
-        raise DataError(f"corpus {root!r} holds no usable text files (<language>/*.txt)")
+        raise DataError(
+            f"corpus {root!r} holds no usable text for training (<language>/*.txt: "
+            + ("; ".join(skipped) if skipped else "none found")
+            + ")"
+        )
     corpus = Corpus(str(base), files, tuple(skipped))
     if skipped:
         log.warning("corpus: skipped %d file(s): %s", len(skipped), "; ".join(skipped))

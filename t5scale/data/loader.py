@@ -52,7 +52,9 @@ def register(config: DataConfig, vocab_size: int) -> str:
             f"{config.extra_ids} sentinels, more than the model's vocab_size {vocab_size}"
         )
     if config.source == "corpus":
-        corpus = scan_corpus(config.corpus_dir, config.languages, config.max_line_bytes)
+        corpus = scan_corpus(
+            config.corpus_dir, config.languages, config.max_line_bytes, config.holdout_every
+        )
         return tasks.register_corpus(corpus, config, vocab)
     return tasks.register_mc4(config, vocab)
 

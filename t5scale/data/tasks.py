@@ -69,12 +69,14 @@ PREPROCESSORS = (
 
 
 def _read_lines(path, validation: bool, every: int, max_line_bytes: int):
-    """One file's lines of one split as {'text'}: empty and over-long lines are skipped."""
+    """One file's lines of one split as {'text'}: empty, whitespace-only and over-long lines are
+    skipped (corpus.py counts them alike)."""
 
     def in_split(index, line):
-        length = tf.strings.length(line)
+        has_text = tf.strings.length(tf.strings.strip(line)) > 0
         wanted = tf.equal(tf.equal(index % every, 0), validation)
-        return tf.logical_and(wanted, tf.logical_and(length > 0, length <= max_line_bytes))
+        within = tf.strings.length(line) <= max_line_bytes
+        return tf.logical_and(wanted, tf.logical_and(has_text, within))
 
     lines = tf.data.TextLineDataset(path).enumerate().filter(in_split)
     return lines.map(lambda _, line: {"text": line})
