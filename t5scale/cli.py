@@ -38,10 +38,12 @@ from t5scale.commands import (
     train_command,
 )
 from t5scale.errors import (
+    CHECKPOINT_NOT_SAVED,
     COMPILER_ABORTED,
     NONFINITE_STOP,
     PROCESSES_FAILED,
     USAGE_ERROR,
+    CheckpointSaveError,
     ConfigError,
     DataError,
     DistributedError,
@@ -246,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop(str(error), USAGE_ERROR)
     except FloatingPointError as error:
         return stop(str(error), NONFINITE_STOP)
+    except CheckpointSaveError as error:
+        return stop(str(error), CHECKPOINT_NOT_SAVED)
     except JoinError as error:
         return stop(str(error), PROCESSES_FAILED)
     except Exception as error:
@@ -261,4 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == CHECKPOINT_NOT_SAVED:
+        # The failed save's threads in orbax wait for signals that will never come, and Python
+        # waits for them at exit: leave without them (stdout and stderr written out first).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -16,6 +16,7 @@ USAGE_ERROR = 2  # a configuration, mesh or data set that cannot run
 NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfinite = 'stop')
 PROCESSES_FAILED = 4  # could not join the other processes, or a peer was lost
 COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
+CHECKPOINT_NOT_SAVED = 6  # a checkpoint could not be written (a full disk, no permission)
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,11 @@ class DataError(ValueError):
 
 class DistributedError(ValueError):
     """Settings that cannot start the processes of a multi-host run."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written: the run stops (one line, exit code 6) and the
+    checkpoints before it stay as they were."""
 
 
 class JoinError(RuntimeError):

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -274,6 +275,64 @@ def test_a_checkpoint_of_another_model_stops_at_start(tmp_path, capsys):
     code, _, err = cli_in_process(_tiny(tmp_path, 2, "--gin.ModelConfig.d_ff=256"), capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "d_ff is 128 there and 256 in this run" in err
+
+
+# `python -c` this, then t5scale's arguments: t5scale's CLI with no file over 256 kB written
+# (RLIMIT_FSIZE, which binds root as well): a write past it fails with EFBIG, as on a full
+# disk, not with a signal (SIGXFSZ ignored; both survive the exec). A wrapper process, not
+# preexec_fn, which would fork pytest's threads.
+_NO_FILE_OVER_256_KB = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+os.execv(sys.executable, [sys.executable, "-m", "t5scale.cli", *sys.argv[1:]])
+"""
+
+
+def test_a_save_that_fails_stops_the_run_in_one_line_and_does_not_hang(tmp_path):
+    """Step 2's checkpoint cannot be written (no file over 256 kB): the run stops at the next
+    save in one line, exit code 6. It hung before (2026-11-29): orbax's threads of the failed
+    save wait for ever, and Python waits for them at exit; and orbax logged each thread's
+    traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    args = _tiny(tmp_path, 6, "--gin.CHECKPOINT_EVERY=2", "--cpu_devices=8")
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_FILE_OVER_256_KB, *args], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 6, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "t5scale: error: checkpoint step 2 was not saved (OUT_OF_RANGE: File too large "
+        f"[os_error_code='27']); the run stops, the checkpoints before it in "
+        f"{tmp_path / 'checkpoints'} are as they were"
+    ]
+    assert "step 4/6" in done.stdout and "step 5/6" not in done.stdout  # stopped at the save
+    assert not (tmp_path / "checkpoints" / "2").exists()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="drops from root to nobody"
+)
+def test_a_model_dir_it_cannot_write_into_stops_the_run_before_it_trains(tmp_path):
+    """As any user but root (here nobody, from root): the run would train until its first
+    save, and lose it (a traceback before, 2026-11-29)."""
+    base = Path(
+        tempfile.mkdtemp(prefix="t5scale-unwritable-")
+    )  # nobody reaches /tmp/X, not pytest's
+    try:
+        base.chmod(0o755)
+        (base / "checkpoints").mkdir(mode=0o755)  # root's: nobody cannot write into it
+        os.chown(base, 65534, 65534)
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                   sys.executable, "-m", "t5scale.cli", *_tiny(base, 2)]  # fmt: skip
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(base)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"t5scale: error: MODEL_DIR '{base}': '{base / 'checkpoints'}' is not writable"
+    ]
+    assert "step 1" not in done.stdout
 
 
 # CI: 'stop'; 'skip' (the same guard, which then goes on) under -m slow

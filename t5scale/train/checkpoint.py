@@ -18,11 +18,14 @@ previous one is tried; a checkpoint of a different model is one ConfigError nami
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from t5scale.errors import ConfigError
+from t5scale.errors import CheckpointSaveError, ConfigError
 from t5scale.model.mt5 import fp8_state_like
 from t5scale.model.sizes import ModelConfig
 from t5scale.startup import absl_quiet
@@ -80,13 +83,18 @@ def _whole_shards_on_the_cpu() -> None:
 
 
 @functools.cache  # once per process
-def _abandoned_reads_quiet() -> None:
-    """Orbax's restore runs its reads in an event loop of its own and closes the loop when the
-    first read fails, the other reads still in flight (orbax's asyncio_utils: run_until_complete,
-    then close). As those finish, tensorstore's threads call the closed loop, an unraisable
-    `RuntimeError: Event loop is closed` each, and asyncio logs every failed read's task as it
-    is collected: one damaged checkpoint of mt5_tiny printed 895 lines around the one line that
-    says it (`_set_aside`). This process drops exactly those two kinds of report."""
+def _orbax_failures_quiet() -> None:
+    """Each failure of orbax's that matters reaches t5scale as an exception, which says it in
+    one line (a damaged checkpoint set aside, a save that failed); this process drops what
+    orbax's threads report of it besides:
+
+    - a restore runs its reads in an event loop of its own and closes the loop when the first
+      read fails, the others still in flight (orbax's asyncio_utils: run_until_complete, then
+      close): as they finish, tensorstore's threads call the closed loop, an unraisable
+      `RuntimeError: Event loop is closed` each, and asyncio logs each failed read's task as it
+      is collected: 895 lines for one damaged checkpoint of mt5_tiny;
+    - a save that fails logs ERROR with a traceback from each of its background threads.
+    """
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -96,6 +104,7 @@ def _abandoned_reads_quiet() -> None:
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_not_an_abandoned_read)
+    logging.getLogger("absl").addFilter(_not_an_orbax_error)
 
 
 def _not_an_abandoned_read(record: logging.LogRecord) -> bool:
@@ -105,16 +114,22 @@ def _not_an_abandoned_read(record: logging.LogRecord) -> bool:
     )
 
 
+def _not_an_orbax_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
 class Checkpoints:
     """The run's CheckpointManager, with damage fallback and a compatibility check."""
 
     def __init__(self, model_dir: str, config: CheckpointConfig, read_only: bool = False):
         _whole_shards_on_the_cpu()
+        _orbax_failures_quiet()
         self.directory = (Path(model_dir) / "checkpoints").resolve()
         self.damaged = self.directory.parent / "checkpoints_damaged"
         self.config = config
         # read_only: a reader beside the run (export), which must not remove a save in flight
         self.read_only = read_only
+        self._in_flight: int | None = None  # the step of the last save begun
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -140,7 +155,25 @@ class Checkpoints:
         if fp8 is not None:
             state, items["fp8"] = state.replace(fp8=None), ocp.args.StandardSave(fp8)
         items["state"] = ocp.args.StandardSave(state)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._written(self._in_flight):  # orbax raises the save in flight's error here
+            self.manager.wait_until_finished()
+        with self._written(step):
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._in_flight = step
+
+    @contextlib.contextmanager
+    def _written(self, step: int | None) -> Iterator[None]:
+        """An error of orbax's while it writes `step` as one CheckpointSaveError (a full disk,
+        a directory made read-only: OSError, tensorstore's ValueError alike)."""
+        try:
+            yield
+        except CheckpointSaveError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointSaveError(
+                f"checkpoint step {step} was not saved ({error_reason(error)}); the run stops, "
+                f"the checkpoints before it in {self.directory} are as they were"
+            ) from error
 
     def restore_latest(
         self, abstract_state: Any, model: ModelConfig, optimizer: str
@@ -202,12 +235,11 @@ class Checkpoints:
 
     def restore(self, step: int, **items) -> Any:
         """The items (orbax restore args by name: state, meta) of the checkpoint at `step`."""
-        _abandoned_reads_quiet()
         return self.manager.restore(step, args=ocp.args.Composite(**items))
 
     def _set_aside(self, step: int, error: Exception) -> None:
         """Move a damaged checkpoint out of orbax's way, keeping it for inspection."""
-        reason = damage_reason(error)
+        reason = error_reason(error)
         self.damaged.mkdir(parents=True, exist_ok=True)
         target = self.damaged / str(step)
         suffix = 1
@@ -227,14 +259,15 @@ class Checkpoints:
         )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._written(self._in_flight):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 
-def damage_reason(error: Exception) -> str:
+def error_reason(error: Exception) -> str:
     """What is wrong, in a line: tensorstore's status and its innermost cause ("CODE: opening
     X: opening Y: ...: cause [tensorstore_spec=...]"), or the error's own text."""
     text = " ".join(str(error).split()).split(" [tensorstore_spec", 1)[0]

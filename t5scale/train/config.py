@@ -83,6 +83,10 @@ def make_model_dir(path: str) -> None:
     except OSError as error:  # a file on the way, no permission, /proc …
         reason = error.strerror or type(error).__name__
         raise ConfigError(f"MODEL_DIR {path!r} cannot be used as a directory: {reason}") from None
+    # Here, not at the first save: a run would train until then, and lose it.
+    for directory in (Path(path), Path(path) / "checkpoints"):
+        if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"MODEL_DIR {path!r}: {str(directory)!r} is not writable")
 
 
 NONFINITE_ACTIONS = ("stop", "skip")

@@ -26,7 +26,7 @@ from t5scale.train.checkpoint import (
     CheckpointMeta,
     Checkpoints,
     check_compatible,
-    damage_reason,
+    error_reason,
 )
 from t5scale.train.config import CheckpointConfig, RunConfig, check_output_dir
 from t5scale.train.precision import PrecisionConfig
@@ -92,7 +92,7 @@ def _damage_is_one_line(where: str, step: int, steps: list[int]) -> Iterator[Non
     except Exception as error:  # noqa: BLE001  (tensorstore's and orbax's errors alike)
         others = ", ".join(str(other) for other in steps if other != step)
         raise ConfigError(
-            f"{where} is damaged ({damage_reason(error)})"
+            f"{where} is damaged ({error_reason(error)})"
             + (f"; export another with --step (there are steps {others})" if others else "")
         ) from error
 
