@@ -33,6 +33,19 @@ from t5scale.model.sizes import ModelConfig
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # The files an export writes; an out_dir holding any of them already holds a model.
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("spiece.model", "tokenizer_config.json", "special_tokens_map.json")
+SHARDS = "model-*-of-*.safetensors"
+
+
+def remove_export(out_dir: Path) -> list[Path]:
+    """The files an earlier export wrote in `out_dir`, removed (the paths): an export over it
+    must not leave them beside its own. transformers loads model.safetensors before an index,
+    so an old single file beside new shards would be the model it loads."""
+    paths = [out_dir / name for name in (*MODEL_FILES, *TOKENIZER_FILES)]
+    removed = [path for path in [*paths, *sorted(out_dir.glob(SHARDS))] if path.is_file()]
+    for path in removed:
+        path.unlink()
+    return removed
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -113,7 +126,7 @@ def write_model(
         return [config_path, path]
     written, weight_map = [config_path], {}
     for index, shard in enumerate(shards, start=1):
-        path = out_dir / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        path = out_dir / f"model-{index:05d}-of-{len(shards):05d}.safetensors"  # SHARDS
         save_file(shard, str(path), metadata=metadata)
         weight_map |= dict.fromkeys(shard, path.name)
         written.append(path)

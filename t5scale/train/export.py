@@ -142,6 +142,7 @@ def export_checkpoint(
     state = setup.form.from_canonical(state, meta)
     params = jax.tree.map(np.asarray, jax.device_get(setup.form.to_canonical(state).params))
 
+    hf_export.remove_export(out)  # with --overwrite: nothing of the model before stays
     files = hf_export.write_model(out, run.model, params, max_shard_bytes)
     tokenizer = run.data.source != "synthetic"
     if tokenizer:
