@@ -237,6 +237,20 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
     assert "export another with --step (there are steps 4, 6)" in err, err
     assert (step_dir / "8").is_dir() and not out_dir.exists()
 
+    # Every checkpoint damaged: the run stops rather than train afresh over the run (which would
+    # cut its metrics back and drop a converted model's weights; a warning was its only trace)
+    for step in (4, 6):
+        (step_dir / str(step) / "state" / "manifest.ocdbt").unlink()
+    code, out, err = cli_in_process(_tiny(tmp_path, 10, "--gin.CHECKPOINT_EVERY=2"), capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 4, err
+    assert [line.split(" is damaged")[0] for line in lines[:3]] == [
+        f"t5scale: warning: checkpoint step {step}" for step in (8, 6, 4)
+    ]
+    assert lines[3].startswith(f"t5scale: error: no checkpoint in {step_dir} restores: each was")
+    assert "(steps 8, 6, 4); to train afresh, use another MODEL_DIR or empty this one" in lines[3]
+    assert len(_read_metrics(tmp_path)) == 8 and "step 1/" not in out
+
 
 def test_a_save_on_the_cpu_copies_whole_shards_and_compiles_nothing(tmp_path):
     """Replicated arrays on 8 CPU devices: orbax's replica-parallel save would cut each

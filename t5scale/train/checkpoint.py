@@ -130,6 +130,7 @@ class Checkpoints:
         # read_only: a reader beside the run (export), which must not remove a save in flight
         self.read_only = read_only
         self._in_flight: int | None = None  # the step of the last save begun
+        self.steps_set_aside: list[int] = []  # damaged, by restore_latest
         self.manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -202,6 +203,14 @@ class Checkpoints:
                 self._set_aside(step, error)
                 continue
             return Restored(state, meta)
+        if self.steps_set_aside:
+            # Training afresh would write over the run's metrics and drop a converted model's
+            # weights, with a warning as its only trace: the user chooses.
+            raise ConfigError(
+                f"no checkpoint in {self.directory} restores: each was damaged and moved to "
+                f"{self.damaged} (steps {', '.join(map(str, self.steps_set_aside))}); to train "
+                "afresh, use another MODEL_DIR or empty this one"
+            )
         return None
 
     def restore_state(self, step: int, target: Any) -> Any:
@@ -245,6 +254,7 @@ class Checkpoints:
         suffix = 1
         while target.exists():
             target, suffix = self.damaged / f"{step}.{suffix}", suffix + 1
+        self.steps_set_aside.append(step)
         self.manager.close()
         if jax.process_index() == 0:  # one process moves it; the others wait for that
             shutil.move(str(self.directory / str(step)), target)
