@@ -208,6 +208,8 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
     # Step 6: a data file cut in half; step 4: the state's manifest missing.
     _cut_in_half(max(glob.glob(f"{step_dir}/6/state/d/*"), key=os.path.getsize))
     (step_dir / "4" / "state" / "manifest.ocdbt").unlink()
+    with open(tmp_path / "metrics.jsonl", "ab") as metrics:  # a line damaged on disk
+        metrics.write(b"\xff\xfe\x00 not UTF-8\n")  # (a traceback at resume before 2026-11-29)
 
     # In a process of its own, to its end: orbax's abandoned reads of a damaged checkpoint
     # report after the restore has failed (t5scale/train/checkpoint.py, _abandoned_reads_quiet).

@@ -136,13 +136,16 @@ def test_quick_study_funnels_records_resumes_and_reports(finished_study):
     for name in ("step_time", "tokens_per_device", "mfu", "memory"):
         assert (study_dir / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
 
-    # Resume: a study cut short (last record lost, a half-written line) runs only what is missing.
+    # Resume: a study cut short (last record lost, a half-written line) runs only what is missing;
+    # a line of bytes that are not UTF-8 is no record (a traceback before, 2026-11-29).
     lines = (study_dir / "results.jsonl").read_text().splitlines()
-    (study_dir / "results.jsonl").write_text("\n".join(lines[:-1]) + '\n{"key": "timed:mod')
+    damaged = "\n".join(lines[:-1]).encode() + b'\n{"status": \xff\xfe}\n{"key": "timed:mod'
+    (study_dir / "results.jsonl").write_bytes(damaged)
     logs_before = len(list((study_dir / "trials").glob("*.log")))
     again = run_cli("study", *GRID, f"--gin.StudyConfig.study_dir={study_dir}")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "ends in a cut line" in again.stdout
+    assert f"{study_dir / 'results.jsonl'}:{len(lines)} is not a record; ignored" in again.stdout
     assert len(list((study_dir / "trials").glob("*.log"))) == logs_before + 1
     assert {r["key"] for r in records(study_dir) if "key" in r} >= {r["key"] for r in found}
 

@@ -34,7 +34,8 @@ class Results:
 
     def __init__(self, path: Path):
         self.path = path
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        # errors="replace": bytes that are not UTF-8 make their line no record (ignored below)
+        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
         if text and not text.endswith("\n"):
             # A line cut by a kill mid-write: cut it off, so that appends start a fresh line.
             print(f"study: {path} ends in a cut line; its trial runs again", flush=True)

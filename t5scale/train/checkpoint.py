@@ -109,9 +109,11 @@ def _orbax_failures_quiet() -> None:
 
 def _not_an_abandoned_read(record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    return not (
-        message.startswith("Task exception was never retrieved") and "async_deserialize" in message
+    never_retrieved = message.startswith(
+        ("Task exception was never retrieved", "Future exception was never retrieved")
     )
+    of_a_read = "async_deserialize" in message or "tensorstore_spec" in message
+    return not (never_retrieved and of_a_read)
 
 
 def _not_an_orbax_error(record: logging.LogRecord) -> bool:

@@ -145,12 +145,13 @@ def _keep_records_up_to(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # errors="replace": bytes that are not UTF-8 (a disk's damage) make their line no record
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a kill
+            continue  # a line cut short by a kill, or damaged
     partial = path.with_suffix(".jsonl.partial")
     partial.write_text("".join(kept), encoding="utf-8")
     partial.replace(path)
