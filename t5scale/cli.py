@@ -40,6 +40,7 @@ from t5scale.commands import (
 from t5scale.errors import (
     CHECKPOINT_NOT_SAVED,
     COMPILER_ABORTED,
+    INTERRUPTED,
     NONFINITE_STOP,
     PROCESSES_FAILED,
     USAGE_ERROR,
@@ -47,6 +48,7 @@ from t5scale.errors import (
     ConfigError,
     DataError,
     DistributedError,
+    Interrupted,
     JoinError,
     MeshError,
     UnsupportedJaxError,
@@ -250,6 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop(str(error), NONFINITE_STOP)
     except CheckpointSaveError as error:
         return stop(str(error), CHECKPOINT_NOT_SAVED)
+    except Interrupted as error:  # Ctrl-C in training's steps: a checkpoint saved
+        print(f"t5scale: {error}", file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C before the steps (compiling), or a second one
+        return stop("interrupted (Ctrl-C): nothing saved since the last checkpoint", INTERRUPTED)
     except JoinError as error:
         return stop(str(error), PROCESSES_FAILED)
     except Exception as error:
@@ -266,9 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if code == CHECKPOINT_NOT_SAVED:
-        # The failed save's threads in orbax wait for signals that will never come, and Python
-        # waits for them at exit: leave without them (stdout and stderr written out first).
+    if code in (CHECKPOINT_NOT_SAVED, INTERRUPTED):
+        # Threads that will not end may be left: a failed save's in orbax wait for signals that
+        # never come, and Ctrl-C may stop a compile with XLA's threads still at work (Python then
+        # crashed in its teardown). Leave without them, stdout and stderr written out first.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from t5scale.errors import ConfigError
+from t5scale.errors import INTERRUPTED, ConfigError
 
 if TYPE_CHECKING:
     from t5scale.parallel.distributed import PeerWatch
@@ -51,7 +54,28 @@ class Invocation:
 # ---- the commands -------------------------------------------------------------------------
 
 
+def _interrupted_before_the_steps(signum, frame) -> None:
+    """Ctrl-C while a run sets up or compiles: nothing to save, and a KeyboardInterrupt
+    raised into XLA's compile or JAX's callbacks was ignored there, or crashed Python's
+    teardown: one line, and out. In the steps, train's own handler stops after a step with a
+    checkpoint."""
+    print("t5scale: interrupted (Ctrl-C): nothing saved since the last checkpoint",
+          file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(INTERRUPTED)
+
+
 def train_command(call: Invocation) -> None:
+    main_thread = threading.current_thread() is threading.main_thread()  # signals reach it
+    previous = signal.signal(signal.SIGINT, _interrupted_before_the_steps) if main_thread else None
+    try:
+        _train(call)
+    finally:
+        if previous is not None:  # a caller's own (tests call the CLI in their process)
+            signal.signal(signal.SIGINT, previous)
+
+
+def _train(call: Invocation) -> None:
     import jax
 
     from t5scale.config import operative_config

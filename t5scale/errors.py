@@ -17,6 +17,7 @@ NONFINITE_STOP = 3  # a NaN or Inf stopped training (CheckpointConfig.on_nonfini
 PROCESSES_FAILED = 4  # could not join the other processes, or a peer was lost
 COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
 CHECKPOINT_NOT_SAVED = 6  # a checkpoint could not be written (a full disk, no permission)
+INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's convention: 128 + the signal's number
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,10 @@ class DistributedError(ValueError):
 class CheckpointSaveError(RuntimeError):
     """A checkpoint that could not be written: the run stops (one line, exit code 6) and the
     checkpoints before it stay as they were."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped training after a step, with a checkpoint (one line, exit code 130)."""
 
 
 class JoinError(RuntimeError):

@@ -106,7 +106,7 @@ def _signal_after(process: subprocess.Popen, model_dir: Path, step: int, signum:
 def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_path, precision, data):
     run_dir = tmp_path / "interrupted"
     events, reference = [], None
-    for step, signum in [(3, signal.SIGKILL), (8, signal.SIGTERM)]:
+    for step, signum in [(3, signal.SIGKILL), (5, signal.SIGINT), (8, signal.SIGTERM)]:
         process = _start(run_dir, precision, data)
         if reference is None:  # beside the chain, once its program is in the compilation cache
             _wait_for_step(process, run_dir, 1)
@@ -117,6 +117,12 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
         if signum == signal.SIGTERM:
             assert process.returncode == 0, err
             assert "preempted (SIGTERM): checkpoint saved at step" in out
+        elif signum == signal.SIGINT:  # Ctrl-C: the step ends, is saved, and the run stops
+            assert process.returncode == 130, err
+            notice, said = err.strip().splitlines()
+            assert notice.startswith("t5scale: Ctrl-C: stopping after this step"), err
+            assert said.startswith("t5scale: interrupted (Ctrl-C) after step"), err
+            assert said.endswith("checkpoint saved; the same command resumes from it"), err
         else:
             assert process.returncode == -signal.SIGKILL
     final = _start(run_dir, precision, data)
@@ -135,6 +141,25 @@ def test_killed_and_preempted_runs_end_exactly_like_an_uninterrupted_one(tmp_pat
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
     print("kill and preemption steps:", events)
+
+
+def test_ctrl_c_before_the_steps_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C while the step compiles (no compilation cache: a compile of some seconds). It was
+    a traceback before (2026-11-29), a segmentation fault in Python's teardown, or, raised
+    into JAX's callbacks, ignored: the run went on."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "t5scale.cli", *_tiny(tmp_path, 4, "--cpu_devices=8")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.readline().startswith("process 0: mesh")  # said before the compile
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert err.splitlines() == [
+        "t5scale: interrupted (Ctrl-C): nothing saved since the last checkpoint"
+    ]
+    assert "step 1/" not in out
 
 
 # Restore onto another layout: each layout trains 3 steps and saves; every other layout restores

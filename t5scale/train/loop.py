@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from t5scale.analysis.records import StepAnalysis
 from t5scale.data.loader import Batches
-from t5scale.errors import ConfigError
+from t5scale.errors import ConfigError, Interrupted
 from t5scale.parallel.mesh import describe_mesh
 from t5scale.train import optim
 from t5scale.train.config import RunConfig
@@ -216,7 +217,9 @@ class _Saver:
 
 
 class _Preemption:
-    """SIGTERM → the loop saves at the next step boundary and returns.
+    """SIGTERM → the loop saves at the next step boundary and returns; on one process Ctrl-C
+    (SIGINT) too, and then the run ends as Interrupted (exit code 130); a second Ctrl-C stops
+    at once (KeyboardInterrupt).
 
     On several processes the signal may reach them at different steps, and a checkpoint is
     written by all of them together: JAX's preemption sync manager (which catches SIGTERM
@@ -225,14 +228,16 @@ class _Preemption:
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.interrupted = False  # by Ctrl-C
+        self._previous: dict[int, Any] = {}
         self._agreed = jax.process_count() > 1
 
     def __enter__(self) -> _Preemption:
         if self._agreed:
             return self
         if threading.current_thread() is threading.main_thread():  # signals reach only it
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def reached(self, step: int) -> bool:
@@ -242,11 +247,17 @@ class _Preemption:
         return self.requested
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            print("\nt5scale: Ctrl-C: stopping after this step with a checkpoint "
+                  "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)  # fmt: skip
         self.requested = True
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _run_steps(
@@ -289,6 +300,12 @@ def _run_steps(
             done += executed
             if saver.due(done) or preempted:
                 saver.save(done, state, batches.position)
+            if preempted and preemption.interrupted and done < cfg.steps:
+                raise Interrupted(
+                    f"interrupted (Ctrl-C) after step {done} of {cfg.steps}: "
+                    + ("checkpoint saved; the same command resumes from it"
+                       if saver.last_saved == done else "no MODEL_DIR, nothing saved")
+                )  # fmt: skip
             if preempted and done < cfg.steps:
                 print(
                     f"preempted (SIGTERM): checkpoint saved at step {done}; "
