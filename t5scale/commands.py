@@ -8,6 +8,7 @@ without importing JAX, Flax and the rest (docs/benchmarks.md, "CLI start").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -79,14 +80,16 @@ def _train(call: Invocation) -> None:
     import jax
 
     from t5scale.config import operative_config
-    from t5scale.train.config import make_model_dir
+    from t5scale.train.config import make_model_dir, model_dir_lock
     from t5scale.train.loop import train
 
     run = call.run_config()
     if run.train.model_dir:
         make_model_dir(run.train.model_dir)
     call.join_processes(run)
-    history = train(run, operative_config())
+    held = run.train.model_dir and jax.process_index() == 0  # one lock for the run's processes
+    with model_dir_lock(run.train.model_dir) if held else contextlib.nullcontext():
+        history = train(run, operative_config())
     if jax.process_index() != 0:
         return
     if history:

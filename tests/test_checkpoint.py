@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.checkpoint import CheckpointMeta, Checkpoints, model_signature
-from t5scale.train.config import CheckpointConfig
+from t5scale.train.config import CheckpointConfig, model_dir_lock
 
 
 def _read_metrics(model_dir: Path) -> list[dict]:
@@ -160,6 +161,17 @@ def test_ctrl_c_before_the_steps_is_one_line_and_exit_130(tmp_path):
         "t5scale: interrupted (Ctrl-C): nothing saved since the last checkpoint"
     ]
     assert "step 1/" not in out
+
+
+def test_a_model_dir_in_use_by_another_run_is_one_line(tmp_path, capsys):
+    """Two runs on one MODEL_DIR wrote over each other's checkpoints and metrics, and one hung
+    in a save (2026-11-29): the second now stops before it starts, naming the first. Here the
+    first is this process, holding the run's lock as a run's process 0 does."""
+    with model_dir_lock(str(tmp_path)):
+        code, _, err = cli_in_process(_tiny(tmp_path, 2), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"is in use by another run (process {os.getpid()} on {socket.gethostname()})" in err
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
 
 # Restore onto another layout: each layout trains 3 steps and saves; every other layout restores

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
-from collections.abc import Mapping
+import socket
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -87,6 +90,38 @@ def make_model_dir(path: str) -> None:
     for directory in (Path(path), Path(path) / "checkpoints"):
         if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError(f"MODEL_DIR {path!r}: {str(directory)!r} is not writable")
+
+
+LOCK_FILE = ".t5scale.lock"
+
+
+@contextlib.contextmanager
+def model_dir_lock(path: str) -> Iterator[None]:
+    """MODEL_DIR held for one run at a time (its process 0 holds the lock): two runs on one
+    directory wrote over each other's checkpoints and metrics, and one of them hung in a
+    save. A ConfigError in one line names the holder; a file system without locks skips it."""
+    lock_path = Path(path) / LOCK_FILE
+    with open(lock_path, "a+", encoding="utf-8") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise ConfigError(
+                f"MODEL_DIR {path!r} is in use by another run ({holder}): wait for it to end, "
+                "or give this run another MODEL_DIR"
+            ) from None
+        except OSError:  # no locks here (some network file systems): run unguarded
+            yield
+            return
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 NONFINITE_ACTIONS = ("stop", "skip")
