@@ -206,7 +206,9 @@ def resolve_processes(
         return ProcessSpec("single")
     if missing := settings.missing:
         flags = ", ".join(f"--{m} (or {ENV_PREFIX}{m.upper()})" for m in missing)
-        raise DistributedError(f"a {source} multi-process run needs {flags}")
+        kind = {"explicit": "a multi-process run", "slurm": "a SLURM multi-process run",
+                "kubernetes": "a Kubernetes multi-process run"}[source]  # fmt: skip
+        raise DistributedError(f"{kind} needs {flags}")
     count, process = settings.num_processes, settings.process_id
     if count < 1 or not 0 <= process < count:
         raise DistributedError(
@@ -229,6 +231,11 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
     started = time.perf_counter()
     if spec.process_id != 0:  # process 0 starts the coordinator inside initialize
         _wait_for_coordinator(spec, config.init_timeout_s)
+    # JAX's coordination service aborts process 0 (a C++ fatal, a stack dump, exit 134) when a
+    # process never registers: this watch says so in one line first, and JAX gets longer.
+    watch = threading.Timer(config.init_timeout_s, _not_joined, (spec, config.init_timeout_s))
+    watch.daemon = True
+    watch.start()
     try:
         jax.distributed.initialize(
             spec.coordinator_address,
@@ -236,7 +243,7 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
             spec.process_id,
             local_device_ids=spec.local_device_ids,
             cluster_detection_method="deactivate",  # resolve_processes has decided
-            initialization_timeout=config.init_timeout_s,
+            initialization_timeout=config.init_timeout_s + JOIN_GRACE_S,
             heartbeat_timeout_seconds=config.heartbeat_timeout_s,
         )
     except Exception as error:  # noqa: BLE001  (JAX raises its runtime's error types)
@@ -245,6 +252,8 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
             f"process {spec.process_id} of {spec.num_processes} could not join the processes at "
             f"{spec.coordinator_address} within {config.init_timeout_s} s: {reason}"
         ) from None
+    finally:
+        watch.cancel()
     # Private: the runtime's key-value store, which PeerWatch writes its signs of life to.
     from jax._src import distributed
 
@@ -259,6 +268,22 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
     watch = PeerWatch(spec, distributed.global_state.client, config.lost_after_s)
     watch.start()
     return watch
+
+
+JOIN_GRACE_S = 15  # JAX's own timeout past t5scale's, so that t5scale's watch speaks first
+
+
+def _not_joined(spec: ProcessSpec, timeout_s: float) -> None:
+    """The join's watch: one line and exit code 4, from its thread, where JAX would abort."""
+    print(
+        f"t5scale: error: process {spec.process_id} of {spec.num_processes}: not every process "
+        f"joined at {spec.coordinator_address} within {timeout_s:g} s (one that never started, "
+        "or a --num_processes larger than the processes started?)",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(PROCESSES_FAILED)
 
 
 def _wait_for_coordinator(spec: ProcessSpec, timeout_s: float) -> None:
