@@ -316,6 +316,8 @@ def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, t
     )
     assert code == 0, err
     assert "step 3" in printed and "no tokenizer" in printed
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # not safetensors' 0600
 
     cfg, imported = params_from_hf(directory)
     trained = _trained_params(run, 3)

@@ -37,6 +37,13 @@ TOKENIZER_FILES = ("spiece.model", "tokenizer_config.json", "special_tokens_map.
 SHARDS = "model-*-of-*.safetensors"
 
 
+def _save(tensors: dict[str, np.ndarray], path: Path, like: Path) -> None:
+    """A safetensors file with the permissions of `like` (config.json, written as the user's
+    files are): save_file makes it 0600, which no one else on a cluster could read."""
+    save_file(tensors, str(path), metadata={"format": "pt"})  # what transformers requires
+    path.chmod(like.stat().st_mode & 0o777)
+
+
 def remove_export(out_dir: Path) -> list[Path]:
     """The files an earlier export wrote in `out_dir`, removed (the paths): an export over it
     must not leave them beside its own. transformers loads model.safetensors before an index,
@@ -119,15 +126,14 @@ def write_model(
     config_path = out_dir / "config.json"
     config_path.write_text(json.dumps(hf_config(cfg), indent=2) + "\n", encoding="utf-8")
     shards = _shards(tensors, max_shard_bytes)
-    metadata = {"format": "pt"}  # what transformers requires of a safetensors checkpoint
     if len(shards) == 1:
         path = out_dir / "model.safetensors"
-        save_file(tensors, str(path), metadata=metadata)
+        _save(tensors, path, like=config_path)
         return [config_path, path]
     written, weight_map = [config_path], {}
     for index, shard in enumerate(shards, start=1):
         path = out_dir / f"model-{index:05d}-of-{len(shards):05d}.safetensors"  # SHARDS
-        save_file(shard, str(path), metadata=metadata)
+        _save(shard, path, like=config_path)
         weight_map |= dict.fromkeys(shard, path.name)
         written.append(path)
     index_path = out_dir / "model.safetensors.index.json"
