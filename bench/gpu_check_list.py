@@ -57,69 +57,70 @@ class Item:
     xla_flags: tuple[str, ...] = ()
 
 
+def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled=False,
+         batch: int | None = None, chunk: int | None = None, extra: bool = False,
+         precision: str = "mixed", flags: tuple[str, str] | None = None) -> Item:  # fmt: skip
+    """A step item, named by what it runs."""
+    layers = "unrolled" if unrolled else "loop"
+    options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
+    name = f"step {model} {remat} {attention} {layers}"
+    if precision != "mixed":  # gin/precision/<precision>.gin's run
+        options["precision"], name = precision, f"{name} {precision}"
+    if batch:
+        options["batch"], name = batch, f"{name} batch {batch}"
+    if chunk:  # ModelConfig.loss_chunk_tokens (default: chosen, 264 at these shapes)
+        options["loss_chunk_tokens"], name = chunk, f"{name} loss chunk {chunk}"
+    xla_flags = ()
+    if flags:  # (what they do, the flag)
+        name, xla_flags = f"{name} {flags[0]}", (flags[1],)
+    return Item(name, estimate, "step", options, extra, xla_flags)
+
+
 def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     """The items in the order they run: the answers worth most first; the extra items too
     where `extras` (or on the dry run)."""
     large, small, extra_large = shapes.models
-
-    def step(model: str, remat: str, attention: str, estimate: float, unrolled=False,
-             batch: int | None = None, chunk: int | None = None, extra: bool = False,
-             precision: str = "mixed", flags: tuple[str, str] | None = None) -> Item:  # fmt: skip
-        layers = "unrolled" if unrolled else "loop"
-        options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
-        name = f"step {model} {remat} {attention} {layers}"
-        if precision != "mixed":  # gin/precision/<precision>.gin's run
-            options["precision"], name = precision, f"{name} {precision}"
-        if batch:
-            options["batch"], name = batch, f"{name} batch {batch}"
-        if chunk:  # ModelConfig.loss_chunk_tokens (default: chosen, 264 at these shapes)
-            options["loss_chunk_tokens"], name = chunk, f"{name} loss chunk {chunk}"
-        xla_flags = ()
-        if flags:  # (what they do, the flag)
-            name, xla_flags = f"{name} {flags[0]}", (flags[1],)
-        return Item(name, estimate, "step", options, extra, xla_flags)
-
     items = [
         # estimates: the walls on the H200 of 2026-11-28, fourteenth (the unrolled steps:
         # fifteenth; the fp32 kernels: the H100's of the 28th)
         Item("device", 18, "device"),  # 13 measured; +5 estimated for the FP8 chain (sixteenth)
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
-        step(large, "dots", "fused", 40),
+        step_entry(large, "dots", "fused", 40),
         # issue 62: FP8 GEMMs for the layers (gin/precision/fp8.gin) against the step above,
         # and the loss of both over the timed steps (estimate: the mixed step's, and 5 s more
         # for the quantization's compile; never run)
-        step(large, "dots", "fused", 45, precision="fp8"),
-        step(small, "dots", "fused", 40),
+        step_entry(large, "dots", "fused", 45, precision="fp8"),
+        step_entry(small, "dots", "fused", 40),
         # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
         # zero-fills and copies were a third of the time neither GEMM nor attention)
-        step(large, "dots", "fused", 97, unrolled=True),
-        step(small, "dots", "fused", 58, unrolled=True),
+        step_entry(large, "dots", "fused", 97, unrolled=True),
+        step_entry(small, "dots", "fused", 58, unrolled=True),
         # the loop's copies into and out of its stacks (52 and 22 GB of mt5_large's step,
         # compiled for an H100 here, twenty-second) as the GEMMs' own reads and writes: XLA's
         # dynamic-slice fusion, which jaxlib 0.10.2 refuses to compile here ("BufferAllocation::
         # Slice not assigned"); item 3 is the same step without it
-        step(
+        step_entry(
             large,
             "dots",
             "fused",
             40,
             flags=("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true"),
         ),
-        step(large, "full", "fused", 35),
+        step_entry(large, "full", "fused", 35),
         # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
         # (XLA's estimate, compiled for an H100 here: docs/benchmarks.md; 2.97 s a step on the
         # H200, fourteenth)
-        step(extra_large, "full", "fused", 75, batch=shapes.xl_batch, extra=True),
+        step_entry(extra_large, "full", "fused", 75, batch=shapes.xl_batch, extra=True),
         # extras: the einsum steps, measured before (docs/benchmarks.md), for the cluster
         # model's comparison; the kernels in fp32, which 'auto' no longer runs
-        step(
+        step_entry(
             large, "dots", "dot", 51, extra=True
         ),  # compiled only on an 80 GB H100: it does not fit
-        step(large, "full", "dot", 55, extra=True),
-        step(small, "dots", "dot", 49, extra=True),
+        step_entry(large, "full", "dot", 55, extra=True),
+        step_entry(small, "dots", "dot", 49, extra=True),
         # the loss in 7 chunks, not 28: the head's weight gradient is written 7 times either way
         # (products of 4 chunks, twenty-first); this times 1 GB blocks of logits against 264 MB
-        step(small, "dots", "fused", 58, unrolled=True, chunk=1048, extra=True),
+        step_entry(small, "dots", "fused", 58, unrolled=True, chunk=1048, extra=True),
         Item("kernels float32", 109, "kernels", {"dtype": "float32"}, extra=True),
     ]
     extras = extras or shapes.extras

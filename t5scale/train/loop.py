@@ -218,8 +218,8 @@ class _Saver:
 
 class _Preemption:
     """SIGTERM → the loop saves at the next step boundary and returns; on one process Ctrl-C
-    (SIGINT) too, and then the run ends as Interrupted (exit code 130); a second Ctrl-C stops
-    at once (KeyboardInterrupt).
+    (SIGINT) too, and then the run ends as Interrupted (exit code 130); a second Ctrl-C is the
+    caller's (the CLI's stops at once; Python's raises KeyboardInterrupt).
 
     On several processes the signal may reach them at different steps, and a checkpoint is
     written by all of them together: JAX's preemption sync manager (which catches SIGTERM
@@ -248,8 +248,12 @@ class _Preemption:
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:
-            if self.interrupted:
-                raise KeyboardInterrupt
+            if self.interrupted:  # the caller's handler: the CLI's stops at once, Python's raises
+                previous = self._previous[signum]
+                if not callable(previous):
+                    raise KeyboardInterrupt
+                previous(signum, frame)
+                return
             self.interrupted = True
             print("\nt5scale: Ctrl-C: stopping after this step with a checkpoint "
                   "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)  # fmt: skip
