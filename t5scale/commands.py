@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import sys
 import threading
@@ -19,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from t5scale.errors import INTERRUPTED, ConfigError
+from t5scale.errors import INTERRUPTED, ConfigError, leave_now
 
 if TYPE_CHECKING:
     from t5scale.parallel.distributed import PeerWatch
@@ -60,10 +59,7 @@ def _interrupted_before_the_steps(signum, frame) -> None:
     raised into XLA's compile or JAX's callbacks was ignored there, or crashed Python's
     teardown: one line, and out. In the steps, train's own handler stops after a step with a
     checkpoint."""
-    print("t5scale: interrupted (Ctrl-C): nothing saved since the last checkpoint",
-          file=sys.stderr, flush=True)  # fmt: skip
-    sys.stdout.flush()
-    os._exit(INTERRUPTED)
+    leave_now("t5scale: interrupted (Ctrl-C): nothing saved since the last checkpoint", INTERRUPTED)
 
 
 def train_command(call: Invocation) -> None:

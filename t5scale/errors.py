@@ -7,9 +7,11 @@ them is a bug, so none shows a traceback.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 import typing
-from typing import Any
+from typing import Any, NoReturn
 
 # Exit codes of the CLI.
 USAGE_ERROR = 2  # a configuration, mesh or data set that cannot run
@@ -18,6 +20,15 @@ PROCESSES_FAILED = 4  # could not join the other processes, or a peer was lost
 COMPILER_ABORTED = 5  # XLA aborted (a C++ check failed) in a command that compiles in a child
 CHECKPOINT_NOT_SAVED = 6  # a checkpoint could not be written (a full disk, no permission)
 INTERRUPTED = 130  # Ctrl-C (SIGINT), the shell's convention: 128 + the signal's number
+
+
+def leave_now(line: str, code: int) -> NoReturn:
+    """`line` on stderr, then exit with `code` at once, from any thread: where Python's own exit
+    would wait on threads that never end (JAX's shutdown for a lost process, a compile that
+    Ctrl-C cut short) or JAX would abort first. stdout is written out first."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 class ConfigError(ValueError):

@@ -33,7 +33,13 @@ from collections.abc import Mapping
 
 import jax
 
-from t5scale.errors import PROCESSES_FAILED, DistributedError, JoinError, check_field_types
+from t5scale.errors import (
+    PROCESSES_FAILED,
+    DistributedError,
+    JoinError,
+    check_field_types,
+    leave_now,
+)
 from t5scale.target import Target
 
 ENV_PREFIX = "T5SCALE_"
@@ -275,15 +281,12 @@ JOIN_GRACE_S = 15  # JAX's own timeout past t5scale's, so that t5scale's watch s
 
 def _not_joined(spec: ProcessSpec, timeout_s: float) -> None:
     """The join's watch: one line and exit code 4, from its thread, where JAX would abort."""
-    print(
+    leave_now(
         f"t5scale: error: process {spec.process_id} of {spec.num_processes}: not every process "
         f"joined at {spec.coordinator_address} within {timeout_s:g} s (one that never started, "
         "or a --num_processes larger than the processes started?)",
-        file=sys.stderr,
-        flush=True,
+        PROCESSES_FAILED,
     )
-    sys.stdout.flush()
-    os._exit(PROCESSES_FAILED)
 
 
 def _wait_for_coordinator(spec: ProcessSpec, timeout_s: float) -> None:
@@ -370,14 +373,11 @@ class PeerWatch:
 
     def _exit(self, peer: int, reason: str) -> None:
         role = " (the coordinator)" if peer == 0 else ""
-        sys.stdout.flush()
-        print(
+        leave_now(  # JAX's shutdown would wait for the lost process
             f"t5scale: error: process {peer}{role} of {self.spec.num_processes} was lost: "
             f"{reason}; process {self.spec.process_id} stops",
-            file=sys.stderr,
-            flush=True,
+            PROCESSES_FAILED,
         )
-        os._exit(PROCESSES_FAILED)  # JAX's shutdown would wait for the lost process
 
     def done(self) -> None:
         """This process finished normally: peers no longer expect signs of life from it."""
