@@ -354,11 +354,15 @@ def test_a_save_that_fails_stops_the_run_in_one_line_and_does_not_hang(tmp_path)
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 6, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines() == [
-        "t5scale: error: checkpoint step 2 was not saved (OUT_OF_RANGE: File too large "
-        f"[os_error_code='27']); the run stops, the checkpoints before it in "
-        f"{tmp_path / 'checkpoints'} are as they were"
-    ]
+    # Which of orbax's failed writes is raised is a race: tensorstore's cause comes with its
+    # error code or without.
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        "t5scale: error: checkpoint step 2 was not saved (OUT_OF_RANGE: File too large"
+    ), line
+    assert line.endswith(
+        f"the run stops, the checkpoints before it in {tmp_path / 'checkpoints'} are as they were"
+    ), line
     assert "step 4/6" in done.stdout and "step 5/6" not in done.stdout  # stopped at the save
     assert not (tmp_path / "checkpoints" / "2").exists()
 
