@@ -211,6 +211,8 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
         model += f" (loss chunks of {options['loss_chunk_tokens']})"
     if "precision" in options:
         model += f" ({options['precision']})"
+    if "logits_dtype" in options:
+        model += f" ({options['logits_dtype']} logits)"
     return (
         f"| {model} | {options['remat']} | "
         f"{row.get('attention_ran', options['attention'])} | {layers} | "

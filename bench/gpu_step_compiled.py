@@ -4,6 +4,7 @@ per step, for each attention and remat setting (issue 34's measure of the GPU st
     python bench/gpu_step_compiled.py                       # mt5_small, base, large
     python bench/gpu_step_compiled.py --models mt5_large --remat full
     python bench/gpu_step_compiled.py --layers loop unrolled   # ModelConfig.scan_layers
+    python bench/gpu_step_compiled.py --logits float32 bfloat16  # ModelConfig.logits_dtype
 
 Each step as `t5scale plan` builds it for one H100 (gin/clusters/h100.gin): mixed precision,
 batch 32 of 1024/229, ZeRO 0, AdamW. Prints a markdown table: XLA's arguments + temporaries per
@@ -43,11 +44,13 @@ def score_tensors(hlo_text: str) -> int:
     return len(re.findall(rf"\[(?:\d+,)?{BATCH},\d+,{lengths},{lengths}\]", hlo_text))
 
 
-def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
+def row(
+    model: str, attention: str, remat: str, layers: str = "loop", logits: str = "float32"
+) -> str:
     parse_gin(
         [f"gin/models/{model}.gin", "gin/precision/mixed.gin", "gin/clusters/h100.gin"],
         [f"ModelConfig.remat='{remat}'", f"ModelConfig.attention='{attention}'",
-         f"ModelConfig.scan_layers={layers == 'loop'}",
+         f"ModelConfig.scan_layers={layers == 'loop'}", f"ModelConfig.logits_dtype='{logits}'",
          f"INPUT_LENGTH={INPUT}", f"TARGET_LENGTH={TARGET}"],
     )  # fmt: skip
     devices = xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1).devices()
@@ -61,7 +64,7 @@ def row(model: str, attention: str, remat: str, layers: str = "loop") -> str:
     gemm_bytes = kernels.gemm.bytes_read + kernels.gemm.bytes_written
     predicted = predict_program(step.analysis.program, build_hardware(), 1)
     return (
-        f"| {model} | {step.setup.run.model.attention} | {remat} | {layers} | "
+        f"| {model} | {step.setup.run.model.attention} | {remat} | {layers} | {logits} | "
         f"{memory.argument_size_in_bytes / 1e9:.1f} + {memory.temp_size_in_bytes / 1e9:.1f} = "
         f"{(memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 1e9:.1f} GB | "
         f"{score_tensors(step.compiled.as_text())} | {kernels.gemm.count:,} | "
@@ -77,19 +80,23 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["dot", "fused"])
     parser.add_argument("--remat", nargs="+", default=["dots", "full"])
     parser.add_argument("--layers", nargs="+", default=["loop"], choices=["loop", "unrolled"])
+    parser.add_argument("--logits", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="ModelConfig.logits_dtype: the dtype the head's GEMM writes")  # fmt: skip
     args = parser.parse_args()
     print(
-        "| model | attention | remat | layers | arguments + temporaries | score tensors | GEMMs | "
+        "| model | attention | remat | layers | logits | arguments + temporaries | score tensors | "
+        "GEMMs | "
         "attention kernels | fusions | copies | non-GEMM | GEMM bytes | non-GEMM bytes | "
         "predicted step (h100.gin) | compile |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     for model in args.models:
         for remat in args.remat:
             for attention in args.attention:
                 for layers in args.layers:
-                    print(row(model, attention, remat, layers), flush=True)
+                    for logits in args.logits:
+                        print(row(model, attention, remat, layers, logits), flush=True)
 
 
 if __name__ == "__main__":

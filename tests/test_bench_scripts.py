@@ -167,7 +167,7 @@ def test_gpu_step_compiled_counts_an_h100_steps_kernels(tmp_path):
     printed = run_script(tmp_path, "gpu_step_compiled.py", "--models", "mt5_tiny",
                          "--attention", "dot", "--remat", "dots")  # fmt: skip
     (row,) = table_rows(printed, "mt5_tiny")
-    assert row[1:4] == ["dot", "dots", "loop"] and int(row[6].replace(",", "")) > 0  # GEMMs
+    assert row[1:5] == ["dot", "dots", "loop", "float32"] and int(row[7].replace(",", "")) > 0
 
 
 @pytest.mark.slow

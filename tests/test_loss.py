@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from conftest import relative_difference, synthetic_batches, tiny_setup
 
-from t5scale.model.head import HeadLoss, chunk_tokens, chunks_per_product, head_loss, loss_sums
+from t5scale.model.head import (
+    HeadLoss,
+    chunk_tokens,
+    chunks_per_product,
+    head_loss,
+    loss_sums,
+    model_loss_sums,
+)
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train.precision import PrecisionConfig
@@ -59,6 +66,31 @@ def test_tiled_loss_and_gradients_equal_the_whole_logits(chunk, product_chunks):
         assert relative_difference(np.asarray(mine), np.asarray(reference)) < 1e-6
     # Without differentiation the same scan runs without the gradient work.
     np.testing.assert_allclose(jax.jit(tiled)(x, w)[0], want, rtol=1e-6)
+
+
+def test_logits_written_in_bf16_give_the_loss_of_the_rounded_logits():
+    """ModelConfig.logits_dtype='bfloat16': the loss is that of the whole logits rounded to
+    bf16 (fp32 arithmetic from there), through model_loss_sums; with fp32 logits it is not."""
+    x, w, targets, weights = _head_inputs(tokens=40, d_model=64, vocab=1000)
+    x, w = 3 * x.astype(jnp.bfloat16), 3 * w.astype(jnp.bfloat16)  # logits of a few units
+    exact = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    rounded = sum(loss_sums(exact.astype(jnp.bfloat16).astype(jnp.float32), targets, weights,
+                            Z_LOSS))  # fmt: skip
+
+    def loss(logits_dtype):
+        model = ModelConfig(vocab_size=1000, dtype="bfloat16", logits_dtype=logits_dtype,
+                            loss_chunk_tokens=16)  # fmt: skip
+        step = jax.jit(lambda: model_loss_sums(model, x[None], w, targets, weights, Z_LOSS)[0])
+        # XLA:CPU, allowed excess precision (its default), drops a bf16 round trip; a GPU's
+        # GEMM writes the bf16 it is asked for (docs/benchmarks.md, twenty-third session).
+        return step.lower().compile({"xla_allow_excess_precision": False})()
+
+    np.testing.assert_allclose(loss("bfloat16"), rounded, rtol=1e-6)
+    assert abs(loss("float32") / rounded - 1) > 1e-5  # bf16's rounding is seen
+    np.testing.assert_allclose(loss("float32"), sum(loss_sums(exact, targets, weights, Z_LOSS)),
+                               rtol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="logits_dtype must be float32 or the compute dtype"):
+        ModelConfig(logits_dtype="bfloat16")  # fp32 compute
 
 
 def test_padding_columns_past_the_vocabulary_take_no_part():

@@ -126,7 +126,7 @@ def model_loss_sums(
     chunk = chunk_tokens(requested, x.shape[0], lm_head.shape[1])
     how = HeadLoss(
         z_loss=z_loss, chunk=chunk, vocab_size=model.vocab_size, compute_dtype=model.dtype,
-        axis=axis, constrain=constrain,
+        logits_dtype=model.logits_dtype, axis=axis, constrain=constrain,
         product_chunks=chunks_per_product(chunk, -(-x.shape[0] // chunk)),
     )  # fmt: skip
     weights = weights.reshape(-1).astype(jnp.float32)
@@ -141,6 +141,8 @@ class HeadLoss:
     chunk: tokens per chunk. vocab_size: the real vocabulary; columns past it (padding of a
     vocabulary split over `axis`) take no part. axis: the manual mesh axis the columns are split
     over, or None. compute_dtype: the matmuls' input dtype (they accumulate in fp32).
+    logits_dtype: the dtype the logits are written in (ModelConfig.logits_dtype); the loss
+    reads them into fp32.
     constrain(array, logical axes): pins a block's sharding (tensor parallelism splits the
     vocabulary of the logits and of the projection's gradient). product_chunks: chunks whose
     logit gradients one product sums into the projection's gradient (PRODUCT_TOKENS).
@@ -150,6 +152,7 @@ class HeadLoss:
     chunk: int
     vocab_size: int
     compute_dtype: str = "float32"
+    logits_dtype: str = "float32"
     axis: str | None = None
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep
     product_chunks: int = 1
@@ -228,7 +231,7 @@ def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
     columns = w.shape[1]
     # The column ids made here, not captured: XLA fuses an iota into its users.
     column = _column_start(how, columns) + lax.broadcasted_iota(jnp.int32, (how.chunk, columns), 1)
-    logits = jnp.matmul(x_c, w, preferred_element_type=jnp.float32)
+    logits = jnp.matmul(x_c, w, preferred_element_type=how.logits_dtype).astype(jnp.float32)
     logits = how.constrain(logits, ("length", "vocab"))
     if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
         logits = jnp.where(column < how.vocab_size, logits, NEG_INF)

@@ -358,10 +358,11 @@ def _stack(layer_cls: type[_Module], module: _Module, num_layers: int, broadcast
     )
 
 
-@jax.custom_vjp
-def project_to_vocab(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w for the output projection ([..., d_model] @ [d_model, vocab]), with a backward pass
-    written so that both of its matmuls are in the row-major form fast CPU kernels take.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def project_to_vocab(x: jax.Array, w: jax.Array, logits_dtype: str | None = None) -> jax.Array:
+    """x @ w for the output projection ([..., d_model] @ [d_model, vocab]), written by the
+    matmul in `logits_dtype` (None: the inputs' dtype), with a backward pass written so that
+    both of its matmuls are in the row-major form fast CPU kernels take.
 
     Left to autodiff, w's gradient is x^T @ g contracted over the tokens, the leading dimension
     of both: XLA:CPU then transposes the [tokens, vocab] gradient and runs the product through
@@ -369,15 +370,17 @@ def project_to_vocab(x: jax.Array, w: jax.Array) -> jax.Array:
     transposed instead (tokens × d_model, far smaller than tokens × vocab), behind an
     optimization barrier so that XLA cannot fold the transpose back.
     """
-    return x @ w
+    return jnp.matmul(x, w, preferred_element_type=logits_dtype)
 
 
-def _project_forward(x: jax.Array, w: jax.Array):
-    return x @ w, (x, w)
+def _project_forward(x: jax.Array, w: jax.Array, logits_dtype: str | None):
+    return project_to_vocab(x, w, logits_dtype), (x, w)
 
 
-def _project_backward(residuals, g: jax.Array):
+def _project_backward(logits_dtype: str | None, residuals, g: jax.Array):
+    del logits_dtype
     x, w = residuals
+    g = g.astype(x.dtype)  # the gradient in the compute dtype, as autodiff's of a plain matmul
     rows = x.reshape(-1, x.shape[-1])
     x_t = jax.lax.optimization_barrier(rows.T)  # [d_model, tokens], laid out row-major
     dw = (x_t @ g.reshape(-1, g.shape[-1])).astype(w.dtype)
@@ -488,7 +491,8 @@ class Decoder(_Module):
 
 
 class MT5(_Module):
-    """Encoder-decoder returning the decoder's logits over the vocabulary (float32), or with
+    """Encoder-decoder returning the decoder's logits over the vocabulary (float32; written by
+    the projection in ModelConfig.logits_dtype), or with
     project=False its output before the projection (vocabulary-parallel losses project it)."""
 
     @nn.compact
@@ -524,7 +528,7 @@ class MT5(_Module):
         lm_head = self.weight(
             LM_HEAD, _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )
-        logits = project_to_vocab(decoded, lm_head).astype(jnp.float32)
+        logits = project_to_vocab(decoded, lm_head, cfg.logits_dtype).astype(jnp.float32)
         return self.constrain(logits, ("batch", "length", "vocab"))
 
 

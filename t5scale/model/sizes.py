@@ -84,6 +84,11 @@ class ModelConfig:
     # Target tokens per chunk of the output projection and loss (t5scale/model/head.py): None
     # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
     loss_chunk_tokens: int | None = None
+    # The dtype the output projection's GEMM writes the logits in (t5scale/model/head.py):
+    # 'float32', or in bf16 compute 'bfloat16', as t5x's and MaxText's defaults write them (the
+    # loss is computed from them in fp32 either way): half the bytes of the head's largest
+    # array, written once and read twice, for logits rounded to bf16's 8 bits.
+    logits_dtype: DType = "float32"
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
     # (t5scale/model/attention_kernels.py, by Triton on GPUs; attention_tpu.py, by Mosaic on
@@ -146,6 +151,11 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.logits_dtype not in ("float32", self.dtype):
+            raise ValueError(
+                f"ModelConfig.logits_dtype must be float32 or the compute dtype "
+                f"(ModelConfig.dtype, {self.dtype}), got {self.logits_dtype!r}"
+            )
         for field in DIMENSIONS:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
