@@ -110,9 +110,7 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
             flags=("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true"),
         ),
         step_entry(large, "full", "fused", 35),
-        # the head's GEMM writing bf16 logits, as t5x and MaxText do (the loss still in fp32):
-        # compiled for an H100 here, 7.4 GB less of mt5_small's non-GEMM bytes, 3.7 ms (7%) off
-        # its predicted step (twenty-third); item 5 is the same step with fp32 logits
+        # item 5 with bf16 logits (t5x's, MaxText's): 3.7 ms off its predicted 57 (twenty-third)
         step_entry(small, "dots", "fused", 40, logits="bfloat16"),
         # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
         # (XLA's estimate, compiled for an H100 here: docs/benchmarks.md; 2.97 s a step on the
