@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_check_gemms import gemms_item
 from gpu_check_items import (
     ROOT,
     device_item,
@@ -63,7 +64,7 @@ from gpu_check_list import DRY_RUN, GPU, Results, Shapes, lines_of, read_lines, 
 from gpu_check_tables import tables
 from gpu_check_tiles import TILES_VARIABLE, tiles_file
 
-ITEMS = {"device": device_item, "kernels": kernels_item, "step": step_item}
+ITEMS = {"device": device_item, "kernels": kernels_item, "gemms": gemms_item, "step": step_item}
 
 
 # Seconds a step's process takes besides compiling and stepping on the card: Python, JAX and

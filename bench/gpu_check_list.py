@@ -47,7 +47,7 @@ class Item:
 
     name: str
     estimate_s: float
-    kind: str  # device | kernels | step
+    kind: str  # device | kernels | gemms | step
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Run when named (--only) or with --all, not in the default run, which fits 9 minutes on
     # a card.
@@ -79,6 +79,9 @@ def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled
     return Item(name, estimate, "step", options, extra, xla_flags)
 
 
+DYNAMIC_SLICE_FUSION = ("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true")
+
+
 def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     """The items in the order they run: the answers worth most first; the extra items too
     where `extras` (or on the dry run)."""
@@ -102,25 +105,19 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # compiled for an H100 here, twenty-second) as the GEMMs' own reads and writes: XLA's
         # dynamic-slice fusion, which jaxlib 0.10.2 refuses to compile here ("BufferAllocation::
         # Slice not assigned"); item 3 is the same step without it
-        step_entry(
-            large,
-            "dots",
-            "fused",
-            40,
-            flags=("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true"),
-        ),
-        step_entry(large, "full", "fused", 35),
+        step_entry(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION),
         # item 5 with bf16 logits (t5x's, MaxText's): 3.7 ms off its predicted 57 (twenty-third)
         step_entry(small, "dots", "fused", 40, logits="bfloat16"),
+        # the layers' GEMM shapes alone, against the cluster model's one efficiency (issue 59,
+        # point 5: mt5_small's steps 15% short); bench/gpu_check_gemms.py (estimate: never run)
+        Item("gemms", 45, "gemms"),
+        step_entry(large, "full", "fused", 35, extra=True),  # 0.430 s on the H200 (fourteenth)
         # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
-        # (XLA's estimate, compiled for an H100 here: docs/benchmarks.md; 2.97 s a step on the
-        # H200, fourteenth)
+        # (XLA's estimate, compiled for one here; 2.97 s a step on the H200, fourteenth)
         step_entry(extra_large, "full", "fused", 75, batch=shapes.xl_batch, extra=True),
         # extras: the einsum steps, measured before (docs/benchmarks.md), for the cluster
         # model's comparison; the kernels in fp32, which 'auto' no longer runs
-        step_entry(
-            large, "dots", "dot", 51, extra=True
-        ),  # compiled only on an 80 GB H100: it does not fit
+        step_entry(large, "dots", "dot", 51, extra=True),  # too large for an 80 GB H100
         step_entry(large, "full", "dot", 55, extra=True),
         step_entry(small, "dots", "dot", 49, extra=True),
         # the loss in 7 chunks, not 28: the head's weight gradient is written 7 times either way

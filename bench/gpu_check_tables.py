@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpu_check_gemms import gemm_rows
 from gpu_check_list import DRY_RUN, GPU, Item, read_lines, work_list
 from gpu_profile_table import profile_tables
 
@@ -19,7 +20,7 @@ def tables(path: Path, profiles: bool = True) -> str:
             merged.setdefault(line["item"], {}).update(line)
     text = ["# GPU check", "", *_device(merged.get("device", {}))]
     text += _kernel_rows(lines) + _attention_rate(lines) + _speed_rows(lines) + _sweep_rows(lines)
-    text += _step_rows(merged) + _fp8_rows(merged)
+    text += _step_rows(merged) + _fp8_rows(merged) + gemm_rows(lines)
     for name, row in merged.items():
         if row.get("status") not in (None, "done"):
             text.append(f"\n{name}: {row['status']} — {row.get('why')}")

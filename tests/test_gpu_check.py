@@ -6,6 +6,7 @@ without one (under -m slow: run it before a GPU run). So the check cannot rot be
 import importlib
 import json
 import math
+import re
 import subprocess
 import sys
 import zipfile
@@ -18,6 +19,7 @@ from t5scale.startup import cuda_plugin_installed
 SCRIPT = REPO / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))  # the script's sibling modules, as a script has them
 gpu_check = importlib.import_module("gpu_check")
+gpu_gemms = importlib.import_module("gpu_check_gemms")
 
 
 def run_check(out, *flags: str) -> subprocess.CompletedProcess:
@@ -110,8 +112,16 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
             assert all("HloModule" in programs.read(name).decode()[:200]
                        for name in programs.namelist())  # fmt: skip
     table = (out / "gpu_check.md").read_text()
+    step_table = table.split("## GEMMs at the layers' shapes")[0]
     labels = ("| mt5_tiny |", "| mt5_tiny (fp8) |", "| mt5_tiny (bfloat16 logits) |")
-    assert sum(table.count(label) for label in labels) == len(steps)
+    assert sum(step_table.count(label) for label in labels) == len(steps)
+    # The GEMMs item: each of the layers' shapes timed and priced, a row each
+    gemms = [line for line in lines if "gemm_s" in line]
+    shapes = {(g.m, g.k, g.n) for g in gpu_gemms.layer_gemms("mt5_tiny", gpu_check.DRY_RUN)}
+    assert {(g["gemm"]["m"], g["gemm"]["k"], g["gemm"]["n"]) for g in gemms} == shapes
+    assert len(gemms) == len(shapes) and all(g["gemm_s"] > 0 < g["priced_s"] for g in gemms)
+    gemm_rows = re.findall(r"^\| mt5_tiny \| (?:encoder|decoder) \|", table, re.MULTILINE)
+    assert len(gemm_rows) == len(gemms)
     assert ("| encoder | float32 |" in table) == bool(flags)
     # Each step profiled (bench/gpu_check_profile.py), its table read from the profile.
     profiles = [line for line in lines if "profile" in line]
