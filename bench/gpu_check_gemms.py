@@ -61,9 +61,25 @@ def layer_gemms(model_name: str, shapes: Shapes) -> list[Gemm]:
     return list(gemms.values())
 
 
+# Independent products a program runs of each shape: a GEMM of mt5_small's decoder takes a few
+# microseconds on the card, less than JAX's dispatch of one call, so one call times several.
+# Each has operands of its own: XLA merges dots that share an operand (DotMerger).
+PRODUCTS = 8
+
+
+def independent_products(lefts: list, rights: list) -> list:
+    """Each a · b in bf16 (fp32 accumulation): one GEMM each on a GPU, nothing else
+    (tests/test_gpu_check.py compiles it for an H100)."""
+    import jax.numpy as jnp
+
+    return [jnp.matmul(a, b, preferred_element_type=jnp.bfloat16)
+            for a, b in zip(lefts, rights, strict=True)]  # fmt: skip
+
+
 def gemms_item(results: Results, shapes: Shapes, dry_run: bool) -> None:
-    """Each GEMM timed (median of 10 after a warm-up), with the cluster model's price of it on
-    this card's cluster file (h100.gin, h200.gin)."""
+    """Each GEMM shape timed as PRODUCTS independent products in one program (its median of 10
+    after a warm-up, over PRODUCTS), with the cluster model's price of one on this card's
+    cluster file (h100.gin, h200.gin)."""
     jax = start_jax(dry_run)
     import jax.numpy as jnp
 
@@ -73,18 +89,20 @@ def gemms_item(results: Results, shapes: Shapes, dry_run: bool) -> None:
     cluster = cluster_for(jax.devices()[0])
     large, small, _ = shapes.models
     models = dict.fromkeys((small, large))  # the dry run's two are one
-    product = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.bfloat16))
+    products = 2 if dry_run else PRODUCTS
+    product = jax.jit(independent_products)
     for model in models:
         for gemm in layer_gemms(model, shapes):
-            keys = jax.random.split(jax.random.key(0))
-            a = jax.random.normal(keys[0], (gemm.m, gemm.k), jnp.bfloat16)
-            b = jax.random.normal(keys[1], (gemm.k, gemm.n), jnp.bfloat16)
-            seconds = timed(product, a, b, repeats=10)
+            keys = jax.random.split(jax.random.key(0), 2 * products)
+            a = [jax.random.normal(key, (gemm.m, gemm.k), jnp.bfloat16) for key in keys[::2]]
+            b = [jax.random.normal(key, (gemm.k, gemm.n), jnp.bfloat16) for key in keys[1::2]]
+            seconds = timed(product, a, b, repeats=10) / products
             read, written = gemm.bytes
             kernel = Kernel("gemm", 1, gemm.flops, read, written, "bf16")
             priced = kernel_seconds(kernel, cluster) - KERNEL_LAUNCH_S
             results.write(gemm=dataclasses.asdict(gemm), gemm_s=seconds, priced_s=priced,
-                          gemm_flops_per_s=gemm.flops / seconds, cluster=cluster.name)  # fmt: skip
+                          gemm_flops_per_s=gemm.flops / seconds, cluster=cluster.name,
+                          products=products)  # fmt: skip
             del a, b
 
 
@@ -94,6 +112,8 @@ def gemm_rows(lines: list[dict]) -> list[str]:
     if not rows:
         return []
     text = ["", "## GEMMs at the layers' shapes, alone (median of 10)", "",
+            f"Each shape as {rows[0]['products']} independent products in one program, its time "
+            "over them (a launch's gap included).", "",
             f"The cluster model's price: {rows[0]['cluster']}'s roofline at its one "
             "`gemm_efficiency`; measured / priced above 1: slower than it prices.", "",
             "| model | tokens of | GEMM | m × k × n | measured | TFLOP/s | priced | measured / "

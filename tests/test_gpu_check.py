@@ -200,3 +200,26 @@ def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path,
         "flags: --xla_dump_to=/nowhere",
     ]
     assert log[0].startswith("$ XLA_FLAGS='--xla_dump_to=/nowhere --xla_gpu_enable_dynamic_slice")
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="compiles for an H100: jax's CUDA plugin")
+def test_the_gemms_item_times_one_gemm_a_product_on_an_h100():
+    """The GEMMs item divides a program's time by its products: compiled for an H100, they are
+    that many cuBLAS GEMMs and no other kernel (XLA merges dots that share an operand)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from t5scale.target import Target
+    from t5scale.xla_gpu import GpuTopology
+
+    gpu = Target.compile_only_gpus(GpuTopology("h100_sxm"))
+    replicated = NamedSharding(Mesh(gpu.devices, ("d",)), PartitionSpec())
+    lefts = [jax.ShapeDtypeStruct((7328, 512), jnp.bfloat16, sharding=replicated)] * 8
+    rights = [jax.ShapeDtypeStruct((512, 384), jnp.bfloat16, sharding=replicated)] * 8
+    lowered = jax.jit(gpu_gemms.independent_products).lower(lefts, rights)
+    with gpu.compiling():
+        text = lowered.compile(gpu.compiler_options).as_text()
+    entry = text[text.index("ENTRY") :]
+    assert len(re.findall(r'custom_call_target="__cublas\$lt\$matmul"', entry)) == 8
+    assert " fusion(" not in entry and " copy(" not in entry
