@@ -93,10 +93,29 @@ def parse_gin(
     except OSError as error:
         raise ConfigError(f"gin file not found: {str(error).splitlines()[0]}") from None
     except (ValueError, SyntaxError) as error:
-        raise ConfigError(f"gin: {' '.join(str(error).split())}") from None
+        raise ConfigError(_gin_syntax_error(error)) from None
     finally:
         root_logger.setLevel(level)
     check_macros_read()
+
+
+# gin's error for a bare word as a value: Python's ast error, which names an object's address,
+# then gin's own words and where: "malformed node or string on line 1: <ast.Name object at
+# 0x7f…> Failed to parse token 'dots' (quick.gin, line 3)"
+_BARE_WORD = re.compile(r"Failed to parse token '(?P<token>[^']*)'(?: \((?P<where>[^()]*)\))?")
+
+
+def _gin_syntax_error(error: Exception) -> str:
+    """gin's parse error in one line; a bare word, the commonest, said as what to write."""
+    text = " ".join(str(error).split())
+    bare = _BARE_WORD.search(text)
+    if bare is None:
+        return f"gin: {text}"
+    token, where = bare["token"], f" ({bare['where']})" if bare["where"] else ""
+    return (
+        f"gin: {token} is not a value{where}: a string needs quotes ('{token}'), a "
+        f"configurable an @ (@{token}), a macro a % (%{token})"
+    )
 
 
 def check_macros_read() -> None:

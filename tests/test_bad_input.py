@@ -150,6 +150,18 @@ def test_bad_input_through_the_cli_is_one_line(args, says, capsys):
     assert says in _one_line(*cli_in_process(args, capsys)[::2])
 
 
+def test_a_bare_word_in_a_gin_file_says_what_to_write(tmp_path, capsys):
+    """gin said `malformed node or string on line 1: <ast.Name object at 0x…> Failed to parse
+    token 'dots'` (2026-11-29)."""
+    (tmp_path / "bare.gin").write_text("ModelConfig.d_ff = 256\nModelConfig.remat = dots\n")
+    line = _one_line(*cli_in_process(["params", f"--gin_file={tmp_path / 'bare.gin'}"],
+                                     capsys)[::2])  # fmt: skip
+    assert line == (
+        "t5scale: error: gin: dots is not a value (bare.gin, line 2): a string needs quotes "
+        "('dots'), a configurable an @ (@dots), a macro a % (%dots)"
+    )
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
