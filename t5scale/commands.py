@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from t5scale.errors import INTERRUPTED, ConfigError, leave_now
+from t5scale.errors import INTERRUPTED, ConfigError, Interrupted, leave_now
 
 if TYPE_CHECKING:
     from t5scale.parallel.distributed import PeerWatch
@@ -204,7 +204,13 @@ def study_command(call: Invocation) -> None:
     study, gin_text = config.build_study_config(), config.operative_config()
     # a cluster file: the compile-only rounds compile for its GPUs or TPU slices
     hardware = config.build_hardware()
-    summary = run_study(study, config.study_runs(study), gin_text, hardware=hardware)
+    try:
+        summary = run_study(study, config.study_runs(study), gin_text, hardware=hardware)
+    except KeyboardInterrupt:  # its trials stopped (runner.run_all), none half-recorded
+        raise Interrupted(
+            f"interrupted (Ctrl-C): the finished trials are in {study.study_dir}/results.jsonl, "
+            "and the same command goes on from them"
+        ) from None
     print("\n".join(summary.lines(study.study_dir)))
     if not summary.completed:
         raise ConfigError(

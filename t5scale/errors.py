@@ -53,7 +53,8 @@ class CheckpointSaveError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped training after a step, with a checkpoint (one line, exit code 130)."""
+    """Ctrl-C stopped a run where it stops cleanly: training after a step, with a checkpoint;
+    a study with its trials killed and the finished ones recorded (one line, exit code 130)."""
 
 
 class JoinError(RuntimeError):

@@ -8,9 +8,15 @@ programs once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -429,3 +435,45 @@ def test_a_pipelined_point_is_compiled_and_timed_in_a_trial(tmp_path):
     assert result["analysis"]["mesh"] == {"replica": 1, "pipeline": 2, "zero": 2, "tensor": 1}
     assert result["analysis"]["collectives"]["collective-permute"]["count"] > 0
     assert np.isfinite(result["final_loss"])
+
+
+def _trial_processes(study_dir: Path) -> list[int]:
+    """The pids of the processes whose command line names `study_dir` (its trials)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if str(study_dir).encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the trials' processes in /proc")
+def test_ctrl_c_in_a_study_kills_its_trials_and_records_none_half_done(tmp_path):
+    """Each trial runs in a session of its own, which the terminal's Ctrl-C does not reach:
+    before (2026-11-29), the study's process waited for its running trials and ran its queued
+    ones, and a trial it stopped would have been recorded as crashed (and never run again)."""
+    study_dir = tmp_path / "study"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "t5scale.cli", "study", *GRID,
+         f"--gin.StudyConfig.study_dir={study_dir}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((study_dir / "trials").glob("*-compile.spec.json")):  # a compile trial runs
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert _trial_processes(study_dir)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        f"t5scale: interrupted (Ctrl-C): the finished trials are in {study_dir}/results.jsonl, "
+        "and the same command goes on from them"
+    )
+    assert "study done" not in out
+    time.sleep(0.5)
+    assert _trial_processes(study_dir) == []
+    lines = records(study_dir) if (study_dir / "results.jsonl").exists() else []
+    assert all(line["status"] == "ok" for line in lines if "key" in line), lines

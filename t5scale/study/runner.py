@@ -24,7 +24,7 @@ from t5scale.study import funnel, funnel_report
 from t5scale.study.config import Point, StudyConfig
 from t5scale.study.evidence import TimingRule
 from t5scale.study.records import Machine, TrialRecord, TrialSpec, parse_results
-from t5scale.study.trial import run_spec, run_trial
+from t5scale.study.trial import allow_trials, run_spec, run_trial, stop_trials
 from t5scale.train.config import RunConfig
 from t5scale.whatif.hardware import Hardware
 
@@ -383,16 +383,22 @@ class _TrialRunner:
                 os.cpu_count() or 1 if self.machine.backend == "cpu" else 1
             )
         records: list[TrialRecord] = []
+        allow_trials()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = [pool.submit(self.run_one, p, kind, round_name, repeat) for p in points]
-            for point, future in zip(points, futures, strict=True):
-                record, ran = future.result()
-                records.append(record)
-                self.progress.report(
-                    f"{round_name}: {point.configuration.label()} × {point.devices}: "
-                    f"{_outcome(record)}",
-                    ran,
-                )
+            try:
+                for point, future in zip(points, futures, strict=True):
+                    record, ran = future.result()
+                    records.append(record)
+                    self.progress.report(
+                        f"{round_name}: {point.configuration.label()} × {point.devices}: "
+                        f"{_outcome(record)}",
+                        ran,
+                    )
+            except BaseException:  # Ctrl-C: no trial left running or queued, none recorded
+                pool.shutdown(wait=False, cancel_futures=True)
+                stop_trials()
+                raise
         return records
 
 

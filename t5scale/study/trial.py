@@ -10,6 +10,7 @@ device kind and memory), so that the study's own process never starts an acceler
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -18,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +41,29 @@ from t5scale.train.tensorboard import ScalarWriter
 from t5scale.whatif.compile import ModelStateTooLarge, compile_for, is_memory_refusal
 
 TRIAL_PROGRAM = ("-m", "t5scale.study.trial")
+
+# The trial processes this process runs, each in a session of its own (the terminal's Ctrl-C
+# does not reach them): `stop_trials` ends them, and no trial starts after it.
+_running: set[subprocess.Popen] = set()
+_running_lock = threading.Lock()
+_stopped = threading.Event()
+
+
+class TrialsStopped(Exception):
+    """The study stopped its trials (Ctrl-C): this one has no result, and none is recorded."""
+
+
+def stop_trials() -> None:
+    """Kill every trial process running, and refuse new ones until `allow_trials`."""
+    with _running_lock:
+        _stopped.set()
+        for child in _running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+
+def allow_trials() -> None:
+    _stopped.clear()
 
 
 def run_trial(
@@ -70,7 +95,9 @@ def run_trial(
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     started = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "w", encoding="utf-8") as log, _running_lock:
+        if _stopped.is_set():
+            raise TrialsStopped(name)
         try:
             child = subprocess.Popen(
                 [*launcher, sys.executable, *program, str(spec_path), str(result_path)],
@@ -79,12 +106,10 @@ def run_trial(
         except OSError as error:  # the launcher gone from PATH since StudyConfig checked it
             return {"status": "crash", "error": f"cannot start the trial: {error}",
                     "wall_s": 0.0, "log": str(log_path)}  # fmt: skip
-        try:
-            code = child.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            code = None
+        _running.add(child)
+    code = _wait_for(child, timeout_s)
+    if _stopped.is_set():  # killed by stop_trials, or finished meanwhile: not recorded
+        raise TrialsStopped(name)
     wall = time.perf_counter() - started
     if result_path.exists():
         result = json.loads(result_path.read_text())
@@ -93,6 +118,23 @@ def run_trial(
     else:
         result = {"status": "crash", "error": _crash_reason(code, log_path)}
     return result | {"wall_s": wall, "log": str(log_path)}
+
+
+def _wait_for(child: subprocess.Popen, timeout_s: float) -> int | None:
+    """The trial's exit code, or None when it ran past `timeout_s` (then killed)."""
+    try:
+        return child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return None
+    except BaseException:  # Ctrl-C where this waits in the main thread (the machine's probe)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        raise
+    finally:
+        with _running_lock:
+            _running.discard(child)
 
 
 def run_spec(
