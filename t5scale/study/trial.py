@@ -124,13 +124,11 @@ def _wait_for(child: subprocess.Popen, timeout_s: float) -> int | None:
     """The trial's exit code, or None when it ran past `timeout_s` (then killed)."""
     try:
         return child.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except BaseException as error:  # the limit, or Ctrl-C here in the main thread (the probe)
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        return None
-    except BaseException:  # Ctrl-C where this waits in the main thread (the machine's probe)
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+        if isinstance(error, subprocess.TimeoutExpired):
+            return None
         raise
     finally:
         with _running_lock:
