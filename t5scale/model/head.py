@@ -197,23 +197,27 @@ def _in_chunks(how: HeadLoss, group: int, *arrays: jax.Array) -> tuple[int, list
     return tokens, [split(a) for a in arrays]
 
 
-def max_and_sum_exp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's maximum m and Σ exp(x − m), in one pass over the logits (an online
-    log-sum-exp as one reduction of (maximum, sum) pairs: two pairs combine as the larger
-    maximum and the sums rescaled to it, one exp a combination), not a pass for the maximum
-    and another for the sum: the fp32 logits are the largest array the loss reads."""
+def row_statistics(logits: jax.Array, is_target: jax.Array) -> tuple[jax.Array, ...]:
+    """Each row's maximum m, Σ exp(x − m) and target logit (Σ of the logits `is_target` marks),
+    in one pass over the logits: an online log-sum-exp as one reduction of (maximum, sum, target)
+    triples (two combine as the larger maximum, the sums rescaled to it, one exp a combination,
+    and the targets added). The fp32 logits are the largest array the loss reads: a pass for the
+    maximum, another for the sum and a third for the target logit read them three times (the
+    target's pass alone took 1.7 ms of mt5_small's 48.5 ms step on an H200)."""
 
     def combine(a, b):
-        (max_a, sum_a), (max_b, sum_b) = a, b
+        (max_a, sum_a, target_a), (max_b, sum_b, target_b) = a, b
         a_larger = max_a >= max_b
         larger, smaller = jnp.maximum(max_a, max_b), jnp.minimum(max_a, max_b)
         kept, rescaled = jnp.where(a_larger, sum_a, sum_b), jnp.where(a_larger, sum_b, sum_a)
-        return larger, kept + rescaled * jnp.exp(smaller - larger)
+        return larger, kept + rescaled * jnp.exp(smaller - larger), target_a + target_b
 
-    # the start pair: the lowest float, not −inf (−inf − −inf would be NaN), and a sum of 0
-    start = (jnp.finfo(logits.dtype).min, jnp.zeros((), logits.dtype))
-    ones = jnp.ones_like(logits)  # each logit a pair (x, 1): its own maximum, exp(x − x)
-    return lax.reduce((logits, ones), start, combine, (logits.ndim - 1,))
+    # the start: the lowest float, not −inf (−inf − −inf would be NaN), and sums of 0
+    zero = jnp.zeros((), logits.dtype)
+    start = (jnp.finfo(logits.dtype).min, zero, zero)
+    ones = jnp.ones_like(logits)  # each logit a triple (x, 1, x or 0): its own maximum, exp(x − x)
+    targets = jnp.where(is_target, logits, zero)
+    return lax.reduce((logits, ones, targets), start, combine, (logits.ndim - 1,))
 
 
 def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
@@ -235,13 +239,11 @@ def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
     logits = how.constrain(logits, ("length", "vocab"))
     if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
         logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
-    local_peak, local_sum = max_and_sum_exp(logits)
-    peak = _across_slices(how, lax.pmax, local_peak)
     is_target = column == t_c[:, None]
-    local = jnp.stack([
-        local_sum * jnp.exp(local_peak - peak),  # each slice's sum, rescaled to one peak
-        jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1),
-    ])  # fmt: skip
+    local_peak, local_sum, local_target = row_statistics(logits, is_target)
+    peak = _across_slices(how, lax.pmax, local_peak)
+    # each slice's sum rescaled to one peak, and its target logit (0 where it holds none)
+    local = jnp.stack([local_sum * jnp.exp(local_peak - peak), local_target])
     sum_exp, target_logit = _across_slices(how, lax.psum, local)
     log_z = peak + jnp.log(sum_exp)
     if not with_gradients:
