@@ -80,6 +80,8 @@ def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled
 
 
 DYNAMIC_SLICE_FUSION = ("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true")
+# XLA:GPU's CUDA graphs (command buffers) off: each kernel launched on its own, as while profiling
+NO_COMMAND_BUFFERS = ("without command buffers", "--xla_gpu_enable_command_buffer=")
 
 
 def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
@@ -92,25 +94,29 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         Item("device", 18, "device"),  # 13 measured; +5 estimated for the FP8 chain (sixteenth)
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
         step_entry(large, "dots", "fused", 40),
-        # issue 62: FP8 GEMMs for the layers (gin/precision/fp8.gin) against the step above,
-        # and the loss of both over the timed steps (estimate: the mixed step's, and 5 s more
-        # for the quantization's compile; never run)
-        step_entry(large, "dots", "fused", 45, precision="fp8"),
         step_entry(small, "dots", "fused", 40),
         # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
         # zero-fills and copies were a third of the time neither GEMM nor attention)
         step_entry(large, "dots", "fused", 97, unrolled=True),
         step_entry(small, "dots", "fused", 58, unrolled=True),
-        # the loop's copies into and out of its stacks (52 and 22 GB of mt5_large's step,
-        # compiled for an H100 here, twenty-second) as the GEMMs' own reads and writes: XLA's
-        # dynamic-slice fusion, which jaxlib 0.10.2 refuses to compile here ("BufferAllocation::
-        # Slice not assigned"); item 3 is the same step without it
-        step_entry(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION),
-        # item 5 with bf16 logits (t5x's, MaxText's): 3.7 ms off its predicted 57 (twenty-third)
-        step_entry(small, "dots", "fused", 40, logits="bfloat16"),
+        # the unrolled steps' timed median was 6.1 and 2.2 ms over their kernels' wall while
+        # profiled, when XLA launches each kernel alone, not its CUDA graphs (the H200,
+        # twenty-third; the loops': 0.3 and 1.2): the same steps with the graphs off
+        step_entry(large, "dots", "fused", 97, unrolled=True, flags=NO_COMMAND_BUFFERS),
+        step_entry(small, "dots", "fused", 58, unrolled=True, flags=NO_COMMAND_BUFFERS),
+        # extras, measured on the H200 of the twenty-third session (docs/benchmarks.md):
+        # issue 62's FP8 GEMMs for the layers (gin/precision/fp8.gin), 0.97× item 3 (its wall
+        # 102 s: the quantization's compile)
+        step_entry(large, "dots", "fused", 102, precision="fp8", extra=True),
+        # the loop's copies into and out of its stacks as the GEMMs' own reads and writes:
+        # XLA's dynamic-slice fusion (jaxlib 0.10.2 refuses to compile it here, "BufferAllocation::
+        # Slice not assigned"), −0.5% on item 3
+        step_entry(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION, extra=True),
+        # item 4 with bf16 logits (t5x's, MaxText's): −3.5%
+        step_entry(small, "dots", "fused", 40, logits="bfloat16", extra=True),
         # the layers' GEMM shapes alone, against the cluster model's one efficiency (issue 59,
-        # point 5: mt5_small's steps 15% short); bench/gpu_check_gemms.py (estimate: never run)
-        Item("gemms", 45, "gemms"),
+        # point 5); bench/gpu_check_gemms.py (42 s)
+        Item("gemms", 45, "gemms", extra=True),
         step_entry(large, "full", "fused", 35, extra=True),  # 0.430 s on the H200 (fourteenth)
         # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
         # (XLA's estimate, compiled for one here; 2.97 s a step on the H200, fourteenth)

@@ -127,10 +127,10 @@ def _sweep_rows(lines: list[dict[str, Any]]) -> list[str]:
 def _step_rows(merged: dict[str, dict[str, Any]]) -> list[str]:
     """The steps' table, and their predictions by kernel class."""
     text = ["", "## Steps, and the cluster model's prediction for the same program", "",
-            "| model | remat | attention | layers | compile | step (median) | tokens/s | "
-            "MFU (measured peak) | MFU (datasheet) | XLA peak | allocator peak | predicted "
-            "| error | status |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| model | remat | attention | layers | compile | step (median) | back to back | "
+            "tokens/s | MFU (measured peak) | MFU (datasheet) | XLA peak | allocator peak | "
+            "predicted | error | status |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for item in work_list(GPU, extras=True) + work_list(DRY_RUN, extras=True):
         if item.kind == "step" and item.name in merged:
             text.append(_step_row(item, merged[item.name]))
@@ -214,12 +214,19 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
         model += f" ({options['precision']})"
     if "logits_dtype" in options:
         model += f" ({options['logits_dtype']} logits)"
+    if item.xla_flags:
+        model += f" ({' '.join(item.xla_flags)})"
+    back_to_back = row.get("back_to_back_s")
+    timed = "– | – | –"
+    if step is not None:
+        back = "–" if back_to_back is None else f"{back_to_back:.4f} s"
+        timed = f"{step:.4f} s | {back} | {row['tokens_per_s']:,.0f}"
     return (
         f"| {model} | {options['remat']} | "
         f"{row.get('attention_ran', options['attention'])} | {layers} | "
         + ("–" if compile_s is None else f"{compile_s:.0f} s")
         + " | "
-        + ("– | –" if step is None else f"{step:.4f} s | {row['tokens_per_s']:,.0f}")
+        + timed
         + f" | {percent(row.get('mfu_measured_peak'))} | "
         f"{percent(row.get('mfu_datasheet'))} | {gib(row.get('xla_peak_bytes'))} | "
         f"{gib(row.get('allocator_peak_bytes'))} | "

@@ -85,6 +85,8 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     assert set(chosen) == {"96x96", "23x23 causal", "23x96"}
     steps = [line for line in lines if "step_s" in line]
     assert len(steps) == sum(item.kind == "step" for item in items)
+    # and each step's mean dispatched back to back, waited for once, as a training loop runs
+    assert sum(line.get("back_to_back_s", 0) > 0 for line in lines) == len(steps)
     for step in steps:
         assert math.isfinite(step["loss"]) and step["tokens_per_s"] > 0
         assert len(step["steps_s"]) == gpu_check.DRY_RUN.timed_steps
@@ -115,9 +117,10 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     step_table = table.split("## GEMMs at the layers' shapes")[0]
     labels = ("| mt5_tiny |", "| mt5_tiny (fp8) |", "| mt5_tiny (bfloat16 logits) |")
     assert sum(step_table.count(label) for label in labels) == len(steps)
-    # The GEMMs item: each of the layers' shapes timed and priced, a row each
+    # The GEMMs item (an extra): each of the layers' shapes timed and priced, a row each
     gemms = [line for line in lines if "gemm_s" in line]
     shapes = {(g.m, g.k, g.n) for g in gpu_gemms.layer_gemms("mt5_tiny", gpu_check.DRY_RUN)}
+    shapes = shapes if flags else set()
     assert {(g["gemm"]["m"], g["gemm"]["k"], g["gemm"]["n"]) for g in gemms} == shapes
     assert len(gemms) == len(shapes) and all(g["gemm_s"] > 0 < g["priced_s"] for g in gemms)
     gemm_rows = re.findall(r"^\| mt5_tiny \| (?:encoder|decoder) \|", table, re.MULTILINE)
@@ -178,16 +181,19 @@ def test_a_missing_tiles_file_is_one_line(tmp_path):
 
 
 def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path, monkeypatch):
-    """The dynamic-slice fusion item is item 3's step with one XLA:GPU flag more: its process
-    gets the flag after the caller's XLA_FLAGS, and no other item's does."""
-    flagged = [item for item in gpu_check.work_list(gpu_check.GPU) if item.xla_flags]
+    """The steps without command buffers are the unrolled steps with one XLA:GPU flag more (and
+    dynamic-slice fusion, an extra, the loop step's): each flagged item's process gets its flag
+    after the caller's XLA_FLAGS, and no other item's does."""
+    every = gpu_check.work_list(gpu_check.GPU, extras=True)
+    flagged = [item for item in every if item.xla_flags]
     assert [item.name for item in flagged] == [
-        "step mt5_large dots fused loop dynamic-slice fusion"
+        "step mt5_large dots fused unrolled without command buffers",
+        "step mt5_small dots fused unrolled without command buffers",
+        "step mt5_large dots fused loop dynamic-slice fusion",
     ]
-    assert flagged[0].options == next(
-        item.options for item in gpu_check.work_list(gpu_check.GPU)
-        if item.name == "step mt5_large dots fused loop"
-    )  # fmt: skip
+    for item in flagged:
+        unflagged = item.name.rsplit(" without", 1)[0].rsplit(" dynamic-slice", 1)[0]
+        assert item.options == next(i.options for i in every if i.name == unflagged)
     assert not [item for item in gpu_check.work_list(gpu_check.DRY_RUN, True) if item.xla_flags]
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
     show = [sys.executable, "-c", "import os; print('flags:', os.environ['XLA_FLAGS'])"]
@@ -196,10 +202,10 @@ def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path,
     log = (tmp_path / "log.txt").read_text().splitlines()
     printed = [line for line in log if line.startswith("flags:")]
     assert printed == [
-        "flags: --xla_dump_to=/nowhere --xla_gpu_enable_dynamic_slice_fusion=true",
+        "flags: --xla_dump_to=/nowhere --xla_gpu_enable_command_buffer=",
         "flags: --xla_dump_to=/nowhere",
     ]
-    assert log[0].startswith("$ XLA_FLAGS='--xla_dump_to=/nowhere --xla_gpu_enable_dynamic_slice")
+    assert log[0].startswith("$ XLA_FLAGS='--xla_dump_to=/nowhere --xla_gpu_enable_command_buf")
 
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="compiles for an H100: jax's CUDA plugin")
