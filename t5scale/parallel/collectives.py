@@ -9,7 +9,9 @@ input depend on the previous one's result; its transpose (the backward pass) is 
 
 The dependency is arithmetic (x + 0 · one element of the dependency) because XLA removes
 optimization barriers late in compilation, and it never folds a floating multiply by zero (NaN
-semantics): one scalar op per collective.
+semantics). The add spans x, but XLA fuses it into x's producer or consumer (AdamW's fusion, a
+gradient's cast): no pass of its own in the H200's programs (twenty-fourth session). Adding the
+zero to x's first element alone (a dynamic-update-slice) changed nothing there.
 """
 
 from __future__ import annotations
