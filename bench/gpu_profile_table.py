@@ -54,6 +54,7 @@ def profile_tables(results: Path, top: int = 0) -> str:
             continue
         try:
             text += ["", *item_table(results.parent, item, row)]
+            text += rates_table(results.parent, row)
             text += [*top_table(results.parent, row, top)] if top else []
         except Exception as error:  # noqa: BLE001 (the run's other tables still print)
             text += ["", f"{item}: its profile could not be read — {type(error).__name__}: {error}"]
@@ -94,6 +95,30 @@ def item_table(out: Path, item: str, row: dict[str, Any]) -> list[str]:
         f"| of which the update after the gradient (AdamW) | {_ms(profile.cuts['update'])} | "
         f"{_share(profile.cuts['update'], wall)} | | none |",
     ]
+    return text
+
+
+def rates_table(out: Path, row: dict[str, Any]) -> list[str]:
+    """The step's fusions and copies by size, at the bytes a second they ran at, and its
+    attention kernels by pass (t5scale/analysis/kernel_rates.py)."""
+    from t5scale.analysis.device_profile import read_trace
+    from t5scale.analysis.hlo_module import parse_module
+    from t5scale.analysis.kernel_rates import attention_by_pass, bandwidth_by_size
+
+    directory, steps = out / row["profile"], row["profiled_steps"]
+    with gzip.open(directory / "program.hlo.txt.gz", "rt") as program:
+        module = parse_module(program.read())
+    trace = read_trace(directory / "trace.json.gz")
+    text = ["", "Its fusions and copies by size (bytes read and written, as the kernel inventory "
+            "counts them):", "", "| kernels of | per step | bytes | time | rate |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for band in bandwidth_by_size(trace, module, steps):
+        text.append(f"| {band.label} | {band.kernels:,.0f} | {band.bytes / 1e9:.2f} GB | "
+                    f"{_ms(band.seconds)} | {band.rate / 1e12:.2f} TB/s |")  # fmt: skip
+    passes = attention_by_pass(trace, steps)
+    if passes:
+        text += ["", "Its attention kernels by pass:", "", "| pass | per step |", "|---|---|"]
+        text += [f"| {name} | {_ms(seconds)} |" for name, seconds in passes.items()]
     return text
 
 

@@ -22,6 +22,7 @@ from t5scale.analysis.device_profile import (
     read_trace,
 )
 from t5scale.analysis.hlo_module import array_shape, parse_module
+from t5scale.analysis.kernel_rates import attention_by_pass, bandwidth_by_size
 from t5scale.analysis.kernels import read_program
 from t5scale.analysis.top_ops import top_ops
 from t5scale.data.synthetic import synthetic_batch
@@ -119,12 +120,15 @@ def test_the_table_has_each_class_the_idle_time_and_the_cuts(profiled):
     table = profile_tables(path)
     assert f"### {ITEM}" in table and "XLA:CPU's operations" in table
     rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + len(CLASSES) + 6  # the header, the classes, the totals and cuts
+    assert len(rows) == 1 + len(CLASSES) + 6 + 4  # header, classes, totals, cuts; by size
     labels = [row.split(" | ")[0].removeprefix("| ") for row in rows]
     assert labels[1:4] == ["GEMMs", "attention kernels", "elementwise fusions"]
-    assert labels[-4:] == ["idle between kernels", "the step on the device",
-                           "of which the head and loss",
-                           "of which the update after the gradient (AdamW)"]  # fmt: skip
+    assert labels[-8:-4] == ["idle between kernels", "the step on the device",
+                             "of which the head and loss",
+                             "of which the update after the gradient (AdamW)"]  # fmt: skip
+    # then the fusions and copies by size (the interpreted attention has no kernels of its own)
+    assert labels[-4:] == ["kernels of", "over 64 MB", "4–64 MB", "under 4 MB"]
+    assert "Its attention kernels by pass" not in table
 
 
 def test_a_failing_profiler_costs_the_profile_alone(stepped, tmp_path):
@@ -239,3 +243,21 @@ def test_a_command_buffers_kernels_join_their_instructions(tmp_path):
     assert [(op.instruction, op.launches) for op in ops] == [
         ("loop_add_fusion.12", 1), ("copy.3", 1)]  # fmt: skip
     assert "add" in ops[0].summary and ops[0].op_name == "jvp(MT5)/encoder/add"
+
+
+def test_the_rates_are_read_kernel_by_kernel(tmp_path):
+    """The copy's and the fusion's bytes (as the kernel inventory counts them) over their own
+    kernels' time, not the GEMM's; the attention kernels by pass, by their names."""
+    _graph_trace(tmp_path / "trace.json.gz", steps=2)
+    trace = read_trace(tmp_path / "trace.json.gz")
+    over, middle, under = bandwidth_by_size(trace, parse_module(_PROGRAM), steps=2)
+    assert over.kernels == middle.kernels == 0
+    # copy.3: 8 kB read and written; loop_add_fusion.12: two 8 kB read, 8 kB written
+    assert under.kernels == 2 and under.bytes == 16384 + 24576
+    assert under.seconds == pytest.approx(7e-6)  # 2 µs and 5 µs: the memcpy, the add
+    _gpu_trace(tmp_path / "attention.json.gz",
+               [("t5_attention_backward_dkv__1", None, 10), ("t5_attention_forward_causal", None, 8)])  # fmt: skip
+    passes = attention_by_pass(read_trace(tmp_path / "attention.json.gz"), steps=2)
+    assert passes == pytest.approx(
+        {"t5_attention_backward_dkv": 10e-6, "t5_attention_forward_causal": 8e-6}
+    )

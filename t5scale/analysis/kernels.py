@@ -102,7 +102,7 @@ _WINDOW_FIELDS = re.compile(r"(stride|pad|lhs_dilate|rhs_dilate)=([\d_x-]+)")
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 # t5scale's attention kernels (t5scale/model/attention_kernels.py) by the name in their metadata,
 # and the products each makes per block pair of scores.
-_T5_ATTENTION = re.compile(
+T5_ATTENTION = re.compile(
     r"t5_attention_(forward|backward_dkv|backward_dq|backward_bias)(_causal)?"
 )
 _T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3, "backward_bias": 2}
@@ -409,11 +409,11 @@ class _Reader:
             if "fmha" in target:
                 flops = _attention_flops(first, attributes, "Backward" in target)
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            if "triton" in target and (named := _T5_ATTENTION.search(attributes)):
+            if "triton" in target and (named := T5_ATTENTION.search(attributes)):
                 keys = self.type_of(instruction.operands[1])
                 flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            if target == "tpu_custom_call" and (named := _T5_ATTENTION.search(instruction.name)):
+            if target == "tpu_custom_call" and (named := T5_ATTENTION.search(instruction.name)):
                 keys = self.type_of(instruction.operands[1])
                 flops = _t5_attention_flops_tpu(named, first, keys)
                 return Kernel("attention", 0, flops, read, written, dtype_of(first))
