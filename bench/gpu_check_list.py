@@ -108,10 +108,11 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # issue 62's FP8 GEMMs for the layers (gin/precision/fp8.gin), 0.97× item 3 (its wall
         # 102 s: the quantization's compile)
         step_entry(large, "dots", "fused", 102, precision="fp8", extra=True),
-        # the loop's copies into and out of its stacks as the GEMMs' own reads and writes:
-        # XLA's dynamic-slice fusion (jaxlib 0.10.2 refuses to compile it here, "BufferAllocation::
-        # Slice not assigned"), −0.5% on item 3
+        # XLA's dynamic-slice fusion (jaxlib 0.10.2 refuses it here): the loop's copies into and
+        # out of its stacks (−0.5% on item 3), and unrolled the weights sliced out of theirs, a
+        # copy kernel a weight a layer, as the GEMMs' own reads and writes
         step_entry(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION, extra=True),
+        step_entry(large, "dots", "fused", 97, True, flags=DYNAMIC_SLICE_FUSION, extra=True),
         # item 4 with bf16 logits (t5x's, MaxText's): −3.5%
         step_entry(small, "dots", "fused", 40, logits="bfloat16", extra=True),
         # the layers' GEMM shapes alone, against the cluster model's one efficiency (issue 59,

@@ -190,6 +190,7 @@ def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path,
         "step mt5_large dots fused unrolled without command buffers",
         "step mt5_small dots fused unrolled without command buffers",
         "step mt5_large dots fused loop dynamic-slice fusion",
+        "step mt5_large dots fused unrolled dynamic-slice fusion",
     ]
     for item in flagged:
         unflagged = item.name.rsplit(" without", 1)[0].rsplit(" dynamic-slice", 1)[0]
