@@ -53,9 +53,10 @@ def profile_tables(results: Path, top: int = 0) -> str:
             text += ["", f"{item}: not profiled — {row.get('why')}"]
             continue
         try:
-            text += ["", *item_table(results.parent, item, row)]
-            text += rates_table(results.parent, row)
-            text += [*top_table(results.parent, row, top)] if top else []
+            trace, module = _read_profile(results.parent / row["profile"])
+            text += ["", *item_table(trace, module, item, row)]
+            text += rates_table(trace, module, row)
+            text += [*top_table(trace, module, row, top)] if top else []
         except Exception as error:  # noqa: BLE001 (the run's other tables still print)
             text += ["", f"{item}: its profile could not be read — {type(error).__name__}: {error}"]
     if not text:
@@ -63,14 +64,20 @@ def profile_tables(results: Path, top: int = 0) -> str:
     return "\n".join(["", "## Where the profiled steps' time went on the device", *text]) + "\n"
 
 
-def item_table(out: Path, item: str, row: dict[str, Any]) -> list[str]:
-    from t5scale.analysis.device_profile import device_profile, read_trace
+def _read_profile(directory: Path):
+    """(the trace, the parsed program) of one profiled step, read once for its tables."""
+    from t5scale.analysis.device_profile import read_trace
+    from t5scale.analysis.hlo_module import parse_module
 
-    directory = out / row["profile"]
     with gzip.open(directory / "program.hlo.txt.gz", "rt") as program:
-        profile = device_profile(
-            read_trace(directory / "trace.json.gz"), program.read(), row["profiled_steps"]
-        )
+        module = parse_module(program.read())
+    return read_trace(directory / "trace.json.gz"), module
+
+
+def item_table(trace, module, item: str, row: dict[str, Any]) -> list[str]:
+    from t5scale.analysis.device_profile import device_profile
+
+    profile = device_profile(trace, module, row["profiled_steps"])
     wall = profile.wall_s
     text = [f"### {item}", "", _about(profile, row), "",
             "| class | per step | share of the wall | kernels per step | cluster model |",
@@ -98,17 +105,12 @@ def item_table(out: Path, item: str, row: dict[str, Any]) -> list[str]:
     return text
 
 
-def rates_table(out: Path, row: dict[str, Any]) -> list[str]:
+def rates_table(trace, module, row: dict[str, Any]) -> list[str]:
     """The step's fusions and copies by size, at the bytes a second they ran at, and its
     attention kernels by pass (t5scale/analysis/kernel_rates.py)."""
-    from t5scale.analysis.device_profile import read_trace
-    from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.kernel_rates import attention_by_pass, bandwidth_by_size
 
-    directory, steps = out / row["profile"], row["profiled_steps"]
-    with gzip.open(directory / "program.hlo.txt.gz", "rt") as program:
-        module = parse_module(program.read())
-    trace = read_trace(directory / "trace.json.gz")
+    steps = row["profiled_steps"]
     text = ["", "Its fusions and copies by size (bytes read and written, as the kernel inventory "
             "counts them):", "", "| kernels of | per step | bytes | time | rate |",
             "|---|---|---|---|---|"]  # fmt: skip
@@ -122,16 +124,10 @@ def rates_table(out: Path, row: dict[str, Any]) -> list[str]:
     return text
 
 
-def top_table(out: Path, row: dict[str, Any], top: int) -> list[str]:
+def top_table(trace, module, row: dict[str, Any], top: int) -> list[str]:
     """The step's `top` instructions by device time that are neither GEMMs nor attention."""
-    from t5scale.analysis.device_profile import read_trace
-    from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.top_ops import top_ops
 
-    directory = out / row["profile"]
-    with gzip.open(directory / "program.hlo.txt.gz", "rt") as program:
-        module = parse_module(program.read())
-    trace = read_trace(directory / "trace.json.gz")
     ops = top_ops(trace, module, row["profiled_steps"], ("gemm", "attention"), top)
     text = ["", f"Its {top} other instructions with the most time:", "",
             "| instruction | class | per step | kernels per step | what | op_name |",

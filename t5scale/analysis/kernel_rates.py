@@ -41,7 +41,7 @@ def bandwidth_by_size(trace: Trace, module: Module, steps: int) -> list[SizeBand
         if kernel is None or kernel.kind not in ("fusion", "copy"):
             continue
         size = kernel.bytes_read + kernel.bytes_written
-        label = next(label for least, label in SIZE_BANDS if size > least or least == 0)
+        label = next(label for least, label in SIZE_BANDS if size >= least)
         count[label] += 1
         moved[label] += size
         micros[label] += event.duration_us
