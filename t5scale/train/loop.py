@@ -264,6 +264,71 @@ class _Preemption:
             signal.signal(signum, previous)
 
 
+def _settles(run: RunConfig, step: int) -> bool:
+    """Whether the host waits for `step` before it dispatches the next: it needs that step's
+    state (a checkpoint, a validation, the run's end) or a quiet device (a profile's bounds)."""
+    first, last = run.train.profile_steps or (0, 0)
+    return _checkpoint_due(run, step) or _validation_due(run, step) or step in (first - 1, last)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Execution:
+    """An execution on its way: the steps after `done`, its metrics (on the device until read)
+    and when its time began (its dispatch; the last one's end where that came later)."""
+
+    done: int
+    steps: int
+    metrics: Any
+    dispatched_at: float
+
+
+class _InFlight:
+    """The executions dispatched and not yet read, at most two: the next goes to the device
+    before the last one's metrics are read (as MaxText's and t5x's loops run), so the device
+    never waits for the host between steps, except where the host needs a step's state
+    (`_settles`) or asked to stop. `state` is the newest dispatched execution's."""
+
+    def __init__(self, run: RunConfig, programs: StepPrograms, batches, instruments, state,
+                 start: int):  # fmt: skip
+        self.run, self.programs, self.batches, self.instruments = (
+            run,
+            programs,
+            batches,
+            instruments,
+        )
+        self.state, self.dispatched = state, start
+        self.executions: list[_Execution] = []
+        self.last_read = 0.0
+
+    def may_dispatch(self, preempted: bool) -> bool:
+        waiting = self.executions and _settles(self.run, self.dispatched)
+        return self.dispatched < self.run.train.steps and not preempted and not waiting
+
+    def dispatch(self) -> bool:
+        """Dispatch the next execution; whether to dispatch another before reading it."""
+        done = self.dispatched
+        executed = self.programs.steps_in_next_execution(done)
+        chunk = [next(self.batches) for _ in range(executed)]  # the next prefetch
+        self.instruments.before(done + 1, done + executed)
+        started = time.perf_counter()
+        with step_annotation(done + 1):
+            self.state, metrics = self.programs.execute(self.state, chunk, done)
+        self.executions.append(_Execution(done, executed, metrics, started))
+        self.dispatched += executed
+        return len(self.executions) == 1 and self.may_dispatch(preempted=False)
+
+    def read(self) -> tuple[_Execution, StepMetrics, float]:
+        """The oldest execution, its metrics on the host and its time per step."""
+        execution = self.executions.pop(0)
+        metrics = jax.device_get(jax.block_until_ready(execution.metrics))
+        now = time.perf_counter()
+        # Steps of one execution share its time equally: it is all there is to measure.
+        elapsed = (now - max(execution.dispatched_at, self.last_read)) / execution.steps
+        self.last_read = now
+        self.instruments.after(execution.done + execution.steps)
+        return execution, metrics, elapsed
+
+
 def _run_steps(
     run, state, start, programs, evaluate, batches, saver, preemption, instruments
 ) -> list[StepRecord]:
@@ -272,50 +337,33 @@ def _run_steps(
     log = MetricsLog(
         cfg.model_dir if primary else None, cfg.steps, cfg.log_every, resume_at=start, show=primary
     )
-    history, skipped, done = [], 0, start
+    history, skipped, preempted = [], 0, False
+    flight = _InFlight(run, programs, batches, instruments, state, start)
     try:
-        while done < cfg.steps:
-            executed = programs.steps_in_next_execution(done)
-            chunk = [next(batches) for _ in range(executed)]  # the next prefetch
-            instruments.before(done + 1, done + executed)
-            started = time.perf_counter()
-            with step_annotation(done + 1):
-                state, metrics = programs.execute(state, chunk, done)
-                metrics = jax.device_get(jax.block_until_ready((state, metrics))[1])
-            # Steps of one execution share its time equally: it is all there is to measure.
-            elapsed = (time.perf_counter() - started) / executed
-            instruments.after(done + executed)
+        while flight.dispatched < cfg.steps or flight.executions:
+            if flight.may_dispatch(preempted) and flight.dispatch():
+                continue  # the next goes to the device before this one is read
+            execution, metrics, elapsed = flight.read()
             measures = instruments.measures(elapsed)
-            preempted = False
-            for record in _step_records(run, done, metrics, elapsed, measures):
+            for record in _step_records(run, execution.done, metrics, elapsed, measures):
                 if record.nonfinite and run.checkpoint.on_nonfinite == "stop":
                     log.write(record)
                     raise _nonfinite_error(record, saver.last_saved)
                 skipped += record.nonfinite > 0  # the step already left the state as it was
                 record = dataclasses.replace(record, skipped_steps=skipped)
                 if evaluate and _validation_due(run, record.step):
-                    # a chunk's last step (local SGD, DiLoCo: the last synchronised parameters)
-                    loss = evaluate(state)
-                    record = dataclasses.replace(record, validation_loss=loss)
+                    # a settling step: nothing after it dispatched (local SGD, DiLoCo: the last
+                    # synchronised parameters)
+                    record = dataclasses.replace(record, validation_loss=evaluate(flight.state))
                 log.write(record)
                 instruments.write(record)
                 history.append(record)
                 preempted = preemption.reached(record.step) or preempted  # asked every step
-            done += executed
-            if saver.due(done) or preempted:
-                saver.save(done, state, batches.position)
-            if preempted and preemption.interrupted and done < cfg.steps:
-                raise Interrupted(
-                    f"interrupted (Ctrl-C) after step {done} of {cfg.steps}: "
-                    + ("checkpoint saved; the same command resumes from it"
-                       if saver.last_saved == done else "no MODEL_DIR, nothing saved")
-                )  # fmt: skip
-            if preempted and done < cfg.steps:
-                print(
-                    f"preempted (SIGTERM): checkpoint saved at step {done}; "
-                    "the same command resumes from it",
-                    flush=True,
-                )
+            if flight.executions:
+                continue  # a later step is on its way: no checkpoint here
+            jax.block_until_ready(flight.state)  # every device's part done: a save, or the exit
+            if _stopped(saver, flight.state, batches, flight.dispatched, preempted, preemption,
+                        cfg.steps):  # fmt: skip
                 break
     finally:
         log.close()
@@ -323,17 +371,37 @@ def _run_steps(
     return history
 
 
+def _stopped(saver, state, batches, done: int, preempted: bool, preemption, steps: int) -> bool:
+    """At a step boundary with nothing in flight: save where due or asked; whether the run stops
+    here (SIGTERM: saved, it ends normally; Ctrl-C: Interrupted)."""
+    if saver.due(done) or preempted:
+        saver.save(done, state, batches.position)
+    if preempted and preemption.interrupted and done < steps:
+        raise Interrupted(
+            f"interrupted (Ctrl-C) after step {done} of {steps}: "
+            + ("checkpoint saved; the same command resumes from it"
+               if saver.last_saved == done else "no MODEL_DIR, nothing saved")
+        )  # fmt: skip
+    if preempted and done < steps:
+        print(
+            f"preempted (SIGTERM): checkpoint saved at step {done}; "
+            "the same command resumes from it",
+            flush=True,
+        )
+        return True
+    return False
+
+
 def _step_records(
     run: RunConfig, done: int, metrics: StepMetrics, step_time_s: float, measures: StepMeasures
 ) -> list[StepRecord]:
     """metrics.jsonl's records of the steps after `done` that one execution took (on the host);
     they share its time and measures."""
-    schedule = optim.inverse_sqrt_schedule(run.optimizer)
     return [
         StepRecord.of(
             step,
             of_step,
-            learning_rate=float(schedule(step - 1)),
+            learning_rate=optim.learning_rate_at(run.optimizer, step - 1),
             step_time_s=step_time_s,
             tokens_per_s=run.tokens_per_step / step_time_s,
             measures=measures,
