@@ -6,7 +6,7 @@ import pytest
 
 from t5scale.data.batch import Batch
 from t5scale.data.synthetic import FEATURES, DataConfig, synthetic_batch
-from t5scale.train.optim import OptimizerConfig, inverse_sqrt_schedule
+from t5scale.train.optim import OptimizerConfig, inverse_sqrt_schedule, learning_rate_at
 
 
 def test_synthetic_batch_has_the_packed_span_corruption_layout():
@@ -71,3 +71,17 @@ def test_inverse_square_root_schedule(shape):
         assert at[1] == pytest.approx(0.0001) and at[50] == pytest.approx(0.005)
     else:  # T5's 1/sqrt(max(step, warmup)): flat during warm-up
         assert at[1] == at[50] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("shape", ["linear", "constant"])
+def test_the_logged_rate_is_the_optimizer_s_and_needs_no_device(shape):
+    """The training loop logs each step's rate between two steps, where a computation on the
+    device would wait for the step in flight (the H200, 2026-11-29). On the host it is the rate
+    the optimizer's compiled update uses, to float32's rounding (XLA may divide by the warm-up
+    as a product with its reciprocal: one ulp)."""
+    config = OptimizerConfig(learning_rate=3e-3, warmup_steps=7, warmup_shape=shape)
+    counts = np.arange(0, 40, dtype=np.int32)
+    in_program = jax.jit(jax.vmap(inverse_sqrt_schedule(config)))(counts)
+    with jax.transfer_guard("disallow"):  # not a value moves to a device
+        on_host = [learning_rate_at(config, int(count)) for count in counts]
+    np.testing.assert_allclose(on_host, np.asarray(in_program), rtol=2e-7)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from t5scale.errors import check_field_types
@@ -57,17 +58,26 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.{wrong[0]}")
 
 
-def inverse_sqrt_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """Peak learning rate at `warmup_steps`, then peak · sqrt(warmup / step)."""
+def inverse_sqrt_schedule(config: OptimizerConfig, xp=jnp) -> optax.Schedule:
+    """Peak learning rate at `warmup_steps`, then peak · sqrt(warmup / step); in float32 with
+    `xp`'s operations (numpy's: on the host, `learning_rate_at`)."""
     peak, warmup = config.learning_rate, float(config.warmup_steps)
 
     def schedule(count):
-        step = jnp.asarray(count, jnp.float32) + 1.0
-        decay = jnp.sqrt(warmup / jnp.maximum(step, warmup))
-        ramp = jnp.minimum(step / warmup, 1.0) if config.warmup_shape == "linear" else 1.0
-        return peak * ramp * decay
+        step = xp.asarray(count, xp.float32) + xp.float32(1.0)
+        decay = xp.sqrt(xp.float32(warmup) / xp.maximum(step, xp.float32(warmup)))
+        ramp = xp.minimum(step / xp.float32(warmup), xp.float32(1.0))
+        return xp.float32(peak) * (ramp if config.warmup_shape == "linear" else 1.0) * decay
 
     return schedule
+
+
+def learning_rate_at(config: OptimizerConfig, count: int) -> float:
+    """The schedule's rate after `count` updates, computed on the host: the training loop logs
+    it between two steps, where an operation on the device would queue behind the step in
+    flight and make the host wait for it (0.0507 s a step of mt5_small's loop on the H200,
+    against 0.0482 s back to back, 2026-11-29)."""
+    return float(inverse_sqrt_schedule(config, np)(count))
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
