@@ -58,13 +58,20 @@ from gpu_check_items import (
     start_jax,
     step_item,
     step_run,
+    training_loop_item,
 )
 from gpu_check_kernels import kernels_item
 from gpu_check_list import DRY_RUN, GPU, Results, Shapes, lines_of, read_lines, work_list
 from gpu_check_tables import tables
 from gpu_check_tiles import TILES_VARIABLE, tiles_file
 
-ITEMS = {"device": device_item, "kernels": kernels_item, "gemms": gemms_item, "step": step_item}
+ITEMS = {
+    "device": device_item,
+    "kernels": kernels_item,
+    "gemms": gemms_item,
+    "step": step_item,
+    "training loop": training_loop_item,
+}
 
 
 # Seconds a step's process takes besides compiling and stepping on the card: Python, JAX and
@@ -251,7 +258,7 @@ def main() -> None:
     if args.item:
         item = next(i for i in work_list(shapes, extras=True) if i.name == args.item)
         results = Results(args.out / "results.jsonl", item.name)
-        extra = {"peak": args.peak} if item.kind == "step" else {}
+        extra = {"peak": args.peak} if item.kind in ("step", "training loop") else {}
         ITEMS[item.kind](results, shapes, args.dry_run, **extra, **item.options)
         return
     sys.exit(run_all(args.out, shapes, args.dry_run, args.budget_s, args.only, args.tiles))

@@ -139,6 +139,26 @@ def step_item(
     profile_steps(results, step, state, batches, step_s)
 
 
+def training_loop_item(
+    results: Results, shapes: Shapes, dry_run: bool, peak: float | None, **options: Any
+) -> None:
+    """t5scale's own training loop (t5scale.train.loop.train) on the step item's run: its steps'
+    times as metrics.jsonl records them, the host's work between steps (the next batch, the
+    metrics read back) included where the loop does not hide it behind the device's."""
+    start_jax(dry_run)
+    from t5scale.train.loop import train
+    from t5scale.train.setup import build_setup
+
+    run = step_run(shapes, **options)
+    steps = shapes.warmup_steps + shapes.timed_steps
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=steps))
+    records = train(run)
+    seconds, losses = [r.step_time_s for r in records], [r.loss for r in records]
+    setup = build_setup(run)
+    results.write(attention_ran=setup.run.model.attention)
+    _write_times(results, setup, run, shapes, peak, seconds, losses)
+
+
 def _write_memory(results: Results, setup, step) -> bool:
     """XLA's peak against the memory the device has, written; whether the step fits."""
     from t5scale.analysis.memory import compiled_memory, device_memory_budget

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ class Item:
 
     name: str
     estimate_s: float
-    kind: str  # device | kernels | gemms | step
+    kind: str  # device | kernels | gemms | step | training loop
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Run when named (--only) or with --all, not in the default run, which fits 9 minutes on
     # a card.
@@ -79,6 +80,14 @@ def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled
     return Item(name, estimate, "step", options, extra, xla_flags)
 
 
+def training_loop_entry(model: str, remat: str, attention: str, estimate: float,
+                        unrolled: bool = False, extra: bool = False) -> Item:  # fmt: skip
+    """The step item's run through t5scale's own training loop (metrics.jsonl's step times)."""
+    step = step_entry(model, remat, attention, estimate, unrolled, extra=extra)
+    name = "training loop" + step.name.removeprefix("step")
+    return dataclasses.replace(step, name=name, kind="training loop")
+
+
 DYNAMIC_SLICE_FUSION = ("dynamic-slice fusion", "--xla_gpu_enable_dynamic_slice_fusion=true")
 # XLA:GPU's CUDA graphs (command buffers) off: each kernel launched on its own, as while profiling
 NO_COMMAND_BUFFERS = ("without command buffers", "--xla_gpu_enable_command_buffer=")
@@ -87,11 +96,11 @@ NO_COMMAND_BUFFERS = ("without command buffers", "--xla_gpu_enable_command_buffe
 def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     """The items in the order they run: the answers worth most first; the extra items too
     where `extras` (or on the dry run)."""
-    large, small, extra_large = shapes.models
+    large, small, _ = shapes.models
     items = [
         # estimates: the walls on the H200 of 2026-11-28, fourteenth (the unrolled steps:
         # fifteenth; the fp32 kernels: the H100's of the 28th)
-        Item("device", 18, "device"),  # 13 measured; +5 estimated for the FP8 chain (sixteenth)
+        Item("device", 67, "device"),  # the H200, twenty-fifth: the FP8 chain compiles in it
         Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
         step_entry(large, "dots", "fused", 40),
         step_entry(small, "dots", "fused", 40),
@@ -99,38 +108,11 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # zero-fills and copies were a third of the time neither GEMM nor attention)
         step_entry(large, "dots", "fused", 97, unrolled=True),
         step_entry(small, "dots", "fused", 58, unrolled=True),
-        # the unrolled steps' timed median was 6.1 and 2.2 ms over their kernels' wall while
-        # profiled, when XLA launches each kernel alone, not its CUDA graphs (the H200,
-        # twenty-third; the loops': 0.3 and 1.2): the same steps with the graphs off
-        step_entry(large, "dots", "fused", 97, unrolled=True, flags=NO_COMMAND_BUFFERS),
-        step_entry(small, "dots", "fused", 58, unrolled=True, flags=NO_COMMAND_BUFFERS),
-        # extras, measured on the H200 of the twenty-third session (docs/benchmarks.md):
-        # issue 62's FP8 GEMMs for the layers (gin/precision/fp8.gin), 0.97× item 3 (its wall
-        # 102 s: the quantization's compile)
-        step_entry(large, "dots", "fused", 102, precision="fp8", extra=True),
-        # XLA's dynamic-slice fusion (jaxlib 0.10.2 refuses it here): the loop's copies into and
-        # out of its stacks (−0.5% on item 3), and unrolled the weights sliced out of theirs, a
-        # copy kernel a weight a layer, as the GEMMs' own reads and writes
-        step_entry(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION, extra=True),
-        step_entry(large, "dots", "fused", 97, True, flags=DYNAMIC_SLICE_FUSION, extra=True),
-        # item 4 with bf16 logits (t5x's, MaxText's): −3.5%
-        step_entry(small, "dots", "fused", 40, logits="bfloat16", extra=True),
-        # the layers' GEMM shapes alone, against the cluster model's one efficiency (issue 59,
-        # point 5); bench/gpu_check_gemms.py (42 s)
-        Item("gemms", 45, "gemms", extra=True),
-        step_entry(large, "full", "fused", 35, extra=True),  # 0.430 s on the H200 (fourteenth)
-        # extras: the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full
-        # (XLA's estimate, compiled for one here; 2.97 s a step on the H200, fourteenth)
-        step_entry(extra_large, "full", "fused", 75, batch=shapes.xl_batch, extra=True),
-        # extras: the einsum steps, measured before (docs/benchmarks.md), for the cluster
-        # model's comparison; the kernels in fp32, which 'auto' no longer runs
-        step_entry(large, "dots", "dot", 51, extra=True),  # too large for an 80 GB H100
-        step_entry(large, "full", "dot", 55, extra=True),
-        step_entry(small, "dots", "dot", 49, extra=True),
-        # the loss in 7 chunks, not 28: the head's weight gradient is written 7 times either way
-        # (products of 4 chunks, twenty-first); this times 1 GB blocks of logits against 264 MB
-        step_entry(small, "dots", "fused", 58, unrolled=True, chunk=1048, extra=True),
-        Item("kernels float32", 109, "kernels", {"dtype": "float32"}, extra=True),
+        # the unrolled steps' timed median was 2.7 and 2.5 ms over their kernels' wall while
+        # profiled (the H200, twenty-fifth), their steps back to back 0.5 and 2.0 ms under it:
+        # the host's work between two steps, which t5scale's loop now hides (its own item)
+        training_loop_entry(small, "dots", "fused", 45, unrolled=True),
+        *_extra_items(shapes),
     ]
     extras = extras or shapes.extras
     items = [
@@ -142,6 +124,47 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         and (shapes.flagged or not item.xla_flags)
     ]  # fmt: skip
     return list({item.name: item for item in items}.values())
+
+
+def _extra_items(shapes: Shapes) -> list[Item]:
+    """The items run when named or with --all: answered already, or too long for the list."""
+    large, small, extra_large = shapes.models
+    extra = functools.partial(step_entry, extra=True)
+    return [
+        # measured on the H200 of the twenty-fifth session (docs/benchmarks.md): the unrolled
+        # steps without XLA:GPU's CUDA graphs, +0.7% and +0.8%; t5scale's loop on the layer
+        # loop's step
+        extra(large, "dots", "fused", 97, True, flags=NO_COMMAND_BUFFERS),
+        extra(small, "dots", "fused", 58, True, flags=NO_COMMAND_BUFFERS),
+        training_loop_entry(small, "dots", "fused", 40, extra=True),
+        # measured on the H200 of the twenty-third session (docs/benchmarks.md): issue 62's FP8
+        # GEMMs for the layers (gin/precision/fp8.gin), 0.97× item 3 (its wall 102 s: the
+        # quantization's compile)
+        extra(large, "dots", "fused", 102, precision="fp8"),
+        # XLA's dynamic-slice fusion (jaxlib 0.10.2 refuses it here): the loop's copies into and
+        # out of its stacks (−0.5% on item 3), and unrolled the weights sliced out of theirs, a
+        # copy kernel a weight a layer, as the GEMMs' own reads and writes (0.0%, twenty-fifth)
+        extra(large, "dots", "fused", 40, flags=DYNAMIC_SLICE_FUSION),
+        extra(large, "dots", "fused", 97, True, flags=DYNAMIC_SLICE_FUSION),
+        # item 4 with bf16 logits (t5x's, MaxText's): −3.5%
+        extra(small, "dots", "fused", 40, logits="bfloat16"),
+        # the layers' GEMM shapes alone, against the cluster model's one efficiency (issue 59,
+        # point 5); bench/gpu_check_gemms.py (42 s)
+        Item("gemms", 45, "gemms", extra=True),
+        extra(large, "full", "fused", 35),  # 0.430 s on the H200 (fourteenth)
+        # the largest batch of mT5-XL whose step fits one 80 GB H100 with remat full (XLA's
+        # estimate, compiled for one here; 2.97 s a step on the H200, fourteenth)
+        extra(extra_large, "full", "fused", 75, batch=shapes.xl_batch),
+        # the einsum steps, measured before (docs/benchmarks.md), for the cluster model's
+        # comparison; the kernels in fp32, which 'auto' no longer runs
+        extra(large, "dots", "dot", 51),  # too large for an 80 GB H100
+        extra(large, "full", "dot", 55),
+        extra(small, "dots", "dot", 49),
+        # the loss in 7 chunks, not 28: the head's weight gradient is written 7 times either way
+        # (products of 4 chunks, twenty-first); this times 1 GB blocks of logits against 264 MB
+        extra(small, "dots", "fused", 58, unrolled=True, chunk=1048),
+        Item("kernels float32", 109, "kernels", {"dtype": "float32"}, extra=True),
+    ]
 
 
 _STARTED = time.perf_counter()  # this process's start, near enough: each line says when
