@@ -111,7 +111,7 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
         # the unrolled steps' timed median was 2.7 and 2.5 ms over their kernels' wall while
         # profiled (the H200, twenty-fifth), their steps back to back 0.5 and 2.0 ms under it:
         # the host's work between two steps, which t5scale's loop now hides (its own item)
-        training_loop_entry(small, "dots", "fused", 45, unrolled=True),
+        training_loop_entry(small, "dots", "fused", 59, unrolled=True),
         *_extra_items(shapes),
     ]
     extras = extras or shapes.extras
@@ -136,7 +136,7 @@ def _extra_items(shapes: Shapes) -> list[Item]:
         # loop's step
         extra(large, "dots", "fused", 97, True, flags=NO_COMMAND_BUFFERS),
         extra(small, "dots", "fused", 58, True, flags=NO_COMMAND_BUFFERS),
-        training_loop_entry(small, "dots", "fused", 40, extra=True),
+        training_loop_entry(small, "dots", "fused", 37, extra=True),
         # measured on the H200 of the twenty-third session (docs/benchmarks.md): issue 62's FP8
         # GEMMs for the layers (gin/precision/fp8.gin), 0.97× item 3 (its wall 102 s: the
         # quantization's compile)
