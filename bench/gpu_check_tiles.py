@@ -14,14 +14,16 @@ from typing import Any
 
 from gpu_check_items import timed
 
-# (q, k, warps, stages, groups). Forward and dq hold a query block and stream keys; dk, dv
-# hold a key block and stream queries; the bias's gradient holds a tile and streams examples.
-# The first of each is the kernels' default. Chosen from the H200's sweep of 2026-11-28 (larger
-# tiles, 8 warps and 128 × 128 were slower in every pass), with smaller tiles added, which skip
-# more of a packed row's dead tiles (attention_tiles.py).
+# (q, k, warps, stages, groups, transposed). Forward and dq hold a query block and stream keys;
+# dk, dv hold a key block and stream queries; the bias's gradient holds a tile and streams
+# examples. The first of each is the kernels' default. Chosen from the H200's sweep of
+# 2026-11-28 (larger tiles, 8 warps and 128 × 128 were slower in every pass), with smaller tiles
+# added, which skip more of a packed row's dead tiles (attention_tiles.py), and dk, dv from the
+# scores transposed (twenty-fifth session: not yet timed on a card).
 CANDIDATES = {
     "forward": [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
-    "dkv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)],
+    "dkv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
+            (64, 64, 4, 3, 1, True), (64, 64, 4, 2, 1, True), (32, 64, 4, 3, 1, True)],
     "dq": [(64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (32, 32, 4, 2)],
     "bias": [(64, 64, 4, 2), (64, 64, 4, 2, 4), (32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
 }  # fmt: skip

@@ -59,13 +59,16 @@ def einsum_attention(q, k, v, bias, q_segments, k_segments, causal):
 # (what, causal, bias, query length, key length, each pass's tiles): the encoder's, the
 # decoder's and the cross attention, at odd lengths that are not whole blocks, and one over
 # several diagonal blocks with other tiles in each pass, oblong ones and the batch in groups.
+# dk and dv from the scores transposed (`Tiles.transposed`) in the causal decoder's cases and
+# the cross attention's.
 SQUARE = uniform(Tiles(16, 16))
 CASES = [
     ("encoder", False, True, 37, 37, SQUARE),
-    ("decoder", True, True, 37, 37, uniform(Tiles(16, 32, groups=2))),
-    ("cross", False, False, 13, 37, SQUARE),
+    ("decoder", True, True, 37, 37, uniform(Tiles(16, 32, groups=2, transposed=True))),
+    ("cross", False, False, 13, 37, uniform(Tiles(16, 16, transposed=True))),
     ("decoder, 7 blocks", True, True, 100, 100,
-     Blocks(Tiles(16, 32), Tiles(32, 16), Tiles(16, 16), Tiles(32, 16, groups=3))),
+     Blocks(Tiles(16, 32), Tiles(32, 16, transposed=True), Tiles(16, 16),
+            Tiles(32, 16, groups=3))),
 ]  # fmt: skip
 
 

@@ -44,13 +44,17 @@ from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One pass's tile (powers of two, >= 16 for Triton's dot), Triton's warps and pipeline
-    stages per program, and (the bias's gradient only) how many groups split the batch."""
+    stages per program, (the bias's gradient only) how many groups split the batch and (dk, dv
+    only) whether the tile's scores are computed transposed."""
 
     q: int = 64
     k: int = 64
     warps: int = 4
     stages: int = 2
     groups: int = 1
+    # dk and dv only: each tile's scores as [keys, queries], so that no product's left operand
+    # is transposed first (the compile-only H100 PTX: 2,466 instructions in the loop, not 2,604)
+    transposed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +128,23 @@ def _store(ref, index, value, valid):
     plgpu.store(ref.at[index], value, mask=_mask(valid, value.shape))
 
 
-def _bias_tile(bias_ref, q_len: int, k_len: int, row_start, key_start, shape: tuple[int, int]):
-    """The bias of queries from `row_start` and keys from `key_start`, gathered from the head's
-    diagonals: bias[q, k] = diagonals[k − q + q_len − 1], the diagonals padded on both sides
-    by at least a tile (`_padded`) so that rows and keys past the end read in bounds, with no
-    clipping: the index stays contiguous along the keys, and the loads vectorise."""
+def _positions(row_start, key_start, shape: tuple[int, int], keys_first: bool):
+    """Each score's query and key of a tile [queries, keys] (or, `keys_first`, [keys,
+    queries]) from `row_start` and `key_start`."""
+    rows_axis, keys_axis = (1, 0) if keys_first else (0, 1)
+    rows = row_start + lax.broadcasted_iota(jnp.int32, shape, rows_axis)
+    keys = key_start + lax.broadcasted_iota(jnp.int32, shape, keys_axis)
+    return rows, keys
+
+
+def _bias_tile(bias_ref, q_len: int, k_len: int, row_start, key_start, shape: tuple[int, int],
+               keys_first: bool = False):  # fmt: skip
+    """The bias of queries from `row_start` and keys from `key_start` ([keys, queries] where
+    `keys_first`), gathered from the head's diagonals: bias[q, k] = diagonals[k − q + q_len −
+    1], the diagonals padded on both sides by at least a tile (`_padded`) so that rows and keys
+    past the end read in bounds, with no clipping."""
     pad = (bias_ref.shape[0] - (q_len + k_len - 1)) // 2
-    rows = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    keys = key_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    rows, keys = _positions(row_start, key_start, shape, keys_first)
     return bias_ref[keys - rows + (q_len - 1 + pad)].astype(jnp.float32)
 
 
@@ -143,16 +156,19 @@ def _padded(bias: jax.Array | None, tiles: Tiles) -> jax.Array | None:
     return jnp.pad(bias, ((0, 0), (pad, pad)))
 
 
-def _allowed(q_segments, k_segments, causal: bool, row_start, key_start) -> jax.Array:
+def _allowed(q_segments, k_segments, causal: bool, row_start, key_start,
+             keys_first: bool = False) -> jax.Array:  # fmt: skip
     """attention_reference.allowed for the keys' segments in the kernels' form, padding −1
     (`_kernel_arguments`; keys past the end load as −1 too): one comparison says both same
-    segment and not padding. Fewer operations per score is speed here: at 64 dims a head the
-    kernels are bound by their elementwise work, not by their matmuls."""
-    mask = q_segments[:, None] == k_segments[None, :]
+    segment and not padding ([keys, queries] where `keys_first`). Fewer operations per score is
+    speed here: at 64 dims a head the kernels are bound by their elementwise work, not by their
+    matmuls."""
+    if keys_first:
+        mask = k_segments[:, None] == q_segments[None, :]
+    else:
+        mask = q_segments[:, None] == k_segments[None, :]
     if causal:
-        shape = mask.shape
-        rows = row_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-        keys = key_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        rows, keys = _positions(row_start, key_start, mask.shape, keys_first)
         mask = mask & (keys <= rows)
     return mask
 
@@ -221,7 +237,8 @@ def _d_logits(q, k, v, d_out, bias_ref, q_len, k_len, row_start, key_start, lse,
     return p, p * (_dot(d_out, v, trans_b=True) - delta[:, None])
 
 
-def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int):
+def _dkv_kernel(*refs, causal: bool, has_bias: bool, transposed: bool, block_q: int,
+                block_k: int):  # fmt: skip
     q_ref, k_ref, v_ref, bias_ref, refs = _split(refs, has_bias)
     q_segments_ref, k_segments_ref, spans_ref, d_out_ref, lse_ref, delta_ref = refs[:6]
     dk_ref, dv_ref = refs[6:]
@@ -236,8 +253,20 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, block_q: int, block_k: int)
         rows, row_valid, row_start = _span(block_q, q_len, i)
         q, d_out = _load(q_ref, rows, row_valid), _load(d_out_ref, rows, row_valid)
         q_segments = _load(q_segments_ref, rows, row_valid)
-        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
         lse, delta = _load(lse_ref, rows, row_valid), _load(delta_ref, rows, row_valid)
+        if transposed:
+            # The tile's scores as [keys, queries] (FlashAttention-2's backward as Triton's own
+            # tutorial writes it): p and its gradient are the left operands of dv's and dk's
+            # products in the layout their own products made them, not transposed first.
+            mask = _allowed(q_segments, k_segments, causal, row_start, key_start, True)
+            logits = _dot(k, q, trans_b=True)
+            if bias_ref is not None:
+                logits = logits + _bias_tile(bias_ref, q_len, k_len, row_start, key_start,
+                                             logits.shape, keys_first=True)  # fmt: skip
+            p = jnp.exp(jnp.where(mask, logits, MASKED) - lse[None, :])  # 0 where masked
+            d_logits = p * (_dot(v, d_out, trans_b=True) - delta[None, :])
+            return dk + _dot(d_logits.astype(q.dtype), q), dv + _dot(p.astype(v.dtype), d_out)
+        mask = _allowed(q_segments, k_segments, causal, row_start, key_start)
         p, d_logits = _d_logits(q, k, v, d_out, bias_ref, q_len, k_len, row_start, key_start,
                                 lse, delta, mask)  # fmt: skip
         dv = dv + _dot(p.astype(d_out.dtype), d_out, trans_a=True)
@@ -386,6 +415,7 @@ def dkv_pass(q, k, v, bias, q_segments, k_segments, d_out, lse, delta, causal: b
         _dkv_kernel, (pl.cdiv(k_len, tiles.k), batch, heads),
         [*in_specs, spans_spec, q_spec, per_query, per_query], [kv_spec, kv_spec], shapes,
         "t5_attention_backward_dkv", tiles, interpret, causal=causal, has_bias=bias is not None,
+        transposed=tiles.transposed,
     )(q, k, v, *([bias] if bias is not None else []), q_segments, k_segments, spans, d_out, lse,
       delta)  # fmt: skip
 
