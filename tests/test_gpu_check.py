@@ -83,8 +83,19 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
             assert {k: fastest[k] for k in row["chosen"]} == row["chosen"]
     chosen = json.loads((out / "attention_tiles.json").read_text())
     assert set(chosen) == {"96x96", "23x23 causal", "23x96"}
-    steps = [line for line in lines if "step_s" in line]
-    assert len(steps) == sum(item.kind == "step" for item in items)
+    step_items = {item.name for item in items if item.kind == "step"}
+    steps = [line for line in lines if "step_s" in line and line["item"] in step_items]
+    assert len(steps) == len(step_items)
+    # t5scale's own training loop on a step item's run (with --all: the layer loop's), its steps'
+    # times as metrics.jsonl records them
+    loops = [line for line in lines if "step_s" in line and line["item"] not in step_items]
+    assert [line["item"] for line in loops] == [
+        item.name for item in items if item.kind == "training loop"
+    ]
+    assert len(loops) == bool(flags)
+    for line in loops:
+        assert len(line["steps_s"]) == gpu_check.DRY_RUN.timed_steps and line["tokens_per_s"] > 0
+    assert (out / "gpu_check.md").read_text().count("(t5scale's training loop) |") == len(loops)
     # and each step's mean dispatched back to back, waited for once, as a training loop runs
     assert sum(line.get("back_to_back_s", 0) > 0 for line in lines) == len(steps)
     for step in steps:
