@@ -290,12 +290,8 @@ class _InFlight:
 
     def __init__(self, run: RunConfig, programs: StepPrograms, batches, instruments, state,
                  start: int):  # fmt: skip
-        self.run, self.programs, self.batches, self.instruments = (
-            run,
-            programs,
-            batches,
-            instruments,
-        )
+        self.run, self.programs = run, programs
+        self.batches, self.instruments = batches, instruments
         self.state, self.dispatched = state, start
         self.executions: list[_Execution] = []
         self.last_read = 0.0
