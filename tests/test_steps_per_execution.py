@@ -1,5 +1,6 @@
 """Several train steps per XLA execution (TrainConfig.steps_per_execution): the same steps."""
 
+import dataclasses
 import json
 
 import jax
@@ -19,6 +20,7 @@ from t5scale.parallel.mesh import ParallelConfig
 from t5scale.train import loop
 from t5scale.train.config import CheckpointConfig, RunConfig, TrainConfig
 from t5scale.train.loop import StepPrograms
+from t5scale.train.replicas import ReplicaSyncConfig
 
 K = 4
 
@@ -95,12 +97,25 @@ def test_cli_run_in_executions_of_4_logs_and_saves_every_step_as_a_plain_run(tmp
     assert len({r["step_time_s"] for r in records[K][:4]}) == 1
 
 
+PIPELINED = [
+    "dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3",  # saved at 3
+    "dispatch 4", "dispatch 5", "read 4", "dispatch 6", "read 5", "read 6",
+]  # fmt: skip
+ONE_BY_ONE = [f"{event} {step}" for step in range(1, 7) for event in ("dispatch", "read")]
+
+
+@pytest.mark.parametrize(
+    "sync, devices, events_wanted",
+    [(ReplicaSyncConfig(), 1, PIPELINED), (ReplicaSyncConfig("local_sgd", 2), 2, ONE_BY_ONE)],
+    ids=["synchronous", "local SGD"],
+)
 def test_the_next_step_is_dispatched_before_the_last_is_read_except_at_a_checkpoint(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, sync, devices, events_wanted
 ):
     """The device never waits for the host between steps (the H200 of 2026-11-29: mt5_small's
     step 49.4 ms waited for one by one, 47.4 ms back to back), but a checkpoint's step is read
-    before any later one is dispatched: it saves that step's state."""
+    before any later one is dispatched: it saves that step's state. Local SGD's dispatch waits
+    for its replicas' metrics itself: its steps go one by one, each timed alone."""
     events = []
 
     class Recorded(loop.Instruments):  # the real instruments, their calls in order
@@ -113,13 +128,10 @@ def test_the_next_step_is_dispatched_before_the_last_is_read_except_at_a_checkpo
             super().after(last)
 
     monkeypatch.setattr(loop, "Instruments", Recorded)
-    run = tiny_run(ParallelConfig(), steps=6, model_dir=str(tmp_path),
+    run = tiny_run(ParallelConfig(replica=devices), steps=6, model_dir=str(tmp_path),
                    checkpoint=CheckpointConfig(every=3))  # fmt: skip
-    records = loop.train(run, devices=jax.devices()[:1])
-    assert events == [
-        "dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3",  # saved at 3
-        "dispatch 4", "dispatch 5", "read 4", "dispatch 6", "read 5", "read 6",
-    ]  # fmt: skip
+    records = loop.train(dataclasses.replace(run, sync=sync), devices=jax.devices()[:devices])
+    assert events == events_wanted
     assert [r.step for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(r.step_time_s > 0 for r in records)
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())

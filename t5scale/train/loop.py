@@ -266,9 +266,12 @@ class _Preemption:
 
 def _settles(run: RunConfig, step: int) -> bool:
     """Whether the host waits for `step` before it dispatches the next: it needs that step's
-    state (a checkpoint, a validation, the run's end) or a quiet device (a profile's bounds)."""
+    state (a checkpoint, a validation, the run's end) or a quiet device (a profile's bounds).
+    Local SGD and DiLoCo always: their dispatch itself waits for the replicas' metrics (an
+    all-gather across processes), so a step dispatched ahead would take the last one's time."""
     first, last = run.train.profile_steps or (0, 0)
-    return _checkpoint_due(run, step) or _validation_due(run, step) or step in (first - 1, last)
+    due = _checkpoint_due(run, step) or _validation_due(run, step)
+    return run.sync.local or due or step in (first - 1, last)
 
 
 @dataclasses.dataclass(frozen=True)
