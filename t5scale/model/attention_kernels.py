@@ -173,11 +173,13 @@ def _allowed(q_segments, k_segments, causal: bool, row_start, key_start,
     return mask
 
 
-def _logits(q, k, bias_ref, q_len: int, k_len: int, row_start, key_start, mask):
-    """q·kᵀ + bias where `mask` allows, MASKED elsewhere."""
-    logits = _dot(q, k, trans_b=True)
+def _logits(q, k, bias_ref, q_len: int, k_len: int, row_start, key_start, mask,
+            keys_first: bool = False):  # fmt: skip
+    """q·kᵀ + bias (k·qᵀ + its bias where `keys_first`) where `mask` allows, MASKED elsewhere."""
+    logits = _dot(k, q, trans_b=True) if keys_first else _dot(q, k, trans_b=True)
     if bias_ref is not None:
-        logits = logits + _bias_tile(bias_ref, q_len, k_len, row_start, key_start, logits.shape)
+        logits = logits + _bias_tile(bias_ref, q_len, k_len, row_start, key_start, logits.shape,
+                                     keys_first)  # fmt: skip
     return jnp.where(mask, logits, MASKED)
 
 
@@ -259,11 +261,8 @@ def _dkv_kernel(*refs, causal: bool, has_bias: bool, transposed: bool, block_q: 
             # tutorial writes it): p and its gradient are the left operands of dv's and dk's
             # products in the layout their own products made them, not transposed first.
             mask = _allowed(q_segments, k_segments, causal, row_start, key_start, True)
-            logits = _dot(k, q, trans_b=True)
-            if bias_ref is not None:
-                logits = logits + _bias_tile(bias_ref, q_len, k_len, row_start, key_start,
-                                             logits.shape, keys_first=True)  # fmt: skip
-            p = jnp.exp(jnp.where(mask, logits, MASKED) - lse[None, :])  # 0 where masked
+            logits = _logits(q, k, bias_ref, q_len, k_len, row_start, key_start, mask, True)
+            p = jnp.exp(logits - lse[None, :])  # 0 where masked
             d_logits = p * (_dot(v, d_out, trans_b=True) - delta[None, :])
             return dk + _dot(d_logits.astype(q.dtype), q), dv + _dot(p.astype(v.dtype), d_out)
         mask = _allowed(q_segments, k_segments, causal, row_start, key_start)

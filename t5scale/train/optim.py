@@ -66,8 +66,10 @@ def inverse_sqrt_schedule(config: OptimizerConfig, xp=jnp) -> optax.Schedule:
     def schedule(count):
         step = xp.asarray(count, xp.float32) + xp.float32(1.0)
         decay = xp.sqrt(xp.float32(warmup) / xp.maximum(step, xp.float32(warmup)))
-        ramp = xp.minimum(step / xp.float32(warmup), xp.float32(1.0))
-        return xp.float32(peak) * (ramp if config.warmup_shape == "linear" else 1.0) * decay
+        ramp = xp.float32(1.0)
+        if config.warmup_shape == "linear":
+            ramp = xp.minimum(step / xp.float32(warmup), ramp)
+        return xp.float32(peak) * ramp * decay
 
     return schedule
 
