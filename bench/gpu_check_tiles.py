@@ -19,7 +19,7 @@ from gpu_check_items import timed
 # examples. The first of each is the kernels' default. Chosen from the H200's sweep of
 # 2026-11-28 (larger tiles, 8 warps and 128 × 128 were slower in every pass), with smaller tiles
 # added, which skip more of a packed row's dead tiles (attention_tiles.py), and dk, dv from the
-# scores transposed (twenty-fifth session: not yet timed on a card).
+# scores transposed (faster at every shape on the H200 of 2026-11-30: `Blocks`' default since).
 CANDIDATES = {
     "forward": [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
     "dkv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),

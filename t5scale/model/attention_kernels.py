@@ -61,12 +61,16 @@ class Tiles:
 class Blocks:
     """The tiles of each pass. The defaults: the fastest, or within 2% of it, for each of
     mT5-Large's three attentions on an H200 (bench/gpu_check.py's sweep of 2026-11-28,
-    docs/benchmarks.md); larger tiles and 8 warps were slower in every pass."""
+    docs/benchmarks.md); larger tiles and 8 warps were slower in every pass. dk and dv from
+    the scores transposed, and the bias's gradient at 64 x 32: the least time over the three
+    in the sweep of 2026-11-30, the first to time either (dk, dv: encoder 0.69 ms, decoder
+    0.18, cross 0.32, against 1.18, 0.25 and 0.44 untransposed at 64 x 64; the bias's
+    gradient: encoder 0.58, decoder 0.20, against 0.65 and 0.26 at 64 x 64)."""
 
     forward: Tiles = Tiles(64, 32, 4, 3)
-    dkv: Tiles = Tiles(64, 64, 4, 3)
+    dkv: Tiles = Tiles(32, 64, 4, 3, transposed=True)
     dq: Tiles = Tiles(64, 32, 4, 3)
-    bias: Tiles = Tiles(64, 64, 4, 2)
+    bias: Tiles = Tiles(64, 32, 4, 2)
 
 
 def uniform(tiles: Tiles) -> Blocks:
