@@ -124,6 +124,16 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
             assert len(programs.namelist()) == len(steps)
             assert all("HloModule" in programs.read(name).decode()[:200]
                        for name in programs.namelist())  # fmt: skip
+        # ... and read again: with the cluster file the run used, each step's prediction anew
+        # from its saved program is the run's own (bench/gpu_check_repredict.py)
+        again = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "gpu_check_repredict.py"), str(out),
+             "--cluster", str(REPO / "gin" / "clusters" / "h100.gin")],
+            capture_output=True, text=True, timeout=300, check=True,
+        ).stdout  # fmt: skip
+        table = again.splitlines()
+        rows = [row.split(" | ") for row in table[table.index("|---" * 7 + "|") + 1 :] if row]
+        assert len(rows) == len(steps) and all(row[3] == row[4] != "–" for row in rows)
     table = (out / "gpu_check.md").read_text()
     step_table = table.split("## GEMMs at the layers' shapes")[0]
     labels = ("| mt5_tiny |", "| mt5_tiny (fp8) |", "| mt5_tiny (bfloat16 logits) |")
