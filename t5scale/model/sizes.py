@@ -85,7 +85,7 @@ class ModelConfig:
     # chooses (a 256 MiB block of logits), 0 takes all tokens at once (the untiled reference).
     loss_chunk_tokens: int | None = None
     # The dtype the output projection's GEMM writes the logits in (t5scale/model/head.py):
-    # 'float32', or in bf16 compute 'bfloat16', as t5x's and MaxText's defaults write them (the
+    # 'float32' (as t5x's mT5 network), or in bf16 compute 'bfloat16', as MaxText's default (the
     # loss is computed from them in fp32 either way): half the bytes of the head's largest
     # array, written once and read twice, for logits rounded to bf16's 8 bits.
     logits_dtype: DType = "float32"
