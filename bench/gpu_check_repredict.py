@@ -42,7 +42,8 @@ def repredict_table(out: Path, cluster_file: Path) -> str:
     rows: dict[str, dict[str, Any]] = {}
     for line in read_lines(out / "results.jsonl"):
         rows.setdefault(line["item"].replace(" ", "_"), {}).update(line)
-    text = [f"Re-predicted with {cluster_file.relative_to(ROOT)} as it stands now:", "",
+    shown = cluster_file.relative_to(ROOT) if cluster_file.is_relative_to(ROOT) else cluster_file
+    text = [f"Re-predicted with {shown} as it stands now:", "",
             "| step | median | back to back | predicted then | predicted now | error | "
             "error, back to back |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, now in repredicted(out, cluster_file).items():
@@ -66,7 +67,16 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="the GPU check's --out directory")
     parser.add_argument("--cluster", type=Path, default=ROOT / "gin/clusters/h200.gin")
     args = parser.parse_args()
-    print(repredict_table(args.out, args.cluster.resolve()), end="")
+    for needed in (args.out / "results.jsonl", args.out / "programs.zip", args.cluster):
+        if not needed.is_file():
+            raise SystemExit(
+                f"gpu_check_repredict: {needed} not found (a GPU check's --out "
+                "holds results.jsonl and, where a step item ran, programs.zip)"
+            )
+    try:
+        print(repredict_table(args.out, args.cluster.resolve()), end="")
+    except zipfile.BadZipFile as error:
+        raise SystemExit(f"gpu_check_repredict: {args.out / 'programs.zip'}: {error}") from None
 
 
 if __name__ == "__main__":

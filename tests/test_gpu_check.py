@@ -201,6 +201,24 @@ def test_a_missing_tiles_file_is_one_line(tmp_path):
     ]
 
 
+def test_a_run_without_programs_or_with_a_damaged_one_is_one_line_to_repredict(tmp_path):
+    def repredict(out):
+        script = REPO / "bench" / "gpu_check_repredict.py"
+        return subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    (tmp_path / "results.jsonl").write_text('{"item": "device"}\n')
+    missing = repredict(tmp_path)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    assert f"{tmp_path / 'programs.zip'} not found" in missing.stderr
+    (tmp_path / "programs.zip").write_text("not a zip")
+    damaged = repredict(tmp_path)
+    assert damaged.returncode == 1
+    assert damaged.stderr.strip().splitlines() == [
+        f"gpu_check_repredict: {tmp_path / 'programs.zip'}: File is not a zip file"
+    ]
+
+
 def test_an_item_under_xla_flags_runs_with_them_and_the_others_without(tmp_path, monkeypatch):
     """The steps without command buffers are the unrolled steps with one XLA:GPU flag more (and
     dynamic-slice fusion, an extra, the loop step's): each flagged item's process gets its flag
