@@ -321,11 +321,15 @@ def h100_program(run):
 
 def cluster_for(device):
     """The cluster file of this GPU: gin/clusters/h200.gin on an H200, else h100.gin."""
+    kind = getattr(device, "device_kind", "")
+    return cluster_from(ROOT / f"gin/clusters/{'h200' if 'H200' in kind else 'h100'}.gin")
+
+
+def cluster_from(path: Path):
+    """The cluster a gin file describes, as the cluster model reads it."""
     from t5scale.config import build_hardware, parse_gin
 
-    kind = getattr(device, "device_kind", "")
-    name = "h200" if "H200" in kind else "h100"
-    parse_gin([str(ROOT / f"gin/clusters/{name}.gin")], [])
+    parse_gin([str(path)], [])
     return build_hardware(required=True)
 
 

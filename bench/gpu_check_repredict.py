@@ -14,9 +14,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from gpu_check_items import ROOT, cluster_from
 from gpu_check_list import read_lines
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def repredicted(out: Path, cluster_file: Path) -> dict[str, float]:
@@ -24,11 +23,9 @@ def repredicted(out: Path, cluster_file: Path) -> dict[str, float]:
     underscores), under `cluster_file`."""
     from t5scale.analysis.hlo_module import parse_module
     from t5scale.analysis.kernels import read_program
-    from t5scale.config import build_hardware, parse_gin
     from t5scale.whatif.gpu_step import predict_program
 
-    parse_gin([str(cluster_file)], [])
-    cluster = build_hardware(required=True)
+    cluster = cluster_from(cluster_file)
     steps = {}
     with zipfile.ZipFile(out / "programs.zip") as programs:
         for name in programs.namelist():
