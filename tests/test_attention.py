@@ -314,7 +314,9 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor, 
     mixed precision: with 'auto' the step is the fused one, Triton's kernels for every attention,
     forward and backward, and no [batch, heads, q, k] tensor, which the einsum path has; its
     GEMMs are cuBLAS's (no autotuner for Triton's). The step's analysis (its collectives, its
-    kernels) reads the program from one parse of its text."""
+    kernels) reads the program from one parse of its text. With ModelConfig.head_kernel (asked
+    for beside 'auto') the output layer is its kernel (t5scale/model/head_kernel.py) where
+    tensor parallelism leaves the vocabulary whole, and XLA's GEMM where it splits it."""
     from t5scale.xla_gpu import GpuTopology
 
     topology = GpuTopology("h100_sxm", nodes=1, gpus_per_node=gpus)
@@ -322,7 +324,12 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor, 
     for attention in ("auto", "dot"):
         parse_gin(
             ["gin/models/mt5_tiny.gin", "gin/precision/mixed.gin"],
-            ["INPUT_LENGTH=64", "TARGET_LENGTH=15", f"ModelConfig.attention='{attention}'"],
+            [
+                "INPUT_LENGTH=64",
+                "TARGET_LENGTH=15",
+                f"ModelConfig.attention='{attention}'",
+                f"ModelConfig.head_kernel={attention == 'auto'}",
+            ],  # fmt: skip
             [],
         )
         run = weak_scale(build_run_config(), 3, topology.size, 3, tensor=tensor,
@@ -349,6 +356,8 @@ def test_the_h100_step_runs_the_kernels_and_holds_no_score_tensor(gpus, tensor, 
     scores = re.compile(rf"\[3,{heads},(64|15|16),(64|15|16)\]")  # per device: 3 examples
     assert scores.search(dot) and not scores.search(fused)
     assert "__cublas$" in fused and "__cublas$" in dot
+    assert ('"t5_head_statistics"' in fused) == (tensor == 1)
+    assert '"t5_head_statistics"' not in dot
     temporaries = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
     assert temporaries["fused"] < temporaries["dot"]
 

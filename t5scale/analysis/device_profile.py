@@ -44,10 +44,11 @@ CLASSES = ("gemm", "attention", "elementwise", "reduction", "copy", "collective"
 CUTS = ("head_and_loss", "update")
 
 # A kernel's own name where its HLO op is unknown: cuBLAS's (nvjet, xmma, cutlass), cuDNN's
-# and t5scale's attention kernels, NCCL's, memory moves, XLA's fusions.
+# and t5scale's attention kernels, t5scale's output layer's (a GEMM with the loss's reduction),
+# NCCL's, memory moves, XLA's fusions.
 BY_NAME = (
     ("attention", re.compile(r"t5_attention|fmha|flash", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|\bdot", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|\bdot|t5_head", re.I)),
     ("collective", re.compile(r"nccl|all-reduce|all-gather|reduce-scatter", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|transpose", re.I)),
     ("reduction", re.compile(r"reduc", re.I)),

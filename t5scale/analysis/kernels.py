@@ -12,7 +12,8 @@ too.
 - classes: `gemm` (cuBLAS custom calls, a plain `dot`, a fusion holding a dot; those of 8-bit
   float operands, cuBLASLt's FP8 GEMMs, also counted as `fp8_gemm`), `attention` (cuDNN's
   `__cudnn$fmha…`, and t5scale's Triton kernels `t5_attention_…`:
-  t5scale/model/attention_kernels.py), `copy` (kernels that move data and compute nothing: copy,
+  t5scale/model/attention_kernels.py; t5scale's output-layer kernel `t5_head_statistics` is a
+  `gemm`), `copy` (kernels that move data and compute nothing: copy,
   transpose, slices, dynamic-update-slice, pad, concatenate, and fusions made only of those, index
   arithmetic on scalars aside; so layout changes, cuBLAS's operand padding and the layer scans'
   stacking and unstacking are copies, while a fusion that also converts or adds is a `fusion`),
@@ -105,6 +106,9 @@ _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 T5_ATTENTION = re.compile(
     r"t5_attention_(forward|backward_dkv|backward_dq|backward_bias)(_causal)?"
 )
+# t5scale's output-layer kernel (t5scale/model/head_kernel.py): a GEMM with the loss's
+# reduction over the vocabulary in its epilogue, priced as the GEMM it replaces
+T5_HEAD = re.compile(r"t5_head_statistics")
 _T5_ATTENTION_PRODUCTS = {"forward": 2, "backward_dkv": 4, "backward_dq": 3, "backward_bias": 2}
 _GRID_X = re.compile(r"\bgrid_x = (\d+)")
 _DEVICES = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
@@ -400,24 +404,7 @@ class _Reader:
         written = shape_bytes(result)
         first = self.type_of(instruction.operands[0]) if instruction.operands else ""
         if opcode == "custom-call":
-            target = custom_call_target(instruction)
-            outputs = tuple_elements(result)
-            if target.startswith("__cublas"):
-                flops = _gemm_flops(first, outputs[0], _CONTRACTING.search(attributes))
-                return Kernel("gemm", 0, flops, read, shape_bytes(outputs[0]), dtype_of(first))
-            written = sum(shape_bytes(o) for o in outputs if dtype_of(o) not in _SCRATCH)
-            if "fmha" in target:
-                flops = _attention_flops(first, attributes, "Backward" in target)
-                return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            if "triton" in target and (named := T5_ATTENTION.search(attributes)):
-                keys = self.type_of(instruction.operands[1])
-                flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
-                return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            if target == "tpu_custom_call" and (named := T5_ATTENTION.search(instruction.name)):
-                keys = self.type_of(instruction.operands[1])
-                flops = _t5_attention_flops_tpu(named, first, keys)
-                return Kernel("attention", 0, flops, read, written, dtype_of(first))
-            return Kernel("other", 0, 0.0, read, written)
+            return self._custom_call(instruction, first, read)
         if opcode == "dot":
             flops = _gemm_flops(first, result, _DOT_CONTRACTING.search(attributes))
             return Kernel("gemm", 0, flops, read, written, dtype_of(first))
@@ -450,6 +437,31 @@ class _Reader:
             return Kernel("copy", 0, 0.0, read, read)
         if opcode in _MOVES_ONLY:
             return Kernel("copy", 0, 0.0, read, written)
+        return Kernel("other", 0, 0.0, read, written)
+
+    def _custom_call(self, instruction: Instruction, first: str, read: int) -> Kernel:
+        """A library's or a Pallas kernel's custom call (module docstring's classes)."""
+        attributes, result = instruction.attributes, instruction.result_type
+        target = custom_call_target(instruction)
+        outputs = tuple_elements(result)
+        if target.startswith("__cublas"):
+            flops = _gemm_flops(first, outputs[0], _CONTRACTING.search(attributes))
+            return Kernel("gemm", 0, flops, read, shape_bytes(outputs[0]), dtype_of(first))
+        written = sum(shape_bytes(o) for o in outputs if dtype_of(o) not in _SCRATCH)
+        if "fmha" in target:
+            flops = _attention_flops(first, attributes, "Backward" in target)
+            return Kernel("attention", 0, flops, read, written, dtype_of(first))
+        if "triton" in target and (named := T5_ATTENTION.search(attributes)):
+            keys = self.type_of(instruction.operands[1])
+            flops = _t5_attention_flops(named, first, keys, _GRID_X.search(attributes))
+            return Kernel("attention", 0, flops, read, written, dtype_of(first))
+        if "triton" in target and T5_HEAD.search(attributes):
+            flops = _t5_head_flops(first, self.type_of(instruction.operands[1]))
+            return Kernel("gemm", 0, flops, read, written, dtype_of(first))
+        if target == "tpu_custom_call" and (named := T5_ATTENTION.search(instruction.name)):
+            keys = self.type_of(instruction.operands[1])
+            flops = _t5_attention_flops_tpu(named, first, keys)
+            return Kernel("attention", 0, flops, read, written, dtype_of(first))
         return Kernel("other", 0, 0.0, read, written)
 
     def fusion_bytes(self, fusion: Instruction, body: Sequence[Instruction]) -> tuple[int, int]:
@@ -557,6 +569,14 @@ def _gemm_flops(lhs: str, out: str, contracting: re.Match | None) -> float:
         return 0.0
     contracted = math.prod(lhs_shape[1][d] for d in _numbers(contracting.group(1)))
     return 2.0 * math.prod(out_shape[1]) * contracted
+
+
+def _t5_head_flops(tokens: str, projection: str) -> float:
+    """2·T·D·V of the logits x [T, D] · w [D, V] the head's kernel multiplies."""
+    x_shape, w_shape = array_shape(tokens), array_shape(projection)
+    if not (x_shape and w_shape) or len(x_shape[1]) != 2 or len(w_shape[1]) != 2:
+        return 0.0
+    return 2.0 * math.prod(x_shape[1]) * w_shape[1][1]
 
 
 def _t5_attention_flops(named: re.Match, query: str, keys: str, grid_x: re.Match | None) -> float:

@@ -39,6 +39,10 @@ from jax.experimental.pallas import triton as plgpu
 from t5scale.model.attention_reference import MASKED, check_lengths, diagonal_sums
 from t5scale.model.attention_tiles import live_examples, live_spans, live_tiles
 from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
+from t5scale.model.triton_blocks import dot as _dot
+from t5scale.model.triton_blocks import load as _load
+from t5scale.model.triton_blocks import span as _span
+from t5scale.model.triton_blocks import store as _store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,39 +101,6 @@ def blocks_for(q_len: int, k_len: int, causal: bool) -> Blocks:
         if chosen:
             return Blocks(**{name: Tiles(**chosen[name]) for name in PASSES if name in chosen})
     return Blocks()
-
-
-def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
-    # float32 inputs stay float32 (no TF32): the fp32 path must match the einsum's numerics
-    exact = a.dtype == jnp.float32
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=not exact)
-
-
-def _span(block: int, size: int, index):
-    """Rows [index·block, (index+1)·block) of a dimension of `size`, which of them exist, and
-    the first."""
-    start = index * block
-    return pl.ds(start, block), start + lax.broadcasted_iota(jnp.int32, (block,), 0) < size, start
-
-
-def _mask(valid, shape: tuple[int, ...]) -> jax.Array:
-    """`valid` (rows, or a pair (rows, columns)) spread over a value of `shape`."""
-    if isinstance(valid, tuple):
-        mask = valid[0][:, None] & valid[1][None, :]
-    else:
-        mask = valid.reshape(valid.shape + (1,) * (len(shape) - 1))
-    return jnp.broadcast_to(mask, shape)
-
-
-def _load(ref, index, valid, other=0):
-    """ref[index] with the rows `valid` marks (along the first sliced dimension, and the second
-    where `valid` is a pair); the others read as `other`, past the end never touched."""
-    return plgpu.load(ref.at[index], mask=_mask(valid, ref.at[index].shape), other=other)
-
-
-def _store(ref, index, value, valid):
-    """ref[index] = value on the rows `valid` marks (as `_load`)."""
-    plgpu.store(ref.at[index], value, mask=_mask(valid, value.shape))
 
 
 def _positions(row_start, key_start, shape: tuple[int, int], keys_first: bool):

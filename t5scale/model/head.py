@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from t5scale.model import head_kernel
+from t5scale.model.head_kernel import NEG_INF, HeadTiles
 from t5scale.model.sizes import ModelConfig
 
-NEG_INF = -1e10
 # Automatic chunks keep one [chunk, vocab slice] block of fp32 logits within this many bytes:
 # at most 268 tokens at mT5's 250,112 ids, whose products still fill a GPU's matmul units.
 CHUNK_BYTES = 256 * 2**20
@@ -55,6 +56,10 @@ CHUNK_BYTES = 256 * 2**20
 # About 1,024 tokens a product reach about 200 FLOP a byte, for the bf16 gradients of a few
 # chunks kept at once (0.5 GB at mT5's vocabulary), not a larger block of fp32 logits.
 PRODUCT_TOKENS = 1024
+# What one more product costs, in tokens of padding: its read and write of the fp32 [d_model,
+# vocab] gradient (8 bytes an entry) take an H100 about as long as the three head GEMMs of
+# about 300 tokens (6·d_model·vocab FLOPs each, at the ridge of 230 FLOP a byte above).
+PRODUCT_COST_TOKENS = 300
 
 
 def loss_sums(
@@ -94,6 +99,24 @@ def chunk_tokens(requested: int | None, tokens: int, vocab_columns: int) -> int:
     return max(1, min(requested, tokens))
 
 
+def kernel_chunk_tokens(requested: int | None, tokens: int, block: int) -> int:
+    """Tokens per chunk of the head's kernel (head_kernel.py), each chunk one product: whole
+    blocks of `block` tokens (a block part padding costs the kernel a whole one), `requested`
+    rounded up to them, or for None at most PRODUCT_TOKENS, the least of padding and products
+    together, a product costing PRODUCT_COST_TOKENS (7,328 tokens: 8 chunks of 960, 4.8%
+    padding, rather than 23 products of 320 with none)."""
+    blocks = -(-tokens // block)
+    if requested is not None:
+        return min(-(-requested // block), blocks) * block
+    most = max(1, min(PRODUCT_TOKENS // block, blocks))
+
+    def cost(per_chunk: int) -> float:
+        chunks = -(-blocks // per_chunk)
+        return chunks * per_chunk + chunks * PRODUCT_COST_TOKENS / block
+
+    return min(range(most, 0, -1), key=cost) * block
+
+
 def chunks_per_product(chunk: int, chunks: int) -> int:
     """How many chunks' logit gradients one product sums into the projection's gradient: the
     divisor of `chunks` nearest PRODUCT_TOKENS / chunk (no chunk of padding alone is added)."""
@@ -117,17 +140,25 @@ def model_loss_sums(
     counted: jax.Array | None = None,
     axis: str | None = None,
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep,
+    kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, cross-entropy sum, z-loss sum) of the decoder's output [batch, length, d_model]
     through lm_head [d_model, vocab or its slice over `axis`], in chunks of the model's
-    loss_chunk_tokens (0: all tokens in one chunk); `counted` defaults to `weights`."""
+    loss_chunk_tokens (0: all tokens in one chunk); `counted` defaults to `weights`. kernel:
+    HeadLoss.kernel."""
     x = decoded.reshape(-1, decoded.shape[-1])
     requested = x.shape[0] if model.loss_chunk_tokens == 0 else model.loss_chunk_tokens
-    chunk = chunk_tokens(requested, x.shape[0], lm_head.shape[1])
+    tiles = head_kernel.tiles_for(x.shape[1])
+    if kernel:
+        chunk = kernel_chunk_tokens(requested, x.shape[0], tiles.tokens)
+        products = 1
+    else:
+        chunk = chunk_tokens(requested, x.shape[0], lm_head.shape[1])
+        products = chunks_per_product(chunk, -(-x.shape[0] // chunk))
     how = HeadLoss(
         z_loss=z_loss, chunk=chunk, vocab_size=model.vocab_size, compute_dtype=model.dtype,
         logits_dtype=model.logits_dtype, axis=axis, constrain=constrain,
-        product_chunks=chunks_per_product(chunk, -(-x.shape[0] // chunk)),
+        product_chunks=products, kernel=kernel, tiles=tiles,
     )  # fmt: skip
     weights = weights.reshape(-1).astype(jnp.float32)
     counted = weights if counted is None else counted.reshape(-1).astype(jnp.float32)
@@ -146,6 +177,8 @@ class HeadLoss:
     constrain(array, logical axes): pins a block's sharding (tensor parallelism splits the
     vocabulary of the logits and of the projection's gradient). product_chunks: chunks whose
     logit gradients one product sums into the projection's gradient (PRODUCT_TOKENS).
+    kernel: None, XLA's GEMM and reductions; 'triton' (or 'interpreted', Pallas's interpreter
+    of it) the projection and the reduction in one kernel (head_kernel.py), at `tiles`.
     """
 
     z_loss: float
@@ -156,6 +189,8 @@ class HeadLoss:
     axis: str | None = None
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] = _keep
     product_chunks: int = 1
+    kernel: str | None = None
+    tiles: HeadTiles = HeadTiles()
 
 
 def head_loss(
@@ -228,6 +263,24 @@ def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
     return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
+def _local_statistics(how: HeadLoss, w: jax.Array, with_gradients: bool, x_c, t_c, column):
+    """This slice's (maximum, Σ exp(x − maximum), target logit) per token, and what the
+    gradient is made from: the fp32 logits (XLA's route), or the kernel's exp(x − m) and each
+    column tile's m (head_kernel.py; nothing for the gradient without with_gradients)."""
+    start = _column_start(how, w.shape[1])
+    if how.kernel:
+        peaks, sums, targets, *exp = head_kernel.tile_statistics(
+            x_c, w, t_c - start, how.vocab_size - start, how.tiles,
+            write_exp=with_gradients, interpret=how.kernel == "interpreted",
+        )  # fmt: skip
+        return head_kernel.row_statistics(peaks, sums, targets), (exp, peaks)
+    logits = jnp.matmul(x_c, w, preferred_element_type=how.logits_dtype).astype(jnp.float32)
+    logits = how.constrain(logits, ("length", "vocab"))
+    if w.shape[1] * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
+        logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
+    return row_statistics(logits, column == t_c[:, None]), logits
+
+
 def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
     """One chunk's log Z and target logit per token, and with_gradients its logits' gradient
     (per unit of the loss's cotangent), from x_c [chunk, d_model] through w in the compute dtype."""
@@ -235,12 +288,8 @@ def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
     columns = w.shape[1]
     # The column ids made here, not captured: XLA fuses an iota into its users.
     column = _column_start(how, columns) + lax.broadcasted_iota(jnp.int32, (how.chunk, columns), 1)
-    logits = jnp.matmul(x_c, w, preferred_element_type=how.logits_dtype).astype(jnp.float32)
-    logits = how.constrain(logits, ("length", "vocab"))
-    if columns * (1 if how.axis is None else lax.axis_size(how.axis)) > how.vocab_size:
-        logits = jnp.where(column < how.vocab_size, logits, NEG_INF)
-    is_target = column == t_c[:, None]
-    local_peak, local_sum, local_target = row_statistics(logits, is_target)
+    local_stats, made_from = _local_statistics(how, w, with_gradients, x_c, t_c, column)
+    local_peak, local_sum, local_target = local_stats
     peak = _across_slices(how, lax.pmax, local_peak)
     # each slice's sum rescaled to one peak, and its target logit (0 where it holds none)
     local = jnp.stack([local_sum * jnp.exp(local_peak - peak), local_target])
@@ -250,8 +299,12 @@ def _chunk(how: HeadLoss, w: jax.Array, with_gradients: bool, inputs):
         return log_z, target_logit
     # d loss / d logit = weight · ((1 + 2z·log Z)·softmax − [target]), per unit cotangent.
     scale = w_c * (1.0 + 2.0 * how.z_loss * log_z)
-    d_logits = scale[:, None] * jnp.exp(logits - log_z[:, None])
-    d_logits = (d_logits - jnp.where(is_target, w_c[:, None], 0.0)).astype(w.dtype)
+    if how.kernel:
+        (exp,), peaks = made_from
+        d_logits = head_kernel.softmax_times(exp, peaks, log_z, scale, how.tiles)
+    else:
+        d_logits = scale[:, None] * jnp.exp(made_from - log_z[:, None])
+    d_logits = (d_logits - jnp.where(column == t_c[:, None], w_c[:, None], 0.0)).astype(w.dtype)
     return log_z, target_logit, how.constrain(d_logits, ("length", "vocab"))
 
 

@@ -100,6 +100,10 @@ class ShardingHooks:
     # The kernels that compile for the devices, as the caller's target answers it
     # (parallel/attention.kernels_for); the interpreter runs anywhere.
     kernels: Backend = "interpreted"
+    # The output layer's kernel where ModelConfig.head_kernel asks for it (model/head.py's
+    # HeadLoss.kernel): 'triton' on GPUs whose vocabulary tensor parallelism leaves whole;
+    # None, XLA's route (Pallas's interpreter of it is for the kernel's own tests).
+    head_kernel: str | None = None
     # gather_layer(one layer's parameters, path of the layer stack): the parameters as used.
     gather_layer: Callable[[Any, tuple[str, ...]], Any] = _keep_params
     # constrain(activation, logical axes): the activation with its sharding pinned.

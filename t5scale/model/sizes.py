@@ -89,6 +89,11 @@ class ModelConfig:
     # loss is computed from them in fp32 either way): half the bytes of the head's largest
     # array, written once and read twice, for logits rounded to bf16's 8 bits.
     logits_dtype: DType = "float32"
+    # The output projection and the loss's reduction over the vocabulary in one kernel
+    # (t5scale/model/head_kernel.py: the fp32 logits are never written, 6 bytes of traffic a
+    # logit instead of 14) on GPUs, where tensor parallelism does not split the vocabulary;
+    # elsewhere, or False, XLA's GEMM and reductions (logits_dtype applies to those alone).
+    head_kernel: bool = False
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
     # (t5scale/model/attention_kernels.py, by Triton on GPUs; attention_tpu.py, by Mosaic on

@@ -80,6 +80,7 @@ def loss_sums(
     batch: Batch,
     z_loss: float,
     constrain,
+    kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(loss, cross-entropy sum, z-loss sum) of this device's examples of `batch`, from the
     decoder's output [b, T, d] and this device's slice of lm_head [d, V/N], whose columns past the
@@ -98,4 +99,5 @@ def loss_sums(
     return model_loss_sums(
         model, group_decoded, lm_head, group_targets, group_weights, z_loss,
         counted=jnp.where(mine, group_weights, 0.0), axis=AXIS, constrain=constrain,
+        kernel=kernel,
     )  # fmt: skip

@@ -149,10 +149,13 @@ def gather_outside_layers(
 def model_hooks(layout: StateLayout, precision: Precision) -> ShardingHooks:
     """Activations pinned for tensor parallelism; at stage 3, each layer gathered where it runs,
     in the parameters' dtype."""
+    kernels = kernels_for(layout.mesh)
+    whole_vocabulary = layout.mesh.shape["tensor"] == 1
     hooks = ShardingHooks(
         constrain=_constrain,
         attend=functools.partial(attend_on_mesh, layout.mesh),
-        kernels=kernels_for(layout.mesh),
+        kernels=kernels,
+        head_kernel="triton" if kernels == "triton" and whole_vocabulary else None,
     )
     if layout.stage.shard_parameters:
         gather = functools.partial(gather_layer, layout, precision.param_dtype)
@@ -177,8 +180,14 @@ def dense_loss_sums(
         return cross_entropy + z_term, cross_entropy, z_term
     decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
     return model_loss_sums(
-        model, decoded, params[LM_HEAD], targets, weights, z_loss, constrain=_constrain
-    )
+        model, decoded, params[LM_HEAD], targets, weights, z_loss, constrain=_constrain,
+        kernel=head_kernel(model, hooks),
+    )  # fmt: skip
+
+
+def head_kernel(model: ModelConfig, hooks: ShardingHooks) -> str | None:
+    """The output layer's kernel (HeadLoss.kernel): the one that compiles here, if asked for."""
+    return hooks.head_kernel if model.head_kernel else None
 
 
 def vocabulary_parallel_loss_sums(
@@ -201,7 +210,9 @@ def vocabulary_parallel_loss_sums(
     sliced = dataclasses.replace(model, vocab_size=slice_size)
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
-    return vocab.loss_sums(model, decoded, params[LM_HEAD], batch, z_loss, _constrain)
+    return vocab.loss_sums(
+        model, decoded, params[LM_HEAD], batch, z_loss, _constrain, head_kernel(model, hooks)
+    )
 
 
 def micro_batch_loss(
