@@ -50,6 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_gemms import gemms_item
+from gpu_check_head import TILES_VARIABLE as HEAD_TILES_VARIABLE
+from gpu_check_head import head_item
+from gpu_check_head import tiles_file as head_tiles_file
 from gpu_check_items import (
     ROOT,
     device_item,
@@ -68,6 +71,7 @@ from gpu_check_tiles import TILES_VARIABLE, tiles_file
 ITEMS = {
     "device": device_item,
     "kernels": kernels_item,
+    "head": head_item,
     "gemms": gemms_item,
     "step": step_item,
     "training loop": training_loop_item,
@@ -122,6 +126,7 @@ def run_all(out: Path, shapes: Shapes, dry_run: bool, budget_s: float, only: lis
     log_path.write_text("")
     (out / "programs.zip").unlink(missing_ok=True)
     tiles_file(out).unlink(missing_ok=True)  # the kernels item writes it, the steps read it
+    head_tiles_file(out).unlink(missing_ok=True)  # the head item's, likewise
     if tiles:  # an earlier sweep's, for a run whose list leaves the kernels item out
         shutil.copyfile(tiles, tiles_file(out))
     # named items from the whole list, extras included; else the default run
@@ -166,6 +171,7 @@ def _run_item(
     if xla_flags:
         environment["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *xla_flags]).strip()
     environment[TILES_VARIABLE] = str(tiles_file(out))  # the tiles the kernels item chose
+    environment[HEAD_TILES_VARIABLE] = str(head_tiles_file(out))  # and the head item
     # JAX's allocator takes 75% of a GPU by default; a step that fits the card should run.
     environment.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     with log_path.open("a") as log:

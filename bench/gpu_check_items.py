@@ -275,10 +275,12 @@ def _write_prediction(results: Results, device, program, run, step_s: float) -> 
 
 def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers: bool,
              batch: int | None = None, loss_chunk_tokens: int | None = None,
-             precision: str = "mixed", logits_dtype: str = "float32"):  # fmt: skip
+             precision: str = "mixed", logits_dtype: str = "float32",
+             head_kernel: bool = False):  # fmt: skip
     """The timed run: mixed precision (or `precision`: 'fp8'), AdamW without clipping (as
     bench/bench_step.py), at the shapes' batch or `batch`, the loss in chunks of
-    `loss_chunk_tokens` (None: chosen), the logits written in `logits_dtype`."""
+    `loss_chunk_tokens` (None: chosen), the logits written in `logits_dtype`, or with
+    `head_kernel` not written (ModelConfig.head_kernel)."""
     from t5scale.data.config import DataConfig
     from t5scale.model.sizes import preset
     from t5scale.train.config import RunConfig, TrainConfig
@@ -288,7 +290,8 @@ def step_run(shapes: Shapes, model: str, remat: str, attention: str, scan_layers
     model_config = dataclasses.replace(preset(model), dtype="bfloat16", remat=remat,
                                        attention=attention, scan_layers=scan_layers,
                                        loss_chunk_tokens=loss_chunk_tokens,
-                                       logits_dtype=logits_dtype)  # fmt: skip
+                                       logits_dtype=logits_dtype,
+                                       head_kernel=head_kernel)  # fmt: skip
     return RunConfig(
         model=model_config,
         optimizer=OptimizerConfig(grad_clip_norm=None),

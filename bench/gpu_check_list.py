@@ -48,7 +48,7 @@ class Item:
 
     name: str
     estimate_s: float
-    kind: str  # device | kernels | gemms | step | training loop
+    kind: str  # device | kernels | head | gemms | step | training loop
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Run when named (--only) or with --all, not in the default run, which fits 9 minutes on
     # a card.
@@ -61,7 +61,7 @@ class Item:
 def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled=False,
          batch: int | None = None, chunk: int | None = None, extra: bool = False,
          precision: str = "mixed", flags: tuple[str, str] | None = None,
-         logits: str | None = None) -> Item:  # fmt: skip
+         logits: str | None = None, head_kernel: bool = False) -> Item:  # fmt: skip
     """A step item, named by what it runs."""
     layers = "unrolled" if unrolled else "loop"
     options = dict(model=model, remat=remat, attention=attention, scan_layers=not unrolled)
@@ -74,6 +74,8 @@ def step_entry(model: str, remat: str, attention: str, estimate: float, unrolled
         options["loss_chunk_tokens"], name = chunk, f"{name} loss chunk {chunk}"
     if logits:  # ModelConfig.logits_dtype (default: float32)
         options["logits_dtype"], name = logits, f"{name} {logits} logits"
+    if head_kernel:  # ModelConfig.head_kernel (t5scale/model/head_kernel.py)
+        options["head_kernel"], name = True, f"{name} head kernel"
     xla_flags = ()
     if flags:  # (what they do, the flag)
         name, xla_flags = f"{name} {flags[0]}", (flags[1],)
@@ -99,19 +101,19 @@ def work_list(shapes: Shapes, extras: bool = False) -> list[Item]:
     large, small, _ = shapes.models
     items = [
         # estimates: the walls on the H200 of 2026-11-28, fourteenth (the unrolled steps:
-        # fifteenth; the fp32 kernels: the H100's of the 28th)
+        # fifteenth; the fp32 kernels: the H100's of the 28th); the head's: guesses
         Item("device", 67, "device"),  # the H200, twenty-fifth: the FP8 chain compiles in it
-        Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}),
-        step_entry(large, "dots", "fused", 40),
-        step_entry(small, "dots", "fused", 40),
+        # the output layer's kernel (issue 59, point 3: the loss's passes over fp32 logits were
+        # the largest part of the rest), its tiles, then each unrolled step with and without it
+        Item("head", 75, "head"),
+        step_entry(small, "dots", "fused", 58, unrolled=True, head_kernel=True),
         # unrolled, the layers' kept activations are no stacks (issue 59's profile: their
         # zero-fills and copies were a third of the time neither GEMM nor attention)
-        step_entry(large, "dots", "fused", 97, unrolled=True),
         step_entry(small, "dots", "fused", 58, unrolled=True),
-        # the unrolled steps' timed median was 2.7 and 2.5 ms over their kernels' wall while
-        # profiled (the H200, twenty-fifth), their steps back to back 0.5 and 2.0 ms under it:
-        # the host's work between two steps, which t5scale's loop now hides (its own item)
-        training_loop_entry(small, "dots", "fused", 59, unrolled=True),
+        step_entry(large, "dots", "fused", 97, unrolled=True, head_kernel=True),
+        step_entry(large, "dots", "fused", 97, unrolled=True),
+        # the layer loop's step with it (the dry run's one step: it runs no unrolled layers)
+        step_entry(small, "dots", "fused", 40, head_kernel=True),
         *_extra_items(shapes),
     ]
     extras = extras or shapes.extras
@@ -131,6 +133,14 @@ def _extra_items(shapes: Shapes) -> list[Item]:
     large, small, extra_large = shapes.models
     extra = functools.partial(step_entry, extra=True)
     return [
+        # measured on the H200 of the twenty-sixth session (docs/benchmarks.md): the attention
+        # kernels and their tiles (bench/tiles/h200_2026-11-30.json, Blocks' defaults now), the
+        # layer loop's steps, and t5scale's loop on the unrolled step (its steps 5.6% under
+        # their waited median: the host's work hidden)
+        Item("kernels bfloat16", 115, "kernels", {"dtype": "bfloat16"}, extra=True),
+        extra(large, "dots", "fused", 40),
+        extra(small, "dots", "fused", 40),
+        training_loop_entry(small, "dots", "fused", 59, unrolled=True, extra=True),
         # measured on the H200 of the twenty-fifth session (docs/benchmarks.md): the unrolled
         # steps without XLA:GPU's CUDA graphs, +0.7% and +0.8%; t5scale's loop on the layer
         # loop's step

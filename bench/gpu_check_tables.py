@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check_gemms import gemm_rows
+from gpu_check_head import head_rows
 from gpu_check_list import DRY_RUN, GPU, Item, read_lines, work_list
 from gpu_profile_table import profile_tables
 
@@ -19,6 +20,7 @@ def tables(path: Path, profiles: bool = True) -> str:
         if "attention" not in line:
             merged.setdefault(line["item"], {}).update(line)
     text = ["# GPU check", "", *_device(merged.get("device", {}))]
+    text += head_rows(lines)
     text += _kernel_rows(lines) + _attention_rate(lines) + _speed_rows(lines) + _sweep_rows(lines)
     text += _step_rows(merged) + _fp8_rows(merged) + gemm_rows(lines)
     for name, row in merged.items():
@@ -214,6 +216,8 @@ def _step_row(item: Item, row: dict[str, Any]) -> str:
         model += f" ({options['precision']})"
     if "logits_dtype" in options:
         model += f" ({options['logits_dtype']} logits)"
+    if options.get("head_kernel"):
+        model += " (head kernel)"
     if item.xla_flags:
         model += f" ({' '.join(item.xla_flags)})"
     if item.kind == "training loop":

@@ -5,6 +5,7 @@ per step, for each attention and remat setting (issue 34's measure of the GPU st
     python bench/gpu_step_compiled.py --models mt5_large --remat full
     python bench/gpu_step_compiled.py --layers loop unrolled   # ModelConfig.scan_layers
     python bench/gpu_step_compiled.py --logits float32 bfloat16  # ModelConfig.logits_dtype
+    python bench/gpu_step_compiled.py --logits float32 kernel    # ModelConfig.head_kernel
 
 Each step as `t5scale plan` builds it for one H100 (gin/clusters/h100.gin): mixed precision,
 batch 32 of 1024/229, ZeRO 0, AdamW. Prints a markdown table: XLA's arguments + temporaries per
@@ -44,13 +45,21 @@ def score_tensors(hlo_text: str) -> int:
     return len(re.findall(rf"\[(?:\d+,)?{BATCH},\d+,{lengths},{lengths}\]", hlo_text))
 
 
+def _logits_bindings(logits: str) -> list[str]:
+    """'kernel': the head's kernel, which writes no logits (ModelConfig.head_kernel); else the
+    dtype XLA's GEMM writes them in."""
+    if logits == "kernel":
+        return ["ModelConfig.head_kernel=True"]
+    return [f"ModelConfig.logits_dtype='{logits}'"]
+
+
 def row(
     model: str, attention: str, remat: str, layers: str = "loop", logits: str = "float32"
 ) -> str:
     parse_gin(
         [f"gin/models/{model}.gin", "gin/precision/mixed.gin", "gin/clusters/h100.gin"],
         [f"ModelConfig.remat='{remat}'", f"ModelConfig.attention='{attention}'",
-         f"ModelConfig.scan_layers={layers == 'loop'}", f"ModelConfig.logits_dtype='{logits}'",
+         f"ModelConfig.scan_layers={layers == 'loop'}", *_logits_bindings(logits),
          f"INPUT_LENGTH={INPUT}", f"TARGET_LENGTH={TARGET}"],
     )  # fmt: skip
     devices = xla_gpu.GpuTopology("h100_sxm", nodes=1, gpus_per_node=1).devices()
@@ -80,8 +89,10 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["dot", "fused"])
     parser.add_argument("--remat", nargs="+", default=["dots", "full"])
     parser.add_argument("--layers", nargs="+", default=["loop"], choices=["loop", "unrolled"])
-    parser.add_argument("--logits", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                        help="ModelConfig.logits_dtype: the dtype the head's GEMM writes")  # fmt: skip
+    parser.add_argument("--logits", nargs="+", default=["float32"],
+                        choices=["float32", "bfloat16", "kernel"],
+                        help="ModelConfig.logits_dtype: the dtype the head's GEMM writes; "
+                             "kernel: ModelConfig.head_kernel, none written")  # fmt: skip
     args = parser.parse_args()
     print(
         "| model | attention | remat | layers | logits | arguments + temporaries | score tensors | "

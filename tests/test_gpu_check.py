@@ -20,6 +20,7 @@ SCRIPT = REPO / "bench" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))  # the script's sibling modules, as a script has them
 gpu_check = importlib.import_module("gpu_check")
 gpu_gemms = importlib.import_module("gpu_check_gemms")
+gpu_head = importlib.import_module("gpu_check_head")
 
 
 def run_check(out, *flags: str) -> subprocess.CompletedProcess:
@@ -45,7 +46,8 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     assert done.returncode == 0, done.stdout[-3000:]
     lines = results(out)
     items = gpu_check.work_list(gpu_check.DRY_RUN, extras=bool(flags))
-    dtypes = ("bfloat16", "float32") if flags else ("bfloat16",)
+    # the attention kernels are extras since the head's kernel came first (twenty-seventh)
+    dtypes = ("bfloat16", "float32") if flags else ()
     assert {line["item"]: line["status"] for line in lines if "status" in line} == {
         item.name: "done" for item in items
     }
@@ -71,18 +73,31 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
         assert kernel["ms_fused"] > 0 and kernel["ms_dot"] > 0
     # Each bf16 attention's passes timed at each candidate tile, the fastest kept for the steps.
     sweeps = {line["attention"]: line["tile_sweep"] for line in lines if "tile_sweep" in line}
-    assert {what: [row["pass"] for row in rows] for what, rows in sweeps.items()} == {
+    passes = {
         "encoder": ["forward", "dkv", "dq", "bias"],
         "decoder": ["forward", "dkv", "dq", "bias"],
         "cross": ["forward", "dkv", "dq"],
     }
+    assert {what: [row["pass"] for row in rows] for what, rows in sweeps.items()} == (
+        passes if flags else {}
+    )
     for rows in sweeps.values():
         for row in rows:
             timed = [c for c in row["candidates"] if c["ms"] is not None]
             fastest = min(timed, key=lambda c: c["ms"])
             assert {k: fastest[k] for k in row["chosen"]} == row["chosen"]
-    chosen = json.loads((out / "attention_tiles.json").read_text())
-    assert set(chosen) == {"96x96", "23x23 causal", "23x96"}
+    if flags:
+        chosen = json.loads((out / "attention_tiles.json").read_text())
+        assert set(chosen) == {"96x96", "23x23 causal", "23x96"}
+    # The head item: XLA's route and the head's kernel (interpreted) at each candidate tile,
+    # within bf16's rounding of each other, the fastest kept for the steps by d_model.
+    (head,) = [line for line in lines if "head" in line and "xla_seconds" in line]
+    timed_rows = [row for row in head["kernel"] if "seconds" in row]
+    assert len(timed_rows) == len(gpu_head.DRY_CANDIDATES) and head["xla_seconds"] > 0
+    assert all(max(row["errors_loss_dx_dw"]) < 2e-2 for row in timed_rows)
+    fastest = min(timed_rows, key=lambda row: row["seconds"])
+    assert list(head["chosen"].values()) == fastest["tiles"]
+    assert json.loads((out / "head_tiles.json").read_text()) == {"64": head["chosen"]}
     step_items = {item.name for item in items if item.kind == "step"}
     steps = [line for line in lines if "step_s" in line and line["item"] in step_items]
     assert len(steps) == len(step_items)
@@ -113,13 +128,15 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
         # The kernels' FLOPs as the inventory reads them from the H100 program: the encoder's
         # are eleven products of 2·B·N·T·S·H (two forward, four for dk and dv, three for dq,
         # two for the bias's gradient).
-        encoder = next(k for k in kernels if k["attention"] == "encoder" and k["fused_flops"])
-        shapes = gpu_check.DRY_RUN
-        product = 2 * shapes.batch * shapes.heads * shapes.input_length**2 * 64
-        assert encoder["fused_flops"] == 11 * product
-        bf16 = [k for k in kernels if k["dtype"] == "bfloat16"]
-        assert all(0 < k["fused_flops"] <= encoder["fused_flops"] for k in bf16)
-        assert "FLOP-weighted" in (out / "gpu_check.md").read_text()
+        # (the kernels item is an extra: with --all)
+        if flags:
+            encoder = next(k for k in kernels if k["attention"] == "encoder" and k["fused_flops"])
+            shapes = gpu_check.DRY_RUN
+            product = 2 * shapes.batch * shapes.heads * shapes.input_length**2 * 64
+            assert encoder["fused_flops"] == 11 * product
+            bf16 = [k for k in kernels if k["dtype"] == "bfloat16"]
+            assert all(0 < k["fused_flops"] <= encoder["fused_flops"] for k in bf16)
+            assert "FLOP-weighted" in (out / "gpu_check.md").read_text()
         with zipfile.ZipFile(out / "programs.zip") as programs:  # each program, to read again
             assert len(programs.namelist()) == len(steps)
             assert all("HloModule" in programs.read(name).decode()[:200]
@@ -135,8 +152,9 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
         rows = [row.split(" | ") for row in table[table.index("|---" * 7 + "|") + 1 :] if row]
         assert len(rows) == len(steps) and all(row[3] == row[4] != "–" for row in rows)
     table = (out / "gpu_check.md").read_text()
-    step_table = table.split("## GEMMs at the layers' shapes")[0]
-    labels = ("| mt5_tiny |", "| mt5_tiny (fp8) |", "| mt5_tiny (bfloat16 logits) |")
+    step_table = table.split("## Steps")[1].split("## GEMMs at the layers' shapes")[0]
+    labels = ("| mt5_tiny |", "| mt5_tiny (fp8) |", "| mt5_tiny (bfloat16 logits) |",
+              "| mt5_tiny (head kernel) |")  # fmt: skip
     assert sum(step_table.count(label) for label in labels) == len(steps)
     # The GEMMs item (an extra): each of the layers' shapes timed and priced, a row each
     gemms = [line for line in lines if "gemm_s" in line]
@@ -153,9 +171,11 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     assert table.count("### step mt5_tiny") == len(steps)
     # A run cut short keeps what it measured: the tables of its first lines.
     cut = tmp_path / "cut.jsonl"
-    cut.write_text("".join(json.dumps(line) + "\n" for line in lines[:8]))
+    kept = lines[: lines.index(head) + 1]  # up to the head item's result
+    cut.write_text("".join(json.dumps(line) + "\n" for line in kept))
     partial = gpu_check.tables(cut)
-    assert "| encoder | bfloat16 |" in partial and "| mt5_tiny |" not in partial
+    assert "| mt5_tiny | 46 × 64 × 4,096 | kernel |" in partial and "| dots |" not in partial
+    assert table.count("| mt5_tiny | 46 × 64 × 4,096 | kernel |") == len(gpu_head.DRY_CANDIDATES)
 
 
 def test_items_past_the_budget_are_skipped_and_said_so(tmp_path):
