@@ -94,7 +94,8 @@ def test_each_tile_s_statistics_and_exponentials_are_its_own():
     that tile's logits, and exp(x − max) itself, for ragged rows and columns; a target outside
     the columns (another slice's) is in no tile."""
     x, w, targets, _ = _inputs()
-    targets = targets.at[0].set(-1).at[1].set(400)
+    # no target: -1, one past every tile, one past the columns inside the last (ragged) tile
+    targets = targets.at[0].set(-1).at[1].set(400).at[2].set(310)
     peaks, sums, target_logits, exp = tile_statistics(x, w, targets, 300, SMALL, write_exp=True,
                                                       interpret=True)  # fmt: skip
     logits = np.asarray(x @ w)
@@ -103,12 +104,40 @@ def test_each_tile_s_statistics_and_exponentials_are_its_own():
         np.testing.assert_allclose(peaks[tile], block.max(1), rtol=1e-6)
         np.testing.assert_allclose(sums[tile], np.exp(block - block.max(1, keepdims=True)).sum(1),
                                    rtol=1e-5)  # fmt: skip
-        inside = (targets >= tile * 64) & (targets < (tile + 1) * 64)
+        inside = (targets >= tile * 64) & (targets < min((tile + 1) * 64, 300))
         want = np.where(inside, logits[np.arange(37), np.clip(targets, 0, 299)], 0.0)
         np.testing.assert_allclose(target_logits[tile], want, rtol=1e-6)
         np.testing.assert_allclose(exp[:, tile * 64 : (tile + 1) * 64],
                                    np.exp(block - block.max(1, keepdims=True)), rtol=1e-5)  # fmt: skip
-    assert not np.any(target_logits[:, :2])
+    assert not np.any(target_logits[:, :3])
+
+
+def test_split_over_a_vocabulary_axis_the_kernel_gives_the_whole_loss_and_gradient():
+    """Stage 3's vocabulary-parallel head (HeadLoss.axis): each of 2 slices of 150 columns (the
+    last 10 padding past the vocabulary of 290) runs the kernel on its own columns, their
+    statistics combined over the axis (here a vmap's named axis, as the interpreter cannot run
+    inside the step's shard_map): every slice's loss is the whole logits' loss, and the slices'
+    gradients are the whole projection's gradient. A target in another slice's columns was
+    counted as a masked column's logit (-1e10) before the kernel masked targets too."""
+    x, w, targets, weights = _inputs(vocab=290)
+    slices = jnp.pad(w, ((0, 0), (0, 10))).reshape(48, 2, 150).transpose(1, 0, 2)
+
+    def slice_loss(w_slice, kernel):
+        how = HeadLoss(z_loss=Z_LOSS, chunk=16, vocab_size=290, axis="zero", kernel=kernel,
+                       tiles=SMALL)  # fmt: skip
+        return head_loss(x, w_slice, targets, weights, weights, how)[0]
+
+    def whole(w):
+        return sum(loss_sums(x @ w, targets, weights, Z_LOSS))
+
+    want, want_grad = jax.value_and_grad(whole)(w)
+    for kernel in ("interpreted", None):
+        split = jax.vmap(jax.value_and_grad(lambda s, k=kernel: slice_loss(s, k)), axis_name="zero")
+        losses, grads = split(slices)
+        np.testing.assert_allclose(losses, [want, want], rtol=1e-6)
+        got = grads.transpose(1, 0, 2).reshape(48, 300)
+        assert relative_difference(np.asarray(got[:, :290]), np.asarray(want_grad)) < 1e-6
+        assert not np.any(got[:, 290:])
 
 
 def test_kernel_chunks_are_whole_blocks_and_pad_little():

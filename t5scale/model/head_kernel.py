@@ -94,11 +94,13 @@ def _statistics_kernel(x_ref, w_ref, targets_ref, limit_ref, *out_refs, tiles: H
     start = jnp.zeros((tiles.tokens, tiles.columns), jnp.float32)
     logits = lax.fori_loop(0, depth // depth_step, step, start)
     column = col_start + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    logits = jnp.where(column < limit_ref[0], logits, NEG_INF)
+    inside = column < limit_ref[0]
+    logits = jnp.where(inside, logits, NEG_INF)
     peak = jnp.max(logits, axis=1)
     exp = jnp.exp(logits - peak[:, None])
     targets = load(targets_ref, rows, row_valid, other=-1)
-    target = jnp.sum(jnp.where(column == targets[:, None], logits, 0.0), axis=1)
+    # a target past the columns (another slice's, beyond a ragged last tile) is in none
+    target = jnp.sum(jnp.where(inside & (column == targets[:, None]), logits, 0.0), axis=1)
     store(peak_ref, (tile, rows), peak, row_valid)
     store(sum_ref, (tile, rows), jnp.sum(exp, axis=1), row_valid)
     store(target_ref, (tile, rows), target, row_valid)

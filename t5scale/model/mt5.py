@@ -111,6 +111,11 @@ class ShardingHooks:
     # embed(table, tokens, compute dtype): the tokens' rows of the embedding table.
     embed: Callable[[jax.Array, jax.Array, Any], jax.Array] = _look_up
 
+    def head_kernel_for(self, model: ModelConfig) -> str | None:
+        """The output layer's kernel (head.HeadLoss.kernel): the one that compiles here, where
+        the model asks for it (ModelConfig.head_kernel)."""
+        return self.head_kernel if model.head_kernel else None
+
 
 class _Module(nn.Module):
     cfg: ModelConfig

@@ -181,13 +181,8 @@ def dense_loss_sums(
     decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
     return model_loss_sums(
         model, decoded, params[LM_HEAD], targets, weights, z_loss, constrain=_constrain,
-        kernel=head_kernel(model, hooks),
+        kernel=hooks.head_kernel_for(model),
     )  # fmt: skip
-
-
-def head_kernel(model: ModelConfig, hooks: ShardingHooks) -> str | None:
-    """The output layer's kernel (HeadLoss.kernel): the one that compiles here, if asked for."""
-    return hooks.head_kernel if model.head_kernel else None
 
 
 def vocabulary_parallel_loss_sums(
@@ -211,7 +206,7 @@ def vocabulary_parallel_loss_sums(
     module = MT5(sliced, dataclasses.replace(hooks, embed=embed))
     decoded = module.apply(model_variables(params, fp8), *batch.model_inputs(), project=False)
     return vocab.loss_sums(
-        model, decoded, params[LM_HEAD], batch, z_loss, _constrain, head_kernel(model, hooks)
+        model, decoded, params[LM_HEAD], batch, z_loss, _constrain, hooks.head_kernel_for(model)
     )
 
 

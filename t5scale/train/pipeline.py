@@ -194,4 +194,5 @@ def _my_share_of_the_loss(
         my_share(micro.decoder_loss_weights).reshape(-1, target_length),
         z_loss,
         constrain=hooks.constrain,
+        kernel=hooks.head_kernel_for(model),
     )
