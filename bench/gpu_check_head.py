@@ -90,8 +90,9 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
             continue
         errors = [_relative(np, a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                                         strict=True)]  # fmt: skip
+        alone = _kernel_alone(jax, x[:chunk], w, targets[:chunk], tiles, interpret, repeats)
         rows.append({"tiles": candidate, "chunk": chunk, "seconds": seconds,
-                     "errors_loss_dx_dw": errors})  # fmt: skip
+                     "errors_loss_dx_dw": errors, **alone})  # fmt: skip
         if best is None or seconds < best[1]:
             best = (candidate, seconds)
     fields = ("tokens", "columns", "depth", "warps", "stages")
@@ -100,6 +101,23 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
         "xla_seconds": timed(xla, x, w, repeats=repeats), "kernel": rows,
         "chosen": dict(zip(fields, best[0], strict=True)) if best else {},
     }  # fmt: skip
+
+
+def _kernel_alone(jax, x, w, targets, tiles, interpret: bool, repeats: int) -> dict[str, float]:
+    """One chunk's kernel alone against cuBLAS's GEMM of the same product writing fp32 logits
+    (XLA's route's first kernel): how near the Triton GEMM comes to the library's."""
+    import jax.numpy as jnp
+
+    from t5scale.model.head_kernel import tile_statistics
+
+    kernel = jax.jit(lambda x, w, t: tile_statistics(x, w, t, w.shape[1], tiles, write_exp=True,
+                                                     interpret=interpret))  # fmt: skip
+    gemm = jax.jit(lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32))
+    return {
+        "kernel_chunk_s": timed(kernel, x, w, targets, repeats=repeats),
+        "gemm_chunk_s": timed(gemm, x, w, repeats=repeats),
+        "chunk_flops": 2.0 * x.shape[0] * x.shape[1] * w.shape[1],
+    }
 
 
 def _relative(np, got, want) -> float:
@@ -114,20 +132,26 @@ def head_rows(lines: list[dict[str, Any]]) -> list[str]:
         return []
     text = ["", "## The output layer: XLA's route against the head's kernel", "",
             "| model | tokens × d_model × vocab | route | tiles (tokens, columns, depth, warps, "
-            "stages) | chunk | fwd+bwd | against XLA | errors (loss, dx, dw) |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "stages) | chunk | fwd+bwd | against XLA | errors (loss, dx, dw) | a chunk's kernel "
+            "against cuBLAS's GEMM (TFLOP/s) |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for head in heads:
         shape = f"{head['tokens']:,} × {head['d_model']} × {head['vocab']:,}"
         xla_ms = head["xla_seconds"] * 1e3
         text.append(f"| {head['head']} | {shape} | XLA | – | {head['xla_chunk']} | "
-                    f"{xla_ms:.2f} ms | 1.00× | – |")  # fmt: skip
+                    f"{xla_ms:.2f} ms | 1.00× | – | – |")  # fmt: skip
         for row in head["kernel"]:
             if "seconds" not in row:
                 text.append(f"| {head['head']} | {shape} | kernel | {row['tiles']} | – | – | – | "
-                            f"{row['error']} |")  # fmt: skip
+                            f"{row['error']} | – |")  # fmt: skip
                 continue
             errors = ", ".join(f"{e:.1e}" for e in row["errors_loss_dx_dw"])
             text.append(f"| {head['head']} | {shape} | kernel | {row['tiles']} | {row['chunk']} "
                         f"| {row['seconds'] * 1e3:.2f} ms | {xla_ms / (row['seconds'] * 1e3):.2f}× "
-                        f"| {errors} |")  # fmt: skip
+                        f"| {errors} | {_rates(row)} |")  # fmt: skip
     return text
+
+
+def _rates(row: dict[str, Any]) -> str:
+    flops = row["chunk_flops"]
+    return f"{flops / row['kernel_chunk_s'] / 1e12:.0f} against {flops / row['gemm_chunk_s'] / 1e12:.0f}"

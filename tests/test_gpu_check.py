@@ -95,6 +95,7 @@ def test_the_dry_run_measures_every_item_of_the_list(tmp_path, flags):
     timed_rows = [row for row in head["kernel"] if "seconds" in row]
     assert len(timed_rows) == len(gpu_head.DRY_CANDIDATES) and head["xla_seconds"] > 0
     assert all(max(row["errors_loss_dx_dw"]) < 2e-2 for row in timed_rows)
+    assert all(row["kernel_chunk_s"] > 0 < row["gemm_chunk_s"] for row in timed_rows)
     fastest = min(timed_rows, key=lambda row: row["seconds"])
     assert list(head["chosen"].values()) == fastest["tiles"]
     assert json.loads((out / "head_tiles.json").read_text()) == {"64": head["chosen"]}
