@@ -53,7 +53,13 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
     import jax.numpy as jnp
     import numpy as np
 
-    from t5scale.model.head import HeadLoss, chunk_tokens, head_loss, kernel_chunk_tokens
+    from t5scale.model.head import (
+        HeadLoss,
+        chunk_tokens,
+        chunks_per_product,
+        head_loss,
+        kernel_chunk_tokens,
+    )
     from t5scale.model.head_kernel import HeadTiles
 
     tokens = shapes.batch * shapes.target_length
@@ -64,8 +70,10 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
     weights = (jax.random.uniform(keys[3], (tokens,)) > 0.1).astype(jnp.float32)
     interpret = jax.devices()[0].platform != "gpu"
     repeats = 2 if dry_run else 10
-    base = HeadLoss(z_loss=1e-4, chunk=chunk_tokens(None, tokens, vocab), vocab_size=vocab,
-                    compute_dtype="bfloat16")  # fmt: skip
+    # XLA's route as the step runs it (head.model_loss_sums): its chunks, in products of ~1,024
+    chunk = chunk_tokens(None, tokens, vocab)
+    base = HeadLoss(z_loss=1e-4, chunk=chunk, vocab_size=vocab, compute_dtype="bfloat16",
+                    product_chunks=chunks_per_product(chunk, -(-tokens // chunk)))  # fmt: skip
 
     def gradients(how: HeadLoss):
         def loss(x, w):
@@ -79,8 +87,8 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
     for candidate in DRY_CANDIDATES if dry_run else CANDIDATES:
         tiles = HeadTiles(*candidate)
         chunk = kernel_chunk_tokens(None, tokens, tiles.tokens)
-        how = dataclasses.replace(base, chunk=chunk, kernel="interpreted" if interpret else "triton",
-                                  tiles=tiles)  # fmt: skip
+        how = dataclasses.replace(base, chunk=chunk, product_chunks=1, tiles=tiles,
+                                  kernel="interpreted" if interpret else "triton")  # fmt: skip
         try:
             function = gradients(how)
             got = function(x, w)
