@@ -13,6 +13,7 @@ from conftest import relative_difference
 
 from t5scale.model.head import HeadLoss, head_loss, kernel_chunk_tokens, loss_sums
 from t5scale.model.head_kernel import HeadTiles, tile_statistics
+from t5scale.model.sizes import ModelConfig
 from t5scale.startup import cuda_plugin_installed
 
 Z_LOSS = 1e-4
@@ -138,6 +139,12 @@ def test_split_over_a_vocabulary_axis_the_kernel_gives_the_whole_loss_and_gradie
         got = grads.transpose(1, 0, 2).reshape(48, 300)
         assert relative_difference(np.asarray(got[:, :290]), np.asarray(want_grad)) < 1e-6
         assert not np.any(got[:, 290:])
+
+
+def test_a_d_model_the_kernel_cannot_step_through_is_one_line():
+    with pytest.raises(ValueError, match="head_kernel needs d_model a multiple of 16, got 100"):
+        ModelConfig(name="custom", vocab_size=512, d_model=100, d_ff=256, num_heads=4, d_kv=25,
+                    num_encoder_layers=1, num_decoder_layers=1, head_kernel=True)  # fmt: skip
 
 
 def test_kernel_chunks_are_whole_blocks_and_pad_little():

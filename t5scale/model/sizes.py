@@ -165,6 +165,10 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive integer, got {value!r}")
+        if self.head_kernel and self.d_model % 16:  # Triton's dot: an inner step of >= 16
+            raise ValueError(
+                f"ModelConfig.head_kernel needs d_model a multiple of 16, got {self.d_model}"
+            )
         self._check_numerics()
 
     @property
