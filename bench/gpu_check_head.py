@@ -23,6 +23,7 @@ CANDIDATES = (
     (64, 128, 32, 4, 4),
 )
 DRY_CANDIDATES = ((16, 64, 16, 4, 2), (32, 64, 16, 4, 2))
+TOLERANCE = 2e-2  # relative, of the loss and each gradient against XLA's route, in bf16
 # t5scale.model.head_kernel.TILES_FILE, named here so that the parent does not import JAX
 TILES_VARIABLE = "T5SCALE_HEAD_TILES"
 
@@ -48,27 +49,10 @@ def head_item(results: Results, shapes: Shapes, dry_run: bool) -> None:
 def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> dict[str, Any]:
     """Forward + backward of the head over batch × target length tokens: XLA's route and the
     kernel at each candidate (median of 10), its errors against XLA's route in bf16."""
-    import dataclasses
-
-    import jax.numpy as jnp
-    import numpy as np
-
-    from t5scale.model.head import (
-        HeadLoss,
-        chunk_tokens,
-        chunks_per_product,
-        head_loss,
-        kernel_chunk_tokens,
-    )
-    from t5scale.model.head_kernel import HeadTiles
+    from t5scale.model.head import HeadLoss, chunk_tokens, chunks_per_product, head_loss
 
     tokens = shapes.batch * shapes.target_length
-    keys = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(keys[0], (tokens, d_model), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (d_model, vocab)) / d_model**0.5).astype(jnp.bfloat16)
-    targets = jax.random.randint(keys[2], (tokens,), 0, vocab)
-    weights = (jax.random.uniform(keys[3], (tokens,)) > 0.1).astype(jnp.float32)
-    interpret = jax.devices()[0].platform != "gpu"
+    x, w, targets, weights = _head_arrays(jax, tokens, d_model, vocab)
     repeats = 2 if dry_run else 10
     # XLA's route as the step runs it (head.model_loss_sums): its chunks, in products of ~1,024
     chunk = chunk_tokens(None, tokens, vocab)
@@ -82,33 +66,61 @@ def _compare(jax, shapes: Shapes, d_model: int, vocab: int, dry_run: bool) -> di
         return jax.jit(jax.value_and_grad(loss, (0, 1)))
 
     xla = gradients(base)
-    want = xla(x, w)
-    rows, best = [], None
-    for candidate in DRY_CANDIDATES if dry_run else CANDIDATES:
-        tiles = HeadTiles(*candidate)
-        chunk = kernel_chunk_tokens(None, tokens, tiles.tokens)
-        how = dataclasses.replace(base, chunk=chunk, product_chunks=1, tiles=tiles,
-                                  kernel="interpreted" if interpret else "triton")  # fmt: skip
-        try:
-            function = gradients(how)
-            got = function(x, w)
-            seconds = timed(function, x, w, repeats=repeats)
-        except Exception as error:  # a tile Triton cannot compile is a row, not a failed item
-            rows.append({"tiles": candidate, "error": str(error).splitlines()[0][:200]})
-            continue
-        errors = [_relative(np, a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                                                        strict=True)]  # fmt: skip
-        alone = _kernel_alone(jax, x[:chunk], w, targets[:chunk], tiles, interpret, repeats)
-        rows.append({"tiles": candidate, "chunk": chunk, "seconds": seconds,
-                     "errors_loss_dx_dw": errors, **alone})  # fmt: skip
-        if best is None or seconds < best[1]:
-            best = (candidate, seconds)
+    arrays = (x, w, targets, xla(x, w))
+    rows = [_candidate(jax, base, candidate, gradients, arrays, repeats)
+            for candidate in (DRY_CANDIDATES if dry_run else CANDIDATES)]  # fmt: skip
+    # the fastest of those within bf16's tolerance of XLA's route (tests/test_head_kernel.py)
+    exact = [row for row in rows if "seconds" in row and max(row["errors_loss_dx_dw"]) < TOLERANCE]
+    best = min(exact, key=lambda row: row["seconds"])["tiles"] if exact else None
     fields = ("tokens", "columns", "depth", "warps", "stages")
     return {
         "tokens": tokens, "d_model": d_model, "vocab": vocab, "xla_chunk": base.chunk,
         "xla_seconds": timed(xla, x, w, repeats=repeats), "kernel": rows,
-        "chosen": dict(zip(fields, best[0], strict=True)) if best else {},
+        "chosen": dict(zip(fields, best, strict=True)) if best else {},
     }  # fmt: skip
+
+
+def _head_arrays(jax, tokens: int, d_model: int, vocab: int) -> tuple:
+    """x [tokens, d_model] and w [d_model, vocab] in bf16 (logits of a few units), targets and
+    weights (a tenth padding)."""
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, d_model), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (d_model, vocab)) / d_model**0.5).astype(jnp.bfloat16)
+    targets = jax.random.randint(keys[2], (tokens,), 0, vocab)
+    weights = (jax.random.uniform(keys[3], (tokens,)) > 0.1).astype(jnp.float32)
+    return x, w, targets, weights
+
+
+def _candidate(jax, base, candidate: tuple, gradients, arrays: tuple, repeats: int) -> dict:
+    """The kernel's route at one candidate's tiles: its time, its errors against XLA's route
+    (`arrays`' last: its loss and gradients), a chunk's kernel alone; or why it failed."""
+    import dataclasses
+
+    import numpy as np
+
+    from t5scale.model.head import chunks_per_product, kernel_chunk_tokens
+    from t5scale.model.head_kernel import HeadTiles
+
+    x, w, targets, want = arrays
+    interpret = jax.devices()[0].platform != "gpu"
+    tiles = HeadTiles(*candidate)
+    chunk = kernel_chunk_tokens(None, x.shape[0], tiles.tokens)
+    how = dataclasses.replace(base, chunk=chunk, tiles=tiles,
+                              product_chunks=chunks_per_product(chunk, -(-x.shape[0] // chunk)),
+                              kernel="interpreted" if interpret else "triton")  # fmt: skip
+    try:
+        function = gradients(how)
+        got = function(x, w)
+        seconds = timed(function, x, w, repeats=repeats)
+    except Exception as error:  # a tile Triton cannot compile is a row, not a failed item
+        return {"tiles": candidate, "error": str(error).splitlines()[0][:200]}
+    errors = [_relative(np, a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                                                    strict=True)]  # fmt: skip
+    alone = _kernel_alone(jax, x[:chunk], w, targets[:chunk], tiles, interpret, repeats)
+    return {"tiles": candidate, "chunk": chunk, "seconds": seconds, "errors_loss_dx_dw": errors,
+            **alone}  # fmt: skip
 
 
 def _kernel_alone(jax, x, w, targets, tiles, interpret: bool, repeats: int) -> dict[str, float]:

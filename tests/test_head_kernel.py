@@ -141,7 +141,9 @@ def test_split_over_a_vocabulary_axis_the_kernel_gives_the_whole_loss_and_gradie
         assert not np.any(got[:, 290:])
 
 
-def test_a_d_model_the_kernel_cannot_step_through_is_one_line():
+def test_a_d_model_or_tiles_the_kernel_cannot_step_through_is_one_line():
+    with pytest.raises(ValueError, match="powers of two >= 16, got \\(48, 128, 64\\)"):
+        HeadTiles(tokens=48)
     with pytest.raises(ValueError, match="head_kernel needs d_model a multiple of 16, got 100"):
         ModelConfig(name="custom", vocab_size=512, d_model=100, d_ff=256, num_heads=4, d_kv=25,
                     num_encoder_layers=1, num_decoder_layers=1, head_kernel=True)  # fmt: skip

@@ -104,7 +104,8 @@ def kernel_chunk_tokens(requested: int | None, tokens: int, block: int) -> int:
     blocks of `block` tokens (a block part padding costs the kernel a whole one), `requested`
     rounded up to them, or for None at most PRODUCT_TOKENS, the least of padding and products
     together, a product costing PRODUCT_COST_TOKENS (7,328 tokens: 8 chunks of 960, 4.8%
-    padding, rather than 23 products of 320 with none)."""
+    padding, rather than 23 products of 320 with 32 tokens of it). A requested size smaller
+    than PRODUCT_TOKENS shares products as XLA's route's chunks do (chunks_per_product)."""
     blocks = -(-tokens // block)
     if requested is not None:
         return min(-(-requested // block), blocks) * block
@@ -151,10 +152,9 @@ def model_loss_sums(
     tiles = head_kernel.tiles_for(x.shape[1])
     if kernel:
         chunk = kernel_chunk_tokens(requested, x.shape[0], tiles.tokens)
-        products = 1
     else:
         chunk = chunk_tokens(requested, x.shape[0], lm_head.shape[1])
-        products = chunks_per_product(chunk, -(-x.shape[0] // chunk))
+    products = chunks_per_product(chunk, -(-x.shape[0] // chunk))
     how = HeadLoss(
         z_loss=z_loss, chunk=chunk, vocab_size=model.vocab_size, compute_dtype=model.dtype,
         logits_dtype=model.logits_dtype, axis=axis, constrain=constrain,

@@ -9,10 +9,12 @@ of the step outside the GEMMs (5.4 ms of mt5_small's 46 ms on an H200, docs/benc
 Here one program per (block of tokens, block of columns) multiplies its tile in fp32 registers
 and, before anything is written, reduces it to each row's maximum m, Σ exp(x − m) and target
 logit over its columns, and (for the gradient) writes exp(x − m) in the compute dtype. The
-tiles' statistics combine into log Z outside (a few MB); the gradient is then exp(x − m)·
-exp(m − log Z) less the target's one-hot, one elementwise pass in the compute dtype: 6 bytes a
-logit, not 14. The loss is the same fp32 arithmetic; in bf16 the gradient is rounded twice (to
-bf16 before and after the rescaling) where XLA's path rounds it once.
+tiles' statistics combine into log Z outside (12 bytes a token a tile of 128 columns: 22 MB for
+960 tokens at mT5's vocabulary); the gradient is then exp(x − m)·exp(m − log Z) less the
+target's one-hot, one elementwise pass in the compute dtype: 6 bytes a logit, not 14. The loss
+is the same fp32 arithmetic up to the order of its sums (and in fp32 no TF32 in the kernel's
+products); in bf16 the gradient is rounded twice (to bf16 before and after the rescaling) where
+XLA's path rounds it once.
 
 Rows (tokens) and columns past the arrays' ends are loaded masked and never stored; columns
 from `limit` on (a vocabulary padded for a split) are masked out of the statistics. The FLOPs
@@ -51,6 +53,12 @@ class HeadTiles:
     depth: int = 64
     warps: int = 4
     stages: int = 3
+
+    def __post_init__(self) -> None:
+        sizes = (self.tokens, self.columns, self.depth)
+        if any(size < 16 or size & (size - 1) for size in sizes):
+            raise ValueError(f"HeadTiles: tokens, columns and depth must be powers of two >= 16, "
+                             f"got {sizes}")  # fmt: skip
 
 
 # A JSON file of tiles chosen on a card ({d_model: HeadTiles' fields}), read where it names the

@@ -92,7 +92,8 @@ class ModelConfig:
     # The output projection and the loss's reduction over the vocabulary in one kernel
     # (t5scale/model/head_kernel.py: the fp32 logits are never written, 6 bytes of traffic a
     # logit instead of 14) on GPUs, where tensor parallelism does not split the vocabulary;
-    # elsewhere, or False, XLA's GEMM and reductions (logits_dtype applies to those alone).
+    # elsewhere (and in the eval step, and with loss_chunk_tokens 0 on the dense path), or
+    # False, XLA's GEMM and reductions (logits_dtype applies to those alone).
     head_kernel: bool = False
     # How attention is computed (t5scale/model/mt5.py): 'dot', einsums and a softmax over the
     # [batch, heads, q, k] scores; 'fused', one kernel per pass that never forms them
