@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 from collections.abc import Callable
 
 import jax
@@ -39,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from t5scale.model.attention_reference import MASKED, check_lengths, diagonal_sums
 from t5scale.model.attention_tiles import live_examples, live_spans, live_tiles
 from t5scale.model.attention_vjp import Passes, Placement, differentiable, whole_arrays
+from t5scale.model.triton_blocks import chosen_tiles
 from t5scale.model.triton_blocks import dot as _dot
 from t5scale.model.triton_blocks import load as _load
 from t5scale.model.triton_blocks import span as _span
@@ -94,12 +93,9 @@ def shape_key(q_len: int, k_len: int, causal: bool) -> str:
 
 def blocks_for(q_len: int, k_len: int, causal: bool) -> Blocks:
     """The tiles for these lengths: from TILES_FILE where it names them, else the defaults."""
-    path = os.environ.get(TILES_FILE)
-    if path and os.path.exists(path):
-        with open(path) as file:
-            chosen = json.load(file).get(shape_key(q_len, k_len, causal))
-        if chosen:
-            return Blocks(**{name: Tiles(**chosen[name]) for name in PASSES if name in chosen})
+    chosen = chosen_tiles(TILES_FILE, shape_key(q_len, k_len, causal))
+    if chosen:
+        return Blocks(**{name: Tiles(**chosen[name]) for name in PASSES if name in chosen})
     return Blocks()
 
 

@@ -149,7 +149,7 @@ def model_loss_sums(
     HeadLoss.kernel."""
     x = decoded.reshape(-1, decoded.shape[-1])
     requested = x.shape[0] if model.loss_chunk_tokens == 0 else model.loss_chunk_tokens
-    tiles = head_kernel.tiles_for(x.shape[1])
+    tiles = head_kernel.tiles_for(x.shape[1]) if kernel else HeadTiles()
     if kernel:
         chunk = kernel_chunk_tokens(requested, x.shape[0], tiles.tokens)
     else:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.triton_blocks import dot, load, span, store
+from t5scale.model.triton_blocks import chosen_tiles, dot, load, span, store
 
 NEG_INF = -1e10  # a masked column's logit (head.py's too)
 KERNEL_NAME = "t5_head_statistics"
@@ -68,13 +66,8 @@ TILES_FILE = "T5SCALE_HEAD_TILES"
 
 def tiles_for(d_model: int) -> HeadTiles:
     """The tiles for this d_model: from TILES_FILE where it names it, else the defaults."""
-    path = os.environ.get(TILES_FILE)
-    if path and os.path.exists(path):
-        with open(path) as file:
-            chosen = json.load(file).get(str(d_model))
-        if chosen:
-            return HeadTiles(**chosen)
-    return HeadTiles()
+    chosen = chosen_tiles(TILES_FILE, str(d_model))
+    return HeadTiles(**chosen) if chosen else HeadTiles()
 
 
 def _load_block(ref, index, valid, whole: bool):

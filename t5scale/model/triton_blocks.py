@@ -5,11 +5,24 @@ fused attention (attention_kernels.py) and the output layer's kernel (head_kerne
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+
+def chosen_tiles(variable: str, key: str) -> dict | None:
+    """The tiles a card chose for `key`, from the JSON file the environment variable `variable`
+    names ({key: tiles' fields}, as bench/gpu_check.py's sweeps write it), or None."""
+    path = os.environ.get(variable)
+    if not (path and os.path.exists(path)):
+        return None
+    with open(path) as file:
+        return json.load(file).get(key) or None
 
 
 def dot(a, b, trans_a: bool = False, trans_b: bool = False):
