@@ -14,6 +14,7 @@ import pytest
 from t5scale.config import build_run_config, parse_gin
 from t5scale.model.mt5 import (
     MT5,
+    _Module,
     abstract_params,
     gated_gelu,
     init_params,
@@ -100,6 +101,26 @@ def test_remat_policies_do_not_change_the_numbers():
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_init_declares_the_parameters_without_the_arithmetic_and_draws_the_same(monkeypatch):
+    """A state's creation traces the model's init: it skips the layers' matmuls (_Module.declaring),
+    and the parameters are those of an init that runs them, to the bit."""
+    cfg = ModelConfig(vocab_size=256)
+    rng = jax.random.key(3)
+
+    def init() -> tuple[int, list[np.ndarray]]:
+        """(the init's matmuls, its parameters)"""
+        traced = jax.jit(lambda key: init_params(cfg, key)).trace(rng)
+        params = traced.lower().compile()(rng)
+        return str(traced.jaxpr).count("dot_general"), jax.tree.leaves(params)
+
+    declared_dots, declared = init()
+    monkeypatch.setattr(_Module, "declaring", lambda self: False)
+    computed_dots, computed = init()
+    assert declared_dots == 0 < computed_dots
+    for a, b in zip(declared, computed, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow  # CI: the layer loop, every model's default; unrolling is the GPU check's option

@@ -133,6 +133,13 @@ class _Module(nn.Module):
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         return self.hooks.constrain(x, axes)
 
+    def declaring(self) -> bool:
+        """Whether this call only declares the parameters (an init) and may skip the arithmetic:
+        the draws do not depend on it (each comes from its module's path and its order there),
+        and tracing and compiling a forward pass for nothing was most of a state's creation. FP8's
+        matmuls declare variables of their own, so with FP8 the init runs them."""
+        return self.is_initializing() and self.cfg.fp8_amax_history is None
+
     def matmul(self, name: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """x · w by `equation`: in the compute dtype, or with an FP8 amax history an FP8 GEMM with
         delayed scaling (flax's Fp8Einsum, its scales and histories in FP8_STATE under
@@ -151,6 +158,8 @@ class RMSNorm(_Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.weight("scale", nn.initializers.ones, (self.cfg.d_model,), ("embed",))
+        if self.declaring():
+            return x
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(
             jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.layer_norm_epsilon
@@ -172,6 +181,8 @@ class Attention(_Module):
         wk = self.weight("key", _normal(d**-0.5), (d, h, k), ("embed", "heads", "kv"))
         wv = self.weight("value", _normal(d**-0.5), (d, h, k), ("embed", "heads", "kv"))
         wo = self.weight("out", _normal((h * k) ** -0.5), (h, k, d), ("heads", "kv", "embed"))
+        if self.declaring():
+            return x_q
         head_axes = ("batch", "length", "heads", "kv")
         q = self.constrain(self.matmul("query", "bqd,dhk->bqhk", x_q, wq), head_axes)
         key = self.constrain(self.matmul("key", "bsd,dhk->bshk", x_kv, wk), head_axes)
@@ -229,6 +240,8 @@ class GatedGeluMlp(_Module):
         wi_0 = self.weight("wi_0", _normal(d**-0.5), (d, f), ("embed", "mlp"))
         wi_1 = self.weight("wi_1", _normal(d**-0.5), (d, f), ("embed", "mlp"))
         wo = self.weight("wo", _normal(f**-0.5), (f, d), ("mlp", "embed"))
+        if self.declaring():
+            return x
         # Both input projections in one matmul, the two weights' columns interleaved ([d, f, 2]):
         # each (a, b) pair of the product lies together, for gated_gelu's one-word gradient;
         # stacking (not concatenating) keeps `mlp` shardable.
@@ -545,6 +558,8 @@ class MT5(_Module):
         lm_head = self.weight(
             LM_HEAD, _normal(cfg.d_model**-0.5), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )
+        if self.declaring():
+            return decoded
         logits = project_to_vocab(decoded, lm_head, cfg.logits_dtype).astype(jnp.float32)
         return self.constrain(logits, ("batch", "length", "vocab"))
 
