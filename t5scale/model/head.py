@@ -44,6 +44,7 @@ from jax import lax
 from t5scale.model import head_kernel
 from t5scale.model.head_kernel import NEG_INF, HeadTiles
 from t5scale.model.sizes import ModelConfig
+from t5scale.model.triton_blocks import varying_as
 
 # Automatic chunks keep one [chunk, vocab slice] block of fp32 logits within this many bytes:
 # at most 268 tokens at mT5's 250,112 ids, whose products still fill a GPU's matmul units.
@@ -255,14 +256,6 @@ def row_statistics(logits: jax.Array, is_target: jax.Array) -> tuple[jax.Array, 
     return lax.reduce((logits, ones, targets), start, combine, (logits.ndim - 1,))
 
 
-def _zeros_varying_as(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
-    """fp32 zeros that vary over the manual mesh axes any of `like` varies over (inside a
-    shard_map a scan's carry must keep one type from step to step)."""
-    zeros = jnp.zeros(shape, jnp.float32)
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))
-    return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
-
-
 def _local_statistics(how: HeadLoss, w: jax.Array, with_gradients: bool, x_c, t_c, column):
     """This slice's (maximum, Σ exp(x − maximum), target logit) per token, and what the
     gradient is made from: the fp32 logits (XLA's route), or the kernel's exp(x − m) and each
@@ -339,8 +332,9 @@ def _scan_chunks(how: HeadLoss, x, w, targets, weights, counted, with_gradients:
     group = how.product_chunks if with_gradients else 1
     tokens, chunks = _in_chunks(how, group, x.astype(dtype), targets, weights.astype(jnp.float32))
     if with_gradients:
-        dw = how.constrain(_zeros_varying_as(w.shape, x, w), ("embed", "vocab"))
-        kept = _zeros_varying_as((group * how.chunk, w.shape[1]), x, w).astype(dtype)
+        # inside a shard_map a scan's carry keeps one type from step to step
+        dw = how.constrain(varying_as(jnp.zeros(w.shape, jnp.float32), x, w), ("embed", "vocab"))
+        kept = varying_as(jnp.zeros((group * how.chunk, w.shape[1]), dtype), x, w)
         carry = (dw, how.constrain(kept, ("length", "vocab")))
         step = functools.partial(_chunk_group, how, w_compute)
     else:

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from t5scale.model.triton_blocks import chosen_tiles, dot, load, span, store
+from t5scale.model.triton_blocks import chosen_tiles, dot, load, span, store, varying_as
 
 NEG_INF = -1e10  # a masked column's logit (head.py's too)
 KERNEL_NAME = "t5_head_statistics"
@@ -129,7 +129,8 @@ def tile_statistics(
     depth_step = math.gcd(tiles.depth, depth)
     grid = (pl.cdiv(tokens, tiles.tokens), pl.cdiv(columns, tiles.columns))
     limit = jnp.reshape(jnp.minimum(jnp.asarray(limit, jnp.int32), columns), (1,))
-    arguments = _varying_alike(x, w.astype(x.dtype), targets.astype(jnp.int32), limit)
+    given = (x, w.astype(x.dtype), targets.astype(jnp.int32), limit)
+    arguments = [varying_as(a, *given) for a in given]
     mat = jax.typeof(arguments[0]).manual_axis_type
 
     def shape(*dims: int, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
@@ -146,19 +147,6 @@ def tile_statistics(
         interpret=interpret,
         name=KERNEL_NAME,
     )(*arguments)
-
-
-def _varying_alike(*arrays: jax.Array) -> list[jax.Array]:
-    """The arrays marked as varying over every manual mesh axis any of them varies over: inside
-    a shard_map that checks them, a kernel's operands and results must agree (outside one,
-    nothing varies and nothing changes)."""
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
-
-    def mark(a: jax.Array) -> jax.Array:
-        missing = tuple(sorted(axes - set(jax.typeof(a).manual_axis_type.varying)))
-        return lax.pcast(a, missing, to="varying") if missing else a
-
-    return [mark(a) for a in arrays]
 
 
 def row_statistics(

@@ -1,6 +1,7 @@
 """Blocks of arrays in Pallas (Triton) kernels: which rows of a block exist, loading and storing
 them masked so that a length need not be a whole number of blocks, and the kernels' matmul. The
-fused attention (attention_kernels.py) and the output layer's kernel (head_kernel.py) share them.
+fused attention (attention_kernels.py) and the output layer's kernel (head_kernel.py) share them,
+and the marks of which values vary over a shard_map's manual axes (`varying_as`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+
+def varying_as(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """x marked as varying over every manual mesh axis that it or any of `like` varies over.
+    Inside a shard_map that checks them, a Triton kernel is opaque to the check: its operands
+    and results, and a scan's carry beside them, are marked by hand to agree. Outside a
+    shard_map nothing varies and x is returned as it is."""
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))
+    missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def chosen_tiles(variable: str, key: str) -> dict | None:

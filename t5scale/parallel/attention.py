@@ -14,12 +14,12 @@ loops); the kernels themselves are tested on their own (tests/test_attention.py)
 from __future__ import annotations
 
 import jax
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from t5scale.model.attention_vjp import Passes, Placement
 from t5scale.model.fused_attention import Backend, fused_attention
+from t5scale.model.triton_blocks import varying_as
 from t5scale.parallel.rules import TENSOR_RULES, activation_spec
 from t5scale.target import Target
 
@@ -27,15 +27,6 @@ HEADS_AXIS = TENSOR_RULES["heads"]  # the mesh axis the heads are split over
 _HEADS = activation_spec(("batch", "length", "heads", "kv"))  # q, k, v, out and their gradients
 _PER_HEAD = activation_spec(("batch", "heads", "length"))  # the log-sum-exp [batch, heads, q]
 _BIAS = activation_spec(("heads", None))  # the position bias by its diagonals [heads, q + k − 1]
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """x marked as varying over the manual mesh axes `like` varies over (a value out of a
-    shard_map that does not check them has lost that mark)."""
-    missing = tuple(
-        set(jax.typeof(like).manual_axis_type.varying) - set(jax.typeof(x).manual_axis_type.varying)
-    )
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _on_heads(mesh, function, arguments, in_specs, out_specs):
@@ -76,16 +67,16 @@ def _on_each_devices_heads(mesh) -> Placement:
             arguments = (q, k, v, bias, q_segments, k_segments)
             out_specs = (_HEADS, _PER_HEAD)
             out, lse = _on_heads(mesh, passes.forward, arguments, _specs_of(bias), out_specs)
-            return _varying_like(out, q), lse
+            return varying_as(out, q), lse
 
         def backward(q, k, v, bias, q_segments, k_segments, out, lse, d_out):
             arguments = (q, k, v, bias, q_segments, k_segments, out, lse, d_out)
             in_specs = _specs_of(bias, _HEADS, _PER_HEAD, _HEADS)
             out_specs = (_HEADS, _HEADS, _HEADS, None if bias is None else _BIAS)
             dq, dk, dv, d_bias = _on_heads(mesh, passes.backward, arguments, in_specs, out_specs)
-            dq, dk, dv = (_varying_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+            dq, dk, dv = (varying_as(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
             if bias is not None:
-                d_bias = _varying_like(d_bias, bias)
+                d_bias = varying_as(d_bias, bias)
             return dq, dk, dv, d_bias
 
         return Passes(forward, backward)
