@@ -4,7 +4,8 @@ helpers the test modules share (`from conftest import ...`).
 Compiled programs go to a persistent compilation cache shared by this session's workers and the
 processes they start: many tests compile the same small programs (a killed run and its restart,
 the processes of a multi-host run), and compiling is most of the suite's time. The cache is fresh for
-each session, so each program is still compiled once per run of the suite.
+each session, so each program of half a second's compile or more is still compiled once per run
+of the suite.
 """
 
 import functools
@@ -24,7 +25,11 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"t5scale-tests-{_session}")
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Programs that compile in under half a second are not written: most are never read again, and
+# the writes cost more than the reads save (tests/test_zero.py, test_numerics.py and
+# test_remat.py: 79 s -> 76 s, two runs each). A study's trials write every program
+# (t5scale/study/trial.py).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # The what-if wing's cache of step analyses (t5scale/whatif/compile.py) is the session's too, not
 # the user's: a test must compile what it reads, on a fresh machine as here.
 os.environ.setdefault(
