@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -296,6 +297,10 @@ def fake_slurm_env(tmp_path: Path) -> dict[str, str]:
 
 def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     """TensorBoard's own reader over the event files in `logdir`: tag → [(step, value)]."""
+    # Where TensorFlow is installed the reader imports it (7 s of a worker's time, for files
+    # its own stand-in reads as well); a module named tensorboard.compat.notf makes it take
+    # the stand-in, as a TensorBoard built without TensorFlow does.
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.util import tensor_util
 

@@ -238,29 +238,6 @@ def _train_two_steps_from(out: Path, stage: int, capsys, steps: int = 2) -> tupl
     )  # fmt: skip
 
 
-def test_convert_writes_a_checkpoint_that_training_starts_from(hf_checkpoint, tmp_path, capsys):
-    """`t5scale convert` → checkpoints/0 holding the imported parameters; `train` resumes it."""
-    import orbax.checkpoint as ocp
-
-    _, directory = hf_checkpoint
-    out = tmp_path / "run"
-    convert = ["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{out}'"]
-    assert cli_in_process(convert, capsys)[0] == 0
-    _, params = params_from_hf(directory)
-    saved = ocp.StandardCheckpointer().restore(out / "checkpoints" / "0" / "state")
-    for got, want in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), want)
-
-    code, out_text, err = _train_two_steps_from(out, 3, capsys)
-    assert code == 0, err
-    assert "resuming from the checkpoint at step 0" in out_text
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["0", "2"]
-
-    # Converting into a directory that already holds checkpoints would mix two runs.
-    code, _, err = cli_in_process(convert, capsys)
-    assert code == 2 and "already holds checkpoints" in err
-
-
 @pytest.mark.slow  # CI: convert's fp32 run; mixed precision from fp32 parameters: test_checkpoint
 def test_convert_writes_a_mixed_precision_run(hf_checkpoint, tmp_path, capsys):
     """Converted with gin/precision/mixed.gin, the run trains in mixed precision from the
@@ -301,16 +278,22 @@ def _trained_params(run: Path, step: int) -> dict:
 
 
 def test_export_round_trip_gives_transformers_the_trained_model(hf_checkpoint, tmp_path, capsys):
-    """transformers' model → convert → 3 steps at ZeRO-3 on 8 devices → export → transformers
-    loads it and its logits are t5scale's (fp32); exported, then converted again: the same."""
+    """transformers' model → convert (checkpoint 0: the imported parameters, exactly) → 3
+    steps at ZeRO-3 on 8 devices from it → export → transformers loads it and its logits are
+    t5scale's (fp32); exported, then converted again: the same."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     _, directory = hf_checkpoint
     run, out = tmp_path / "run", tmp_path / "exported"
     convert = ["convert", f"--hf_dir={directory}", f"--gin.MODEL_DIR='{run}'"]
     assert cli_in_process(convert, capsys)[0] == 0
-    code, _, err = _train_two_steps_from(run, 3, capsys, steps=3)
+    code, printed, err = _train_two_steps_from(run, 3, capsys, steps=3)
     assert code == 0, err
+    assert "resuming from the checkpoint at step 0" in printed  # convert's, below: exactly HF's
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0", "3"]
+    # Converting into a directory that already holds checkpoints would mix two runs.
+    code, _, err = cli_in_process(convert, capsys)
+    assert code == 2 and "already holds checkpoints" in err
     code, printed, err = cli_in_process(
         ["export", f"--gin.MODEL_DIR='{run}'", f"--out_dir={out}"], capsys
     )

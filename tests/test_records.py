@@ -152,6 +152,7 @@ def _as_written_before_the_run_was_kept(model_dir: Path) -> None:
         path.write_text(json.dumps(meta | {"gin": gin}))
 
 
+@pytest.mark.slow  # CI: old metas and gin files read as they were written (above)
 def test_an_old_checkpoint_exports_through_gin_and_resumes(trained, tmp_path, capsys):
     model_dir = tmp_path / "old"
     shutil.copytree(trained, model_dir)

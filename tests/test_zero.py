@@ -10,13 +10,17 @@ from jax.sharding import PartitionSpec as P
 
 from t5scale.analysis.hlo import collective_stats
 from t5scale.analysis.hlo_module import parse_module
-from t5scale.analysis.memory import compiled_memory, model_state_bytes, zero3_collective_bytes
+from t5scale.analysis.memory import (
+    compiled_memory,
+    model_state_bytes,
+    per_device_bytes,
+    zero3_collective_bytes,
+)
 from t5scale.data.config import DataConfig
 from t5scale.model.sizes import ModelConfig
 from t5scale.parallel.mesh import ParallelConfig
 from t5scale.parallel.zero import STAGES, get_stage
 from t5scale.train.optim import OptimizerConfig
-from t5scale.train.step import gradient_fn_jitted
 
 # Big enough that model state, not activations, dominates memory: the stages must show.
 MODEL = ModelConfig(vocab_size=4096, d_model=128, d_ff=256, num_heads=4, d_kv=32)
@@ -31,13 +35,11 @@ def _compile(stage: int):
     )  # fmt: skip
     compiled = setup.compile().compiled
     batch = setup.abstract_batch()
-    gradients = gradient_fn_jitted(setup.run.model, setup.layout, setup.run.train, setup.precision)
-    grads_compiled = gradients.lower(setup.state.params, batch).compile()
     batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(batch)) // 8
     return {
         "state": setup.state,
         "compiled": compiled,
-        "grads_compiled": grads_compiled,
+        "grad_shardings": setup.layout.grad_shardings,
         "collectives": collective_stats(parse_module(compiled.as_text())),
         "memory": compiled_memory(compiled),
         "batch_bytes": batch_bytes,
@@ -72,9 +74,8 @@ def test_shardings_are_those_of_the_table(stages, stage):
     assert _zero_sharded(state_out.params) == {row.shard_parameters}
     moments = state_in.opt_state[0].mu
     assert _zero_sharded(moments) == {row.shard_optimizer_state}
-    # Gradients: the output layout of the compiled gradient computation.
-    grads_out, _ = got["grads_compiled"].output_shardings
-    assert _zero_sharded(grads_out) == {row.shard_gradients}
+    # Gradients: where the step keeps them (its collectives, below, show them reduced there).
+    assert _zero_sharded(got["grad_shardings"]) == {row.shard_gradients}
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -143,7 +144,9 @@ def test_memory_per_device_falls_from_stage_0_to_stage_3(stages):
 def test_model_state_memory_agrees_with_the_zero_formula(stages, stage):
     got = stages[stage]
     params_and_optimizer = got["memory"].argument_bytes - got["batch_bytes"]
-    gradients = compiled_memory(got["grads_compiled"]).output_bytes
+    # The gradients' shards where the step keeps them (a compiled gradient function's output
+    # bytes were these same shard sizes: its out_shardings were these).
+    gradients = per_device_bytes(got["state"].params, got["grad_shardings"])
     formula = model_state_bytes(got["state"].params, got["state"].opt_state).per_device(
         get_stage(stage), 8
     )
