@@ -210,11 +210,13 @@ def test_local_sgd_on_a_mesh_of_one_replica_is_refused(capsys):
     assert "mode local_sgd needs replica >= 2, the mesh has replica=1" in line
 
 
-def test_a_vocabulary_that_is_a_directory_says_so(tmp_path):
-    from t5scale.data.tasks import vocabulary
+def test_a_vocabulary_that_is_a_directory_says_so_before_tensorflow_starts(tmp_path):
+    """Checked where a corpus run begins (loader.register), before it imports TensorFlow."""
+    from t5scale.data.loader import register
 
+    config = DataConfig(source="corpus", vocabulary=str(tmp_path))
     with pytest.raises(DataError, match="is a directory, not a SentencePiece model file"):
-        vocabulary(DataConfig(vocabulary=str(tmp_path)))
+        register(config, vocab_size=4096)
 
 
 # ---- convert: a broken Hugging Face directory names the file --------------------------------

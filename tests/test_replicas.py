@@ -37,27 +37,33 @@ def _setup(stage: int, sync: ReplicaSyncConfig, tensor: int = 1, **changes) -> S
     return build_setup(dataclasses.replace(tiny_run(parallel, **changes), sync=sync))
 
 
-@functools.cache
-def _analysis(stage: int, mixed: bool, outer_dtype: str, tensor: int) -> dict:
-    sync = ReplicaSyncConfig("diloco", every=4, outer_dtype=outer_dtype)
+EVERY = 2  # inner steps per outer step: H
+
+
+@functools.cache  # per process: the program test and the periods' test share stage 2's
+def _diloco(stage: int, mixed: bool = False, outer_dtype: str = "float32", tensor: int = 1):
+    """(setup, compiled step) of DiLoCo every EVERY steps over 2 replicas."""
+    sync = ReplicaSyncConfig("diloco", every=EVERY, outer_dtype=outer_dtype)
     setup = _setup(stage, sync, tensor, **({"model": BF16} if mixed else {}))
-    return setup.compile().analysis.to_json()
+    return setup, setup.compile()
 
 
 @pytest.mark.parametrize(
     "stage, mixed, outer_dtype, tensor",
     [
-        # CI: stage 3, mixed, the outer step in bf16; the other stages, slow
+        # CI: stage 2 in fp32, the program whose periods the test below trains; stage 3 in
+        # mixed precision with the outer step in bf16, and the other stages, slow
         pytest.param(0, False, "float32", 1, marks=pytest.mark.slow),
         pytest.param(1, False, "float32", 2, marks=pytest.mark.slow),
+        (2, False, "float32", 1),
         pytest.param(2, True, "float32", 1, marks=pytest.mark.slow),
-        (3, True, "bfloat16", 1),
+        pytest.param(3, True, "bfloat16", 1, marks=pytest.mark.slow),
     ],
 )
 def test_the_inner_step_never_crosses_replica_and_the_outer_step_all_reduces_once(
     stage, mixed, outer_dtype, tensor
 ):
-    analysis = _analysis(stage, mixed, outer_dtype, tensor)
+    analysis = _diloco(stage, mixed, outer_dtype, tensor)[1].analysis.to_json()
     mesh, sync = analysis["mesh"], analysis["replica_sync"]
     assert analysis["collective_ops"]  # the stage's own collectives, inside each replica
     assert all("replica" not in mesh_axes(op["group"], mesh) for op in analysis["collective_ops"])
@@ -81,7 +87,7 @@ def test_the_inner_step_never_crosses_replica_and_the_outer_step_all_reduces_onc
     others = {op["kind"] for op in sync["outer_collective_ops"] if op not in over_replica}
     assert others - {"collective-permute"} == ({"all-gather"} if stage in (1, 2) else set())
     per_step = sync["per_step"]["bytes_over_replica"]
-    assert per_step == sync["outer_step"]["bytes_over_replica"] / 4
+    assert per_step == sync["outer_step"]["bytes_over_replica"] / EVERY
 
 
 def _equal_weight_batches(setup: Setup, steps: int) -> list:
@@ -136,8 +142,8 @@ def test_one_step_periods_of_plain_averaging_are_synchronous_training(stage, syn
 
 
 def test_diloco_replicas_diverge_in_a_period_then_take_a_nesterov_step_on_the_mean_change():
-    setup = _setup(2, ReplicaSyncConfig("diloco", every=2))
-    step, state = setup.compile().compiled, setup.create_state(seed=0)
+    setup, step = _diloco(2)
+    step, state = step.compiled, setup.create_state(seed=0)
     start = jax.device_get(setup.form.to_canonical(state))
     batches = _equal_weight_batches(setup, 2)
     for batch in batches:

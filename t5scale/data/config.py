@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from t5scale.errors import check_field_types
+from t5scale.errors import DataError, check_field_types
 
 #: The shipped corpus and vocabulary, beside the package in a checkout or an editable install.
 REPO_DATA = Path(__file__).resolve().parents[2] / "data"
@@ -62,3 +62,21 @@ class DataConfig:
             if getattr(self, name) < low:
                 raise ValueError(f"DataConfig.{name} must be >= {low}, got {getattr(self, name)}")
         object.__setattr__(self, "languages", tuple(self.languages))
+
+
+def check_vocabulary(path: str) -> None:
+    """A SentencePiece model file that loads and has pieces, else one DataError: checked before
+    a corpus run imports TensorFlow (seconds), so that a wrong path says so at once."""
+    import sentencepiece  # a small native module, only for runs that read text
+
+    file = Path(path)
+    if file.is_dir():
+        raise DataError(f"vocabulary {path!r} is a directory, not a SentencePiece model file")
+    if not file.is_file():
+        raise DataError(f"vocabulary file {path!r} does not exist")
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as error:
+        raise DataError(f"vocabulary {path!r} is not a SentencePiece model ({error})") from None
+    if processor.get_piece_size() < 3:
+        raise DataError(f"vocabulary {path!r} has only {processor.get_piece_size()} pieces")

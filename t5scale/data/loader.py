@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from t5scale.data.batch import Batch
-from t5scale.data.config import DataConfig
+from t5scale.data.config import DataConfig, check_vocabulary
 from t5scale.data.corpus import scan_corpus
 from t5scale.data.synthetic import synthetic_batch
 from t5scale.errors import DataError
@@ -43,6 +43,7 @@ def register(config: DataConfig, vocab_size: int) -> str:
 
     Everything that can be wrong with the user's data is found here, before any tf.data work.
     """
+    check_vocabulary(config.vocabulary)  # before TensorFlow's import, which takes seconds
     from t5scale.data import tasks  # TensorFlow and seqio: only runs that read text
 
     vocab = tasks.vocabulary(config)

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
-
-import sentencepiece
 
 from t5scale.data import span_corruption
-from t5scale.data.config import DataConfig
+from t5scale.data.config import DataConfig, check_vocabulary
 from t5scale.data.corpus import Corpus
 from t5scale.data.tf_setup import seqio, tf
-from t5scale.errors import DataError
 
 MC4_TFDS_NAME = "c4/multilingual:3.1.0"
 # The language splits of TFDS c4/multilingual 3.1.0 (mC4), without 'und' (undetermined).
@@ -36,21 +32,9 @@ MC4_LANGUAGES = tuple(
 
 
 def vocabulary(config: DataConfig) -> seqio.SentencePieceVocabulary:
-    """The SentencePiece vocabulary with mT5's sentinels, checked before TensorFlow loads it."""
-    path = Path(config.vocabulary)
-    if path.is_dir():
-        raise DataError(f"vocabulary {str(path)!r} is a directory, not a SentencePiece model file")
-    if not path.is_file():
-        raise DataError(f"vocabulary file {str(path)!r} does not exist")
-    try:
-        processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (OSError, RuntimeError) as error:
-        raise DataError(
-            f"vocabulary {str(path)!r} is not a SentencePiece model ({error})"
-        ) from None
-    if processor.get_piece_size() < 3:
-        raise DataError(f"vocabulary {str(path)!r} has only {processor.get_piece_size()} pieces")
-    return seqio.SentencePieceVocabulary(str(path), extra_ids=config.extra_ids)
+    """The SentencePiece vocabulary with mT5's sentinels (its file checked first)."""
+    check_vocabulary(config.vocabulary)
+    return seqio.SentencePieceVocabulary(config.vocabulary, extra_ids=config.extra_ids)
 
 
 def output_features(vocab) -> dict[str, seqio.Feature]:
