@@ -9,7 +9,7 @@
     Target.for_topology(topology)              either of the two, as the topology says
 
 A target owns the devices a mesh is laid over, the groups among them that only the slow network
-joins (GPU nodes or processes, TPU slices), the compiler's options, whether the persistent
+joins (the hosts its processes run on; TPU slices), the compiler's options, whether the persistent
 compilation cache may hold its programs, the compiler's name as reports give it, and whether
 t5scale's fused attention kernels compile for it. A plan, a simulation, a trial, a checkpoint
 and a training run each ask their target (the hardware of a cluster file makes it:
@@ -28,6 +28,24 @@ import jax
 from t5scale import xla_gpu, xla_tpu
 from t5scale.errors import ConfigError
 from t5scale.jsonform import fields_from_json
+
+# The host each process of this run is on, by process index: set once the processes have
+# joined (t5scale/parallel/distributed.py), so that processes sharing a node (one per GPU) are
+# one group of the mesh, not one each. Unset: every process is a host of its own.
+_process_hosts: tuple[str, ...] = ()
+
+
+def set_process_hosts(hosts: Sequence[str]) -> None:
+    """Record the host of every process of this run (index: the process index)."""
+    global _process_hosts
+    _process_hosts = tuple(hosts)
+
+
+def host_of(process_index: int) -> str:
+    """The host a process of this run is on, as the processes said when they joined."""
+    if process_index < len(_process_hosts):
+        return _process_hosts[process_index]
+    return f"process {process_index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +112,21 @@ class Target:
     @property
     def dcn_groups(self) -> int:
         """Groups of devices only the slow network joins: the mesh's axis across them
-        (t5scale/parallel/mesh.py). GPU nodes or processes; TPU slices, whose hosts share ICI."""
+        (t5scale/parallel/mesh.py). Hosts (GPU nodes, each with one process or one per GPU);
+        TPU slices, whose hosts share ICI."""
         if self.is_tpu:
             return len({getattr(d, "slice_index", None) or 0 for d in self.devices})
-        return len({device.process_index for device in self.devices})
+        return len(self.host_groups())
+
+    def host_groups(self) -> list[list[Any]]:
+        """The devices by host, hosts in the order of their first process, devices as given.
+        A compile-only GPU cluster's devices: a node per process index."""
+        groups: dict[str, list[Any]] = {}
+        for device in sorted(self.devices, key=lambda d: d.process_index):  # stable
+            index = device.process_index
+            host = f"process {index}" if self.compile_only else host_of(index)
+            groups.setdefault(host, []).append(device)
+        return list(groups.values())
 
     @property
     def runs_here(self) -> bool:

@@ -1,6 +1,6 @@
-"""Multi-host: where a process finds its place, the mesh across processes, and real clusters of
-processes on 127.0.0.1 — start-up from each source, an unreachable coordinator, a process lost,
-SIGTERM reaching only one process."""
+"""Multi-host: where a process finds its place and its host, the mesh across hosts, and real
+clusters of processes on 127.0.0.1 — start-up from each source, an unreachable coordinator, a
+process lost, SIGTERM reaching only one process."""
 
 import os
 import signal
@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import LOCAL_SH, REPO, finish, free_port, process_env, read_scalars
+from jax.experimental import mesh_utils
 
 from t5scale.errors import MeshError
 from t5scale.parallel.distributed import (
@@ -18,9 +20,12 @@ from t5scale.parallel.distributed import (
     DistributedConfig,
     DistributedError,
     first_slurm_host,
+    host_name,
     resolve_processes,
 )
-from t5scale.parallel.mesh import ParallelConfig
+from t5scale.parallel.mesh import ParallelConfig, hybrid_grid
+from t5scale.target import Target
+from t5scale.xla_gpu import GpuTopology, cuda_plugin_installed
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -68,8 +73,13 @@ def test_slurm_step_gives_every_setting():
     spec = resolve_processes(DistributedConfig(), SLURM)
     assert spec.source == "slurm"
     assert (spec.num_processes, spec.process_id) == (16, 9)
-    assert spec.coordinator_address == f"gpu003:{49152 + 4242 % 16384}"
+    assert spec.coordinator_address == f"gpu003:{61440 + 4242 % 4096}"
     assert spec.local_device_ids == (1,)  # 16 tasks on 2 nodes: one GPU per task
+    # ... unless SLURM bound one GPU to each task: then the task drives the one it sees
+    bound = resolve_processes(DistributedConfig(), SLURM | {"CUDA_VISIBLE_DEVICES": "5"})
+    assert bound.local_device_ids is None
+    every = resolve_processes(DistributedConfig(), SLURM | {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert every.local_device_ids == (1,)
     per_node = resolve_processes(
         DistributedConfig(),
         SLURM | {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "T5SCALE_COORDINATOR_PORT": "999"},
@@ -104,6 +114,8 @@ def test_kubernetes_indexed_job_index_is_the_process_id():
         (DistributedConfig(num_processes=2, process_id=0, coordinator_address="h"), {},
          "not host:port"),
         (DistributedConfig(), {"T5SCALE_NUM_PROCESSES": "two"}, "must be an integer"),
+        # a pod past the first whose manifest lost its settings: not a run of its own
+        (DistributedConfig(), {"JOB_COMPLETION_INDEX": "3"}, "pod 3 needs T5SCALE_NUM_PROCESSES"),
     ],
 )  # fmt: skip
 def test_incomplete_or_wrong_settings_are_one_clear_error(config, env, says):
@@ -140,8 +152,39 @@ def test_mesh_puts_replica_across_hosts_unless_zero_is_asked():
     assert ParallelConfig().resolve(16, dcn_groups=2) == (2, 1, 8, 1)
     assert ParallelConfig(zero_across_hosts=True).resolve(16, dcn_groups=2) == (1, 1, 16, 1)
     assert ParallelConfig(tensor=2).resolve(16, dcn_groups=4) == (4, 1, 2, 2)
-    with pytest.raises(MeshError, match="must be a multiple of the 2 processes"):
+    with pytest.raises(MeshError, match="must be a multiple of the 2 hosts"):
         ParallelConfig(replica=1).resolve(16, dcn_groups=2)
+
+
+def test_a_process_finds_its_host_from_the_setting_slurm_or_the_emulation():
+    assert host_name(3, "gpu", {"T5SCALE_HOST": "rack1-node7"} | SLURM) == "rack1-node7"
+    assert host_name(9, "gpu", SLURM | {"SLURMD_NODENAME": "gpu004"}) == "gpu004"
+    assert host_name(9, "gpu", SLURM | {"SLURM_NODEID": "1"}) == "slurm node 1"
+    assert host_name(1, "cpu", {}) == "process 1"  # each process emulates a host
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (gpu-compile)")
+def test_a_host_with_a_process_per_gpu_keeps_zero_inside_it():
+    # 4 processes of 2 GPUs: as 4 hosts, the grid is mesh_utils' hybrid mesh, process by process.
+    devices = GpuTopology("h100_sxm", nodes=4, gpus_per_node=2).devices()
+    by_process = Target.compile_only_gpus(GpuTopology("h100_sxm", 4, 2)).host_groups()
+    assert [[d.process_index for d in host] for host in by_process] == [
+        [0, 0],
+        [1, 1],
+        [2, 2],
+        [3, 3],
+    ]
+    expected = mesh_utils.create_hybrid_device_mesh(
+        (1, 1, 2, 1), (4, 1, 1, 1), devices, process_is_granule=True
+    )
+    assert (hybrid_grid((1, 1, 2, 1), (4, 1, 1, 1), by_process) == expected).all()
+    # The same devices as 2 hosts, each of 2 processes: replica across the hosts, zero over the
+    # 4 GPUs of a host, its processes in order.
+    hosts = [devices[:4], devices[4:]]
+    grid = hybrid_grid((1, 1, 4, 1), (2, 1, 1, 1), hosts)
+    processes = np.vectorize(lambda d: d.process_index)(grid).reshape(2, 4)
+    assert processes.tolist() == [[0, 0, 1, 1], [2, 2, 3, 3]]
+    assert ParallelConfig(zero_stage=2).resolve(8, dcn_groups=2) == (2, 1, 4, 1)
 
 
 def test_pipeline_stages_span_the_hosts_the_replicas_leave():
@@ -193,9 +236,10 @@ def test_local_sh_runs_a_two_process_cluster():
     print(f"2-process distributed-check through local.sh: {elapsed:.1f} s wall")
 
 
-# CI: Kubernetes; SLURM's environment is read the same way, and sbatch starts a cluster in CI
-# (test_launch.py)
-@pytest.mark.parametrize("source", [pytest.param("slurm", marks=pytest.mark.slow), "kubernetes"])
+# CI: SLURM, two tasks on one node (one process per GPU, as sbatch --ntasks-per-node=8 makes
+# them): one host, so ZeRO spans both processes. Kubernetes: its pods' settings are read by the
+# tests above and from the manifest (test_launch.py); each pod a host.
+@pytest.mark.parametrize("source", ["slurm", pytest.param("kubernetes", marks=pytest.mark.slow)])
 def test_scheduler_environments_start_the_cluster(source):
     port = free_port()
 
@@ -203,7 +247,7 @@ def test_scheduler_environments_start_the_cluster(source):
         if source == "slurm":
             return process_env(
                 SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i),
-                SLURM_STEP_NODELIST="127.0.0.1", SLURM_STEP_NUM_NODES="1",
+                SLURM_STEP_NODELIST="127.0.0.1", SLURM_STEP_NUM_NODES="1", SLURMD_NODENAME="n0",
                 T5SCALE_COORDINATOR_PORT=str(port),
             )  # fmt: skip
         return process_env(
@@ -212,12 +256,14 @@ def test_scheduler_environments_start_the_cluster(source):
             T5SCALE_NUM_PROCESSES="2",
         )
 
-    # ZeRO over all the processes: each process holds half of the zero axis.
-    args = ["distributed-check", "--cpu_devices=2", "--gin.ParallelConfig.zero_across_hosts=True"]
+    args = ["distributed-check", "--cpu_devices=2"]
+    if source == "kubernetes":  # ZeRO over the hosts, each pod one
+        args.append("--gin.ParallelConfig.zero_across_hosts=True")
+    spans = {"slurm": "2 processes on 1 host", "kubernetes": "zero across 2 processes"}[source]
     for i, (code, output) in enumerate(finish(_processes(2, args, env_of))):
         assert code == 0, output
         assert f"process {i}/2 ({source})" in output
-        assert "mesh replica=1 × zero=4 × tensor=1 over 4 devices, zero across 2" in output
+        assert f"mesh replica=1 × zero=4 × tensor=1 over 4 devices, {spans};" in output
         assert f"process {i} holds zero {2 * i}-{2 * i + 1}" in output
         assert "distributed ok: 2 processes, 4 devices" in output
 

@@ -18,10 +18,13 @@ RUN = [
 ]  # fmt: skip
 
 
-def _start(command: list[str], model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
+def _start(
+    command: list[str], model_dir: Path, steps: int, *extra: str, env: dict | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [*command, *RUN, f"--gin.TRAIN_STEPS={steps}", f"--gin.MODEL_DIR='{model_dir}'", *extra],
-        cwd=REPO, env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=env or process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )  # fmt: skip
 
 
@@ -31,8 +34,10 @@ def _one_process(model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def _two_processes(model_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
-    return _start([LOCAL_SH, "2"], model_dir, steps, "--cpu_devices=4", *extra)
+def _two_processes(
+    model_dir: Path, steps: int, *extra: str, env: dict | None = None
+) -> subprocess.Popen:
+    return _start([LOCAL_SH, "2"], model_dir, steps, "--cpu_devices=4", *extra, env=env)
 
 
 def _finish(*processes: subprocess.Popen) -> list[str]:
@@ -81,15 +86,23 @@ def test_two_processes_train_like_one_and_their_checkpoint_goes_on_in_one(tmp_pa
     _assert_same_losses(hybrid, one, range(1, 13))
 
 
-@pytest.mark.slow  # out of CI's budget
-def test_zero_across_two_processes_trains_like_one(tmp_path):
-    """ZeRO-0 with the zero axis across both processes: data parallelism over all 8 devices."""
+@pytest.mark.slow  # out of CI's budget; CI: the mesh of two processes on one host
+# (test_multihost.py)
+@pytest.mark.parametrize("spread", ["zero across hosts", "one host"])
+def test_zero_across_two_processes_trains_like_one(tmp_path, spread):
+    """ZeRO-0 with the zero axis across both processes: data parallelism over all 8 devices,
+    asked for (zero_across_hosts) or because both processes are on one host (one per GPU)."""
     one, across = tmp_path / "one", tmp_path / "stage0"
-    two, _ = _finish(
-        _two_processes(across, 6, STAGES[0], "--gin.ParallelConfig.zero_across_hosts=True"),
-        _one_process(one, 6, STAGES[3]),
-    )
-    assert "[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices" in two
+    if spread == "one host":
+        two_runs = _two_processes(across, 6, STAGES[0], env=process_env(T5SCALE_HOST="node0"))
+        spans = "2 processes on 1 host"
+    else:
+        two_runs = _two_processes(
+            across, 6, STAGES[0], "--gin.ParallelConfig.zero_across_hosts=True"
+        )
+        spans = "zero across 2 processes"
+    two, _ = _finish(two_runs, _one_process(one, 6, STAGES[3]))
+    assert f"[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices, {spans}" in two
     _assert_same_losses(across, one, range(1, 7))
 
 

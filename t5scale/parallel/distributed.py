@@ -40,10 +40,11 @@ from t5scale.errors import (
     check_field_types,
     leave_now,
 )
-from t5scale.target import Target
+from t5scale.target import Target, set_process_hosts
 
 ENV_PREFIX = "T5SCALE_"
 _KEY = "t5scale/peer/"
+_HOST_KEY = "t5scale/host/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +164,18 @@ def _from_slurm(env: Mapping[str, str]) -> _Settings:
     """Settings from an `srun` step (SLURM sets these in every task it starts)."""
     count = _env_int(env, "SLURM_NTASKS")
     nodes = _env_int(env, "SLURM_STEP_NUM_NODES") or _env_int(env, "SLURM_NNODES")
-    # A port that the tasks agree on without talking, different per job on shared nodes.
+    # A port that the tasks agree on without talking, different per job on shared nodes, and
+    # above Linux's ephemeral ports (32768-60999), which outgoing connections may hold (JAX's
+    # own SLURM detection picks from the same range).
     port = env.get(f"{ENV_PREFIX}COORDINATOR_PORT") or str(
-        49152 + _env_int(env, "SLURM_JOB_ID") % 16384
+        61440 + _env_int(env, "SLURM_JOB_ID") % 4096
     )
     local_ids = None
-    if nodes and count and count > nodes:  # several tasks per node: one GPU each
+    # Several tasks per node: one GPU each, by SLURM_LOCALID among the GPUs every task sees
+    # (sbatch --gpus-per-node). Where SLURM binds one GPU to each task (--gpus-per-task=1,
+    # --gpu-bind) the task sees only its own: it drives all it sees.
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if nodes and count and count > nodes and len(visible) != 1:
         local_ids = (_env_int(env, "SLURM_LOCALID"),)
     return _Settings(
         coordinator_address=f"{first_slurm_host(env['SLURM_STEP_NODELIST'])}:{port}",
@@ -208,6 +215,12 @@ def resolve_processes(
         source = "kubernetes"  # an Indexed Job: the pod's index is the process id
         index = _env_int(env, "JOB_COMPLETION_INDEX")
         settings = dataclasses.replace(settings, process_id=index)
+        if index and settings.num_processes is None and settings.coordinator_address is None:
+            # pod 3 of a job whose manifest lost its settings: not a run of its own
+            raise DistributedError(
+                f"a Kubernetes Indexed Job's pod {index} needs {ENV_PREFIX}NUM_PROCESSES and "
+                f"{ENV_PREFIX}COORDINATOR_ADDRESS (launch/k8s/t5scale-job.yaml sets them)"
+            )
     if settings.num_processes in (None, 1) and settings.coordinator_address is None:
         return ProcessSpec("single")
     if missing := settings.missing:
@@ -263,7 +276,12 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
     # Private: the runtime's key-value store, which PeerWatch writes its signs of life to.
     from jax._src import distributed
 
+    client = distributed.global_state.client
     devices = jax.local_devices()
+    host = host_name(
+        spec.process_id, Target.of(devices).platform, os.environ if env is None else env
+    )
+    set_process_hosts(_exchange_hosts(client, spec, host, config.init_timeout_s))
     print(
         f"process {spec.process_id}/{spec.num_processes} ({spec.source}) on "
         f"{socket.gethostname()}: {len(devices)} local {Target.of(devices).platform} devices "
@@ -271,9 +289,32 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
         f"{spec.coordinator_address} in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
-    watch = PeerWatch(spec, distributed.global_state.client, config.lost_after_s)
+    watch = PeerWatch(spec, client, config.lost_after_s)
     watch.start()
     return watch
+
+
+def host_name(process_id: int, platform: str, env: Mapping[str, str]) -> str:
+    """The host this process is on, which the mesh keeps together (Target.host_groups):
+    T5SCALE_HOST if set; else the node SLURM runs the task on; else, on emulated CPU devices,
+    the process itself (each process emulates a host); else the machine's name. Processes on one
+    host (one per GPU) are then one group, with `zero` inside it, not `replica` across them."""
+    if env.get(f"{ENV_PREFIX}HOST"):
+        return env[f"{ENV_PREFIX}HOST"]
+    if _in_slurm_step(env):
+        return env.get("SLURMD_NODENAME") or f"slurm node {env.get('SLURM_NODEID', '?')}"
+    if platform == "cpu":
+        return f"process {process_id}"
+    return socket.gethostname()
+
+
+def _exchange_hosts(client, spec: ProcessSpec, host: str, timeout_s: float) -> list[str]:
+    """Every process's host, by process id, through the runtime's key-value store."""
+    client.key_value_set(f"{_HOST_KEY}{spec.process_id}", host)
+    return [
+        client.blocking_key_value_get(f"{_HOST_KEY}{process}", int(timeout_s * 1000))
+        for process in range(spec.num_processes)
+    ]
 
 
 JOIN_GRACE_S = 15  # JAX's own timeout past t5scale's, so that t5scale's watch speaks first

@@ -143,8 +143,8 @@ class StateLayout:
 
     @functools.cached_property
     def spans_slow_network(self) -> bool:
-        """Whether the mesh's devices are in several groups only the slow network joins (GPU
-        nodes or processes, TPU slices: Target.dcn_groups)."""
+        """Whether the mesh's devices are in several groups only the slow network joins (hosts,
+        TPU slices: Target.dcn_groups)."""
         return Target.of(list(self.mesh.devices.flat)).dcn_groups > 1
 
     @property

@@ -1,12 +1,13 @@
 """The device mesh: `replica` × `pipeline` × `zero` × `tensor`, every axis Auto (see
 docs/concepts.md).
 
-On several processes (hosts) the mesh is hybrid, as in ZeRO inside a node and replication
-across nodes: `tensor` and `zero` stay inside a process and `replica` spans the processes, so
-only the once-per-step gradient reduction crosses the slow network. With
-`zero_across_hosts=True` the `zero` axis spans the processes instead (ZeRO over the whole
-cluster: less memory per device, more inter-node traffic). Devices are ordered by mesh_utils'
-hybrid device mesh, processes as the slow ("DCN") dimension.
+On several hosts the mesh is hybrid, as in ZeRO inside a node and replication across nodes:
+`tensor` and `zero` stay inside a host and `replica` spans the hosts, so only the once-per-step
+gradient reduction crosses the slow network. A host is a node, whether one process drives its
+GPUs or one process drives each (Target.host_groups; on emulated CPU devices each process is a
+host). With `zero_across_hosts=True` the `zero` axis spans the hosts instead (ZeRO over the
+whole cluster: less memory per device, more inter-node traffic). Devices are ordered as
+mesh_utils' hybrid device mesh orders them, hosts as the slow ("DCN") dimension.
 
 On TPUs the slow network joins slices, not hosts: a slice's hosts share its ICI torus, so the
 whole slice is one group (`zero` and `tensor` over ICI, laid along the torus by mesh_utils) and
@@ -132,7 +133,7 @@ class ParallelConfig:
             pipeline = sizes[AXES.index("pipeline")]
             raise MeshError(
                 f"{self.axis_across_hosts}={across} times pipeline={pipeline} spans the hosts and "
-                f"must be a multiple of the {hosts} processes (TPU slices, on a pod) "
+                f"must be a multiple of the {hosts} hosts (TPU slices, on a pod) "
                 f"(ParallelConfig.zero_across_hosts={self.zero_across_hosts})"
             )
         return tuple(spans)
@@ -149,9 +150,12 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     if groups > 1:
         dcn = config.hosts_per_axis(shape, groups)
         inside = tuple(s // d for s, d in zip(shape, dcn, strict=True))
-        grid = mesh_utils.create_hybrid_device_mesh(
-            inside, dcn, devices, process_is_granule=not tpu, allow_split_physical_axes=tpu
-        )
+        if tpu:  # slices, each laid along its torus
+            grid = mesh_utils.create_hybrid_device_mesh(
+                inside, dcn, devices, allow_split_physical_axes=True
+            )
+        else:
+            grid = hybrid_grid(inside, dcn, target.host_groups())
         return Mesh(grid, AXES, axis_types=auto)
     if tpu:  # an axis may take part of a torus dimension (tensor=2 on a 4x4x4 slice)
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
@@ -159,6 +163,20 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, AXES, axis_types=auto)
     return Mesh(np.array(devices).reshape(shape), AXES, axis_types=auto)
+
+
+def hybrid_grid(inside: tuple[int, ...], dcn: tuple[int, ...], hosts: list[list]) -> np.ndarray:
+    """The devices of `hosts` (each host's in order) as a grid of shape inside × dcn, axis by
+    axis: host h (in row-major order over `dcn`) holds the block at offsets h's index × inside.
+    A host's processes (one per GPU) stay inside its block, so the axes inside it never cross
+    the slow network. The same grid as mesh_utils' hybrid mesh where a host is one process."""
+    blocks = np.empty((len(hosts), *inside), dtype=object)
+    for index, devices in enumerate(hosts):
+        blocks[index] = np.array(devices, dtype=object).reshape(inside)
+    axes = len(inside)
+    interleaved = [k for axis in range(axes) for k in (axis, axes + axis)]
+    grid = blocks.reshape(*dcn, *inside).transpose(interleaved)
+    return grid.reshape([d * i for d, i in zip(dcn, inside, strict=True)])
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -173,15 +191,17 @@ def describe_mesh(mesh: Mesh, config: ParallelConfig) -> str:
     processes = len({d.process_index for d in mesh.devices.flat})
     if processes == 1:
         return f"mesh {shape} over {mesh.devices.size} devices"
+    hosts = Target.of(list(mesh.devices.flat)).dcn_groups
+    across = f"{config.axis_across_hosts} across {processes} processes"
+    if hosts != processes:  # processes sharing a host (one per GPU)
+        across = f"{processes} processes on {hosts} host{'s' if hosts > 1 else ''}"
+        across += f", {config.axis_across_hosts} across them" if hosts > 1 else ""
     me = jax.process_index()
     mine = np.argwhere(np.vectorize(lambda d: d.process_index == me)(mesh.devices))
     held = ", ".join(
         f"{axis} {_span(mine[:, i])}" for i, axis in enumerate(AXES) if mesh.shape[axis] > 1
     )
-    return (
-        f"mesh {shape} over {mesh.devices.size} devices, {config.axis_across_hosts} across "
-        f"{processes} processes; process {me} holds {held}"
-    )
+    return f"mesh {shape} over {mesh.devices.size} devices, {across}; process {me} holds {held}"
 
 
 def _span(indices: np.ndarray) -> str:
