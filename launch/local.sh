@@ -26,21 +26,22 @@ grace=${LOCAL_GRACE_S:-120}
 
 state=$(mktemp -d)
 trap 'rm -rf "$state"' EXIT
+pids() { cat "$state"/pid.* 2>/dev/null; }
+trap 'kill -TERM $(pids) 2>/dev/null' TERM INT  # before the first process starts
 for ((i = 0; i < count; i++)); do
   (
     T5SCALE_COORDINATOR_ADDRESS=127.0.0.1:$port T5SCALE_NUM_PROCESSES=$count \
       T5SCALE_PROCESS_ID=$i env -u PYTHONUNBUFFERED "$python" -m t5scale.cli "$@" 2>&1 &
     echo $! >"$state/pid.$i"
     wait $!
-    echo $? >"$state/rc.$i"
+    # written whole, then named: the watch below never reads a half-written code
+    echo $? >"$state/rc.$i.tmp" && mv "$state/rc.$i.tmp" "$state/rc.$i"
     # gloo announces every connection it makes on stdout: noise here. (Neither `python -u` nor
     # PYTHONUNBUFFERED: they unbuffer C's stdout too, gloo's announcement then comes out in
     # pieces, and a line of t5scale's written between two pieces went with it. t5scale's own
     # lines are line-buffered.)
   ) | sed -u -e '/^\[Gloo\] Rank [0-9]* is connected to/d' -e "s/^/[p$i] /" &
 done
-pids() { cat "$state"/pid.* 2>/dev/null; }
-trap 'kill -TERM $(pids) 2>/dev/null' TERM INT
 
 failed_at=""
 while :; do

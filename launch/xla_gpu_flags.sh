@@ -18,4 +18,5 @@ T5SCALE_XLA_GPU_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true \
 --xla_gpu_all_gather_combine_threshold_bytes=134217728 \
 --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 \
 --xla_gpu_all_reduce_combine_threshold_bytes=134217728"
-export XLA_FLAGS="${XLA_FLAGS:-} ${T5SCALE_XLA_GPU_FLAGS}"
+# The user's own XLA_FLAGS last: XLA keeps the last of a repeated flag, so theirs win.
+export XLA_FLAGS="${T5SCALE_XLA_GPU_FLAGS} ${XLA_FLAGS:-}"

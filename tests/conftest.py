@@ -273,7 +273,9 @@ def free_port() -> int:
 # What srun does for t5scale's purposes: start SLURM_NTASKS copies of the command, each with
 # the task variables, here all on 127.0.0.1.
 FAKE_SRUN = """#!/usr/bin/env bash
-while [[ $1 == --* ]]; do shift; done
+options=()
+while [[ $1 == --* ]]; do options+=("$1"); shift; done
+echo "srun ${options[*]}"
 pids=()
 for ((i = 0; i < SLURM_NTASKS; i++)); do
   SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=127.0.0.1 SLURM_STEP_NUM_NODES=1 "$@" &
