@@ -232,6 +232,11 @@ def _tiny(model_dir: Path, steps: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _largest_data_file(step: Path) -> str:
+    """The largest of a checkpoint step's data files (ocdbt's d/, the root's or a process's)."""
+    return max(glob.glob(f"{step}/state/**/d/*", recursive=True), key=os.path.getsize)
+
+
 def _cut_in_half(data_file: str) -> None:
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 2)
@@ -242,8 +247,10 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
     assert code == 0
     first = _read_metrics(tmp_path)
     step_dir = tmp_path / "checkpoints"
-    # Step 6: a data file cut in half; step 4: the state's manifest missing.
-    _cut_in_half(max(glob.glob(f"{step_dir}/6/state/d/*"), key=os.path.getsize))
+    # Step 6: its largest data file cut in half (an array's, read shard by shard: orbax wraps
+    # tensorstore's error in its own, and its abandoned reads each raised it again, 600 times,
+    # before 2026-11-30); step 4: the state's manifest missing.
+    _cut_in_half(_largest_data_file(step_dir / "6"))
     (step_dir / "4" / "state" / "manifest.ocdbt").unlink()
     with open(tmp_path / "metrics.jsonl", "ab") as metrics:  # a line damaged on disk
         metrics.write(b"\xff\xfe\x00 not UTF-8\n")  # (a traceback at resume before 2026-11-29)
@@ -267,7 +274,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_a_good_one(t
     assert [r["loss"] for r in again[:6]] == [r["loss"] for r in first]
 
     # export only reads: a damaged checkpoint is one line naming the steps it could export
-    _cut_in_half(max(glob.glob(f"{step_dir}/8/state/d/*"), key=os.path.getsize))
+    _cut_in_half(_largest_data_file(step_dir / "8"))
     out_dir = tmp_path / "exported"
     code, _, err = cli_in_process(["export", f"--gin.MODEL_DIR='{tmp_path}'",
                                    f"--out_dir={out_dir}"], capsys)  # fmt: skip

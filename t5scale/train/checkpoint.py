@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,12 @@ def _orbax_failures_quiet() -> None:
       close): as they finish, tensorstore's threads call the closed loop, an unraisable
       `RuntimeError: Event loop is closed` each, and asyncio logs each failed read's task as it
       is collected: 895 lines for one damaged checkpoint of mt5_tiny;
+    - each abandoned read of an array that fails itself is orbax's `Exception("Encountered
+      error while reading array index ...")` (or tensorstore's "Error reading ... in OCDBT
+      database"), raised in a coroutine or task no one awaits any more: an unraisable or an
+      asyncio "never retrieved" each, with tensorstore's whole spec (some 600 for a data file
+      of mt5_tiny's stage 3 cut in half, 38,000 lines), or, for a read abandoned before it
+      began, Python's warning that its coroutine was never awaited;
     - a save that fails logs ERROR with a traceback from each of its background threads, and
       its other writes, left running, as tasks whose exception was never retrieved (one run
       in a few: a race with the first failure).
@@ -101,22 +108,33 @@ def _orbax_failures_quiet() -> None:
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        if not (closed or str(error).startswith(_ABANDONED_READ)):
             previous(unraisable)
 
     sys.unraisablehook = hook
+    # a read abandoned before it started: Python warns that its coroutine was never awaited
+    warnings.filterwarnings(
+        "ignore", r"coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning
+    )
     logging.getLogger("asyncio").addFilter(_not_an_abandoned_read_or_write)
     logging.getLogger("absl").addFilter(_not_an_orbax_error)
 
 
+# How orbax's sharded read says that tensorstore failed (the cause is the exception's __cause__)
+_ABANDONED_READ = "Encountered error while reading array index"
+# What an abandoned read's or write's task or future names, of orbax's and tensorstore's
+_ORBAX_READS_AND_WRITES = (
+    "async_deserialize", "async_serialize", "tensorstore_spec", "_read_array_index",
+    _ABANDONED_READ, "in OCDBT database",
+)  # fmt: skip
+
+
 def _not_an_abandoned_read_or_write(record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    never_retrieved = message.startswith(
-        ("Task exception was never retrieved", "Future exception was never retrieved")
-    )
-    of_orbax = any(
-        name in message for name in ("async_deserialize", "async_serialize", "tensorstore_spec")
-    )
+    # "Task", "Future" or "_GatheringFuture exception was never retrieved"
+    never_retrieved = "exception was never retrieved" in message.partition("\n")[0]
+    of_orbax = any(name in message for name in _ORBAX_READS_AND_WRITES)
     return not (never_retrieved and of_orbax)
 
 
@@ -285,7 +303,10 @@ class Checkpoints:
 
 def error_reason(error: Exception) -> str:
     """What is wrong, in a line: tensorstore's status and its innermost cause ("CODE: opening
-    X: opening Y: ...: cause [tensorstore_spec=...]"), or the error's own text."""
+    X: opening Y: ...: cause [tensorstore_spec=...]"), or the error's own text. Where orbax
+    wrapped tensorstore's error in its own (a sharded read), the wrapped one's."""
+    while str(error).startswith(_ABANDONED_READ) and error.__cause__ is not None:
+        error = error.__cause__
     text = " ".join(str(error).split()).split(" [tensorstore_spec", 1)[0]
     code, _, causes = text.partition(": ")
     if code.isupper() and causes:
