@@ -162,6 +162,7 @@ def build_hardware(required: bool = False) -> Hardware | None:
     """The hardware a cluster file (gin/clusters/) binds, a GPU cluster (ClusterConfig) or a
     TPU pod (TpuPodConfig), or None where none is given; a ConfigError naming the figures not
     given where one is `required` or partly given."""
+    given = []
     for name, kind in (("cluster", ClusterConfig), ("tpu_pod", TpuPodConfig)):
         needed = [f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING]
         missing = [field for field in needed if not _bound(f"{kind.__name__}.{field}")]
@@ -172,7 +173,14 @@ def build_hardware(required: bool = False) -> Hardware | None:
                 f"{kind.__name__}: not given: {', '.join(missing)}; a cluster file names every "
                 "figure, e.g. --gin_file=gin/clusters/a100.gin or gin/clusters/tpu_v5p.gin"
             )
-        return build_study_config(name)
+        given.append((name, kind))
+    if len(given) > 1:  # one would be dropped without a word
+        raise ConfigError(
+            "both a GPU cluster (ClusterConfig) and a TPU pod (TpuPodConfig) are given: "
+            "give one cluster file of gin/clusters/"
+        )
+    if given:
+        return build_study_config(given[0][0])
     if required:
         raise ConfigError(
             "no cluster file: give one of gin/clusters/ (a GPU cluster or a TPU pod), e.g. "

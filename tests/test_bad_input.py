@@ -144,6 +144,16 @@ FP8 = ["--gin_file=gin/models/mt5_tiny.gin", "--gin_file=gin/precision/fp8.gin"]
         (["train", *TINY, "--gin.MODEL_DIR=/proc/t5scale-no/x"], "cannot be used as a directory"),
         # a multi-process run without a coordinator: a DistributedError when it joins
         (["distributed-check", "--num_processes=2", "--process_id=0"], "--coordinator_address"),
+        # two cluster files of both kinds: the TPU pod's was dropped without a word before
+        (
+            [
+                "plan",
+                *TINY,
+                "--gin_file=gin/clusters/h100.gin",
+                "--gin_file=gin/clusters/tpu_v5e.gin",
+            ],
+            "both a GPU cluster (ClusterConfig) and a TPU pod (TpuPodConfig) are given",
+        ),
     ],
 )
 def test_bad_input_through_the_cli_is_one_line(args, says, capsys):

@@ -179,6 +179,17 @@ def test_bad_files_are_skipped_with_a_counted_warning(tmp_path, caplog, bad, rea
     assert [Path(f.path).name for f in corpus.files["xx"]] == ["good.txt"]
 
 
+def test_a_corpus_is_scanned_once_while_its_files_stay_as_they_are(tmp_path, caplog):
+    # A run's training and validation streams each register the corpus: one scan, one warning
+    # (two, the second in another format, before 2026-11-30).
+    root = str(_write_corpus(tmp_path, {"empty.txt": b""}))
+    first = scan_corpus(root)
+    assert scan_corpus(root) is first and caplog.text.count("skipped 1 file(s)") == 1
+    Path(root, "xx", "empty.txt").write_text("eine Zeile\n" * 200)  # mended: scanned again
+    mended = scan_corpus(root)
+    assert mended.skipped == () and len(mended.files["xx"]) == 2
+
+
 def test_a_10mb_line_is_counted_and_skipped_not_read_into_a_batch(tmp_path, caplog):
     from t5scale.data.loader import seqio_dataset
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -146,7 +147,24 @@ def scan_corpus(
     holdout_every: int = 50,
 ) -> Corpus:
     """Check every `root/<language>/*.txt`; raise DataError if nothing usable is left. A language
-    whose lines all fall to the validation split (DataConfig.holdout_every) is left out."""
+    whose lines all fall to the validation split (DataConfig.holdout_every) is left out.
+
+    Scanned once while its files stay as they are (names, sizes, times): the training and the
+    validation stream of a run read the same corpus, and each scan reads every file whole and
+    warns of what it skips."""
+    files = sorted(Path(root).glob("*/*.txt"))
+    unchanged = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _scan(root, tuple(languages), max_line_bytes, holdout_every, unchanged)
+
+
+@functools.lru_cache(maxsize=8)
+def _scan(
+    root: str,
+    languages: tuple[str, ...],
+    max_line_bytes: int,
+    holdout_every: int,
+    unchanged: tuple[tuple[str, int, int], ...],
+) -> Corpus:
     base = Path(root)
     if not base.is_dir():
         raise DataError(f"corpus directory {root!r} does not exist or is not a directory")

@@ -101,8 +101,10 @@ class ParallelConfig:
                 )
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
+            auto = f" (replica=auto: one per host, {replica} here)" if self.replica is None else ""
             raise MeshError(
-                f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} are there"
+                f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} "
+                f"are there{auto}; give one axis -1 to take the rest"
             )
         replica, pipeline, zero, tensor = sizes
         if tensor > 1 and replica * zero == 1 and pipeline == 1:

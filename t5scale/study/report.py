@@ -227,6 +227,9 @@ def _markdown(study_dir, records, best, memory, models) -> str:
         "",
         "## Timed trials (best per model, stage and device count)",
         "",
+        "Best over micro-batch size, remat and learning rate, each configuration by its first "
+        "timed trial (its repeats, which the funnel compares, are in results.jsonl).",
+        "",
         "| model | stage | devices | batch | step s [low, high] | n | tokens/s | tokens/s/device "
         "| MFU | XLA GiB/device | allocator peak GiB | ZeRO formula GiB | compile s "
         "| collectives per step |",
