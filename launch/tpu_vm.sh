@@ -10,7 +10,7 @@
 # From your machine it runs itself on every worker (`gcloud compute tpus tpu-vm ssh --worker=all`;
 # a multislice's every slice: `gcloud compute tpus queued-resources ssh --node=all --worker=all`)
 # in T5SCALE_REMOTE_DIR (default: t5scale, the repository's clone on each VM, with t5scale
-# installed there with the `tpu` extra). T5SCALE_COORDINATOR_PORT and T5SCALE_PYTHON, if set
+# installed there with the `tpu` extra; a path from the home directory, or absolute). T5SCALE_COORDINATOR_PORT and T5SCALE_PYTHON, if set
 # here, go with it. On a worker it reads its place from the TPU VM's metadata, as
 # jax.distributed does on TPU VMs: its worker number and the slice's workers (the first is the
 # coordinator, port T5SCALE_COORDINATOR_PORT or 8482), and, on a multislice, the MEGASCALE_*
@@ -39,7 +39,10 @@ if [[ ${T5SCALE_ON_TPU_WORKER:-} != 1 ]]; then  # on your machine: start it on e
   done
   remote="cd $(printf '%q' "${T5SCALE_REMOTE_DIR:-t5scale}") && $settings bash launch/tpu_vm.sh"
   if [[ ${T5SCALE_QUEUED_RESOURCE:-} == 1 ]]; then  # every slice of a multislice
-    where=(queued-resources ssh "$name" --zone="$zone" --node=all --worker=all)
+    # every worker at once: gcloud's default batches of 64, each waited for, would leave the
+    # first 64 waiting for peers not yet started
+    where=(queued-resources ssh "$name" --zone="$zone" --node=all --worker=all
+      --batch-size="${T5SCALE_SSH_BATCH_SIZE:-all}")
   else
     where=(tpu-vm ssh "$name" --zone="$zone" --worker=all)
   fi
@@ -70,10 +73,9 @@ tpu_env=$(metadata tpu-env) || tpu_env=""
 megascale() {
   local name=$1 value=${!1:-}
   if [[ -z $value ]]; then
-    value=$(sed -n "s/^[[:space:]]*$name[[:space:]]*:[[:space:]]*//p" <<< "$tpu_env" | head -1)
-    value=${value%%[[:space:]]}
-    value=${value%\'}
-    value=${value#\'}
+    # the last line that names it, as jax.distributed reads it; surrounding quotes and blanks off
+    value=$(sed -n "s/^[[:space:]]*$name[[:space:]]*:[[:space:]]*//p" <<< "$tpu_env" | tail -1)
+    value=$(sed -e "s/[[:space:]]*$//" -e "s/^'//" -e "s/'$//" <<< "$value")
   fi
   echo "${value:-$2}"
 }

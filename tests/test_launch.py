@@ -55,7 +55,11 @@ def test_kubernetes_manifest_gives_each_pod_its_place():
     service, job = yaml.safe_load_all((LAUNCH / "k8s" / "t5scale-job.yaml").read_text())
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    # pods on one node are one host of the mesh (t5scale/parallel/distributed.py host_name)
+    node = [e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e]
+    assert [e["name"] for e in container["env"] if "valueFrom" in e] == ["T5SCALE_HOST"]
+    assert node == ["spec.nodeName"]
     nodes = int(env["T5SCALE_NUM_PROCESSES"])
     assert spec["completionMode"] == "Indexed"
     assert spec["completions"] == spec["parallelism"] == nodes
@@ -159,7 +163,7 @@ def test_tpu_vm_sh_starts_every_worker_and_each_finds_its_place(tmp_path):
     # settings in the environment, or only in the VM's metadata (a process started over ssh).
     megascale = {"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
                  "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.7"}  # fmt: skip
-    tpu_env = "".join(f"{key}: '{value}'\\n" for key, value in megascale.items())
+    tpu_env = "".join(f"{key}: '{value}'  \\n" for key, value in megascale.items())
     for settings in (megascale, {"TPU_ENV": f"ACCELERATOR_TYPE: 'v5p-16'\\n{tpu_env}"}):
         said = on_worker(TPU_WORKER="1", **settings)
         assert "process 3/4, coordinator 10.0.0.7:8482" in said.stdout, said.stdout + said.stderr
@@ -171,4 +175,4 @@ def test_tpu_vm_sh_starts_every_worker_and_each_finds_its_place(tmp_path):
     subprocess.run([*script[:2], "my-qr", *script[3:]], env=queued, check=True)
     *call, _ = (tmp_path / "args").read_text().splitlines()
     assert call == ["compute", "tpus", "queued-resources", "ssh", "my-qr", "--zone=us-east5-a",
-                    "--node=all", "--worker=all"]  # fmt: skip
+                    "--node=all", "--worker=all", "--batch-size=all"]  # fmt: skip

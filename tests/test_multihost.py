@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from conftest import LOCAL_SH, REPO, finish, free_port, process_env, read_scalars
 from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from t5scale.data.loader import data_shard
 from t5scale.errors import MeshError
 from t5scale.parallel.distributed import (
     PROCESSES_FAILED,
@@ -157,10 +160,14 @@ def test_mesh_puts_replica_across_hosts_unless_zero_is_asked():
 
 
 def test_a_process_finds_its_host_from_the_setting_slurm_or_the_emulation():
-    assert host_name(3, "gpu", {"T5SCALE_HOST": "rack1-node7"} | SLURM) == "rack1-node7"
-    assert host_name(9, "gpu", SLURM | {"SLURMD_NODENAME": "gpu004"}) == "gpu004"
-    assert host_name(9, "gpu", SLURM | {"SLURM_NODEID": "1"}) == "slurm node 1"
-    assert host_name(1, "cpu", {}) == "process 1"  # each process emulates a host
+    slurm = resolve_processes(DistributedConfig(), SLURM)
+    assert host_name(slurm, "gpu", {"T5SCALE_HOST": "rack1-node7"} | SLURM) == "rack1-node7"
+    assert host_name(slurm, "gpu", SLURM | {"SLURMD_NODENAME": "gpu004"}) == "gpu004"
+    assert host_name(slurm, "gpu", SLURM | {"SLURM_NODEID": "1"}) == "1"
+    # launch/local.sh inside an srun allocation: SLURM did not start these processes
+    local = resolve_processes(DistributedConfig(num_processes=2, process_id=1,
+                                                coordinator_address="127.0.0.1:1"), {})  # fmt: skip
+    assert host_name(local, "cpu", SLURM | {"SLURMD_NODENAME": "gpu004"}) == "process 1"
 
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (gpu-compile)")
@@ -185,6 +192,33 @@ def test_a_host_with_a_process_per_gpu_keeps_zero_inside_it():
     processes = np.vectorize(lambda d: d.process_index)(grid).reshape(2, 4)
     assert processes.tolist() == [[0, 0, 1, 1], [2, 2, 3, 3]]
     assert ParallelConfig(zero_stage=2).resolve(8, dcn_groups=2) == (2, 1, 4, 1)
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs jax's CUDA plugin (gpu-compile)")
+@pytest.mark.parametrize(
+    "config, hosts, shards",
+    [
+        # a replica per node: each process its own block of rows, its own shard
+        (ParallelConfig(), [[0], [1], [2], [3]], [(0, 4), (1, 4), (2, 4), (3, 4)]),
+        # two nodes of two processes (one per GPU pair), zero inside each: four blocks
+        (ParallelConfig(), [[0, 1], [2, 3]], [(0, 4), (1, 4), (2, 4), (3, 4)]),
+        # pipeline stages across nodes (a replica's two stages on nodes 0, 1): a replica's two
+        # processes hold the same rows, so they read the same shard (before 2026-11-30: a shape
+        # error at the first step)
+        (ParallelConfig(pipeline=2), [[0], [1], [2], [3]], [(0, 2), (0, 2), (1, 2), (1, 2)]),
+        # tensor across a node's two processes: both hold the same rows
+        (ParallelConfig(tensor=4), [[0, 1], [2, 3]], [(0, 2), (0, 2), (1, 2), (1, 2)]),
+    ],
+)  # fmt: skip
+def test_processes_holding_the_same_rows_read_the_same_shard(config, hosts, shards):
+    devices = GpuTopology("h100_sxm", nodes=4, gpus_per_node=2).devices()
+    by_host = [[d for d in devices if d.process_index in group] for group in hosts]
+    shape = config.resolve(8, dcn_groups=len(hosts))
+    dcn = config.hosts_per_axis(shape, len(hosts))
+    inside = tuple(s // d for s, d in zip(shape, dcn, strict=True))
+    mesh = Mesh(hybrid_grid(inside, dcn, by_host), ("replica", "pipeline", "zero", "tensor"))
+    sharding = NamedSharding(mesh, P(("replica", "zero")))
+    assert [data_shard(sharding, 16, process) for process in range(4)] == shards
 
 
 def test_pipeline_stages_span_the_hosts_the_replicas_leave():

@@ -53,7 +53,7 @@ def _losses(model_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-STAGES = {n: f"--gin_file=gin/zero/stage{n}.gin" for n in (0, 2, 3)}
+STAGES = {n: f"--gin_file=gin/zero/stage{n}.gin" for n in (0, 1, 2, 3)}
 
 
 def _assert_same_losses(run: Path, reference: Path, steps: range) -> None:
@@ -104,6 +104,19 @@ def test_zero_across_two_processes_trains_like_one(tmp_path, spread):
     two, _ = _finish(two_runs, _one_process(one, 6, STAGES[3]))
     assert f"[p1] process 1: mesh replica=1 × zero=8 × tensor=1 over 8 devices, {spans}" in two
     _assert_same_losses(across, one, range(1, 7))
+
+
+@pytest.mark.slow  # out of CI's budget; CI: each process's shard (test_multihost.py)
+def test_pipeline_stages_across_processes_read_one_corpus_stream(tmp_path):
+    """2 pipeline stages, one per process: both processes hold every row of the batch, so both
+    read the one shard of the corpus's stream that one process reads (before 2026-11-30 each
+    read half, and the step refused the half batch)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    corpus = [STAGES[1], "--gin.DATA_SOURCE='corpus'", "--gin.ParallelConfig.pipeline=2",
+              "--gin.MICRO_BATCHES=2"]  # fmt: skip
+    output, _ = _finish(_two_processes(two, 3, *corpus), _one_process(one, 3, *corpus))
+    assert "replica=1 × pipeline=2 × zero=4 × tensor=1 over 8 devices" in output
+    _assert_same_losses(two, one, range(1, 4))
 
 
 DILOCO = [

@@ -149,12 +149,20 @@ def scan_corpus(
     """Check every `root/<language>/*.txt`; raise DataError if nothing usable is left. A language
     whose lines all fall to the validation split (DataConfig.holdout_every) is left out.
 
-    Scanned once while its files stay as they are (names, sizes, times): the training and the
+    Scanned once while its files stay as they are (names, sizes, changes): the training and the
     validation stream of a run read the same corpus, and each scan reads every file whole and
     warns of what it skips."""
-    files = sorted(Path(root).glob("*/*.txt"))
-    unchanged = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    unchanged = tuple(_state(f) for f in sorted(Path(root).glob("*/*.txt")))
     return _scan(root, tuple(languages), max_line_bytes, holdout_every, unchanged)
+
+
+def _state(path: Path) -> tuple[str, int | None, int | None]:
+    """A file's name, size and last change (ctime: a chmod too); a broken link: None, None."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return str(path), None, None
+    return str(path), stat.st_size, stat.st_ctime_ns
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,7 +171,7 @@ def _scan(
     languages: tuple[str, ...],
     max_line_bytes: int,
     holdout_every: int,
-    unchanged: tuple[tuple[str, int, int], ...],
+    unchanged: tuple[tuple[str, int | None, int | None], ...],
 ) -> Corpus:
     base = Path(root)
     if not base.is_dir():

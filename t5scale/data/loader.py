@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from t5scale.data.batch import Batch
 from t5scale.data.config import DataConfig, check_vocabulary
@@ -122,9 +123,15 @@ def _get_dataset(config: DataConfig, name: str, rows: int, seed: int, split: str
 
 
 def host_batches(
-    config: DataConfig, global_batch: int, seed: int, vocab_size: int, split: str = "train"
+    config: DataConfig,
+    global_batch: int,
+    seed: int,
+    vocab_size: int,
+    split: str = "train",
+    shard: tuple[int, int] | None = None,
 ) -> Iterator[Batch]:
-    """This process's rows of each batch, as numpy arrays.
+    """This process's rows of each batch, as numpy arrays: shard (index, count) of the stream
+    (default: this process's of all processes; `data_shard` where processes share rows).
 
     The data are checked here, in the caller's thread, so that bad data fail at start; the
     tf.data pipeline itself (tens of seconds of tracing for many languages) is built on the
@@ -133,12 +140,41 @@ def host_batches(
     if config.source == "synthetic":
         return _synthetic_rows(config, global_batch, seed, vocab_size)
     mixture = register(config, vocab_size)
-    _local_batch_size(global_batch)
-    return _seqio_rows(config, global_batch, seed, vocab_size, split, mixture)
+    if shard is None:
+        _local_batch_size(global_batch)
+    return _seqio_rows(config, global_batch, seed, vocab_size, split, mixture, shard)
 
 
-def _seqio_rows(config, global_batch, seed, vocab_size, split, mixture):
-    dataset = seqio_dataset(config, global_batch, seed, split, vocab_size, mixture=mixture)
+def data_shard(
+    sharding: NamedSharding, global_batch: int, process: int | None = None
+) -> tuple[int, int]:
+    """(index, count): this process's block of a batch's rows among the distinct blocks the
+    processes hold. Processes whose devices hold the same rows (pipeline stages across hosts,
+    a tensor axis across a host's processes) read the same shard of the stream, so that each
+    row is one row everywhere; a DataError where a process's rows are not one block.
+    `process`: this process, or another's index."""
+    held: dict[int, list[tuple[int, int]]] = {}
+    for device, index in sharding.devices_indices_map((global_batch,)).items():
+        start, stop, _ = index[0].indices(global_batch)
+        held.setdefault(device.process_index, []).append((start, stop))
+    blocks = {}
+    for owner, spans in held.items():
+        spans = sorted(set(spans))
+        if any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            raise DataError(
+                f"process {owner} holds rows {spans} of the batch, not one block: this mesh's "
+                "batch cannot be read per process"
+            )
+        blocks[owner] = (spans[0][0], spans[-1][1])
+    distinct = sorted(set(blocks.values()))
+    mine = blocks[jax.process_index() if process is None else process]
+    return distinct.index(mine), len(distinct)
+
+
+def _seqio_rows(config, global_batch, seed, vocab_size, split, mixture, shard):
+    dataset = seqio_dataset(
+        config, global_batch, seed, split, vocab_size, shard=shard, mixture=mixture
+    )
     for batch in dataset.as_numpy_iterator():
         yield Batch.of_features(batch).map(lambda feature: feature.astype(np.int32))
 
@@ -178,9 +214,11 @@ class Batches:
         self._source = (
             _synthetic_batches(config, global_batch, seed, vocab_size)
             if self._whole
-            else host_batches(config, global_batch, seed, vocab_size, split)
+            else host_batches(
+                config, global_batch, seed, vocab_size, split, data_shard(sharding, global_batch)
+            )
         )
-        self._sharding = sharding
+        self._sharding, self._global_batch = sharding, global_batch
         self._skip = start
         self._queue: queue.Queue = queue.Queue(maxsize=config.prefetch)
         self._stop = threading.Event()
@@ -208,7 +246,8 @@ class Batches:
     def _global_array(self, rows: np.ndarray) -> jax.Array:
         if self._whole:
             return jax.make_array_from_callback(rows.shape, self._sharding, lambda i: rows[i])
-        return jax.make_array_from_process_local_data(self._sharding, rows)
+        shape = (self._global_batch, *rows.shape[1:])
+        return jax.make_array_from_process_local_data(self._sharding, rows, shape)
 
     def __iter__(self) -> Batches:
         return self

@@ -278,10 +278,8 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
 
     client = distributed.global_state.client
     devices = jax.local_devices()
-    host = host_name(
-        spec.process_id, Target.of(devices).platform, os.environ if env is None else env
-    )
-    set_process_hosts(_exchange_hosts(client, spec, host, config.init_timeout_s))
+    host = host_name(spec, Target.of(devices).platform, os.environ if env is None else env)
+    set_process_hosts(_exchange_hosts(client, spec, host, config.lost_after_s))
     print(
         f"process {spec.process_id}/{spec.num_processes} ({spec.source}) on "
         f"{socket.gethostname()}: {len(devices)} local {Target.of(devices).platform} devices "
@@ -294,27 +292,36 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
     return watch
 
 
-def host_name(process_id: int, platform: str, env: Mapping[str, str]) -> str:
+def host_name(spec: ProcessSpec, platform: str, env: Mapping[str, str]) -> str:
     """The host this process is on, which the mesh keeps together (Target.host_groups):
-    T5SCALE_HOST if set; else the node SLURM runs the task on; else, on emulated CPU devices,
-    the process itself (each process emulates a host); else the machine's name. Processes on one
-    host (one per GPU) are then one group, with `zero` inside it, not `replica` across them."""
+    T5SCALE_HOST if set; else, where SLURM started the processes, the task's node; else, on
+    emulated CPU devices, the process itself (each process emulates a host); else the machine's
+    name. Processes on one host (one per GPU) are then one group, with `zero` inside it, not
+    `replica` across them."""
     if env.get(f"{ENV_PREFIX}HOST"):
         return env[f"{ENV_PREFIX}HOST"]
-    if _in_slurm_step(env):
-        return env.get("SLURMD_NODENAME") or f"slurm node {env.get('SLURM_NODEID', '?')}"
+    if spec.source == "slurm" and (node := env.get("SLURMD_NODENAME") or env.get("SLURM_NODEID")):
+        return node
     if platform == "cpu":
-        return f"process {process_id}"
+        return f"process {spec.process_id}"
     return socket.gethostname()
 
 
 def _exchange_hosts(client, spec: ProcessSpec, host: str, timeout_s: float) -> list[str]:
-    """Every process's host, by process id, through the runtime's key-value store."""
-    client.key_value_set(f"{_HOST_KEY}{spec.process_id}", host)
-    return [
-        client.blocking_key_value_get(f"{_HOST_KEY}{process}", int(timeout_s * 1000))
-        for process in range(spec.num_processes)
-    ]
+    """Every process's host, by process id, through the runtime's key-value store (each sets
+    its own as soon as it has joined: a peer silent for `timeout_s` is lost)."""
+    try:
+        client.key_value_set(f"{_HOST_KEY}{spec.process_id}", host)
+        return [
+            client.blocking_key_value_get(f"{_HOST_KEY}{process}", int(timeout_s * 1000))
+            for process in range(spec.num_processes)
+        ]
+    except Exception as error:  # noqa: BLE001  (the runtime's error types)
+        reason = " ".join(str(error).split())[:200]
+        raise JoinError(
+            f"process {spec.process_id} of {spec.num_processes}: not every process said its "
+            f"host within {timeout_s:g} s of joining ({reason})"
+        ) from None
 
 
 JOIN_GRACE_S = 15  # JAX's own timeout past t5scale's, so that t5scale's watch speaks first

@@ -43,8 +43,8 @@ DATA_AXES = ("replica", "zero")
 class ParallelConfig:
     """How training is spread: the ZeRO stage and the mesh shape.
 
-    -1 for one axis: all remaining devices. replica=None: one replica per process (host) when
-    replica is the axis across hosts, else 1. pipeline > 1: the layer stacks split into that
+    -1 for one axis: all remaining devices. replica=None: one replica per host (TPU slice)
+    when replica is the axis across hosts, else 1. pipeline > 1: the layer stacks split into that
     many stages, TrainConfig.micro_batches of them in flight (t5scale/train/pipeline.py).
     """
 
@@ -101,7 +101,7 @@ class ParallelConfig:
                 )
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
-            auto = f" (replica=auto: one per host, {replica} here)" if self.replica is None else ""
+            auto = f" (replica=auto: {replica} here)" if self.replica is None else ""
             raise MeshError(
                 f"mesh {self.shape_str()} needs {math.prod(sizes)} devices, but {num_devices} "
                 f"are there{auto}; give one axis -1 to take the rest"
@@ -157,7 +157,12 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
                 inside, dcn, devices, allow_split_physical_axes=True
             )
         else:
-            grid = hybrid_grid(inside, dcn, target.host_groups())
+            hosts = target.host_groups()
+            if len({len(host) for host in hosts}) > 1:
+                counts = ", ".join(str(len(host)) for host in hosts)
+                raise MeshError(f"the hosts hold different numbers of devices ({counts}): "
+                                "a mesh needs the same on each")  # fmt: skip
+            grid = hybrid_grid(inside, dcn, hosts)
         return Mesh(grid, AXES, axis_types=auto)
     if tpu:  # an axis may take part of a torus dimension (tensor=2 on a 4x4x4 slice)
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
@@ -193,11 +198,12 @@ def describe_mesh(mesh: Mesh, config: ParallelConfig) -> str:
     processes = len({d.process_index for d in mesh.devices.flat})
     if processes == 1:
         return f"mesh {shape} over {mesh.devices.size} devices"
-    hosts = Target.of(list(mesh.devices.flat)).dcn_groups
+    target = Target.of(list(mesh.devices.flat))
+    groups, unit = target.dcn_groups, "slice" if target.is_tpu else "host"
     across = f"{config.axis_across_hosts} across {processes} processes"
-    if hosts != processes:  # processes sharing a host (one per GPU)
-        across = f"{processes} processes on {hosts} host{'s' if hosts > 1 else ''}"
-        across += f", {config.axis_across_hosts} across them" if hosts > 1 else ""
+    if groups != processes:  # processes sharing a host (one per GPU), or a TPU slice
+        across = f"{processes} processes on {groups} {unit}{'s' if groups > 1 else ''}"
+        across += f", {config.axis_across_hosts} across them" if groups > 1 else ""
     me = jax.process_index()
     mine = np.argwhere(np.vectorize(lambda d: d.process_index == me)(mesh.devices))
     held = ", ".join(
