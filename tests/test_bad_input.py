@@ -253,6 +253,13 @@ def test_a_broken_hf_checkpoint_names_the_file(tmp_path, files, says):
         params_from_hf(tmp_path)
 
 
+def test_a_convert_that_cannot_read_leaves_no_model_dir(tmp_path, capsys):
+    model_dir = tmp_path / "converted"
+    args = ["convert", f"--hf_dir={tmp_path / 'nowhere'}", f"--gin.MODEL_DIR='{model_dir}'"]
+    code, _, err = cli_in_process(args, capsys)
+    assert code == 2 and "config.json" in err and not model_dir.exists()  # (left empty before)
+
+
 # ---- in a child process: the exit path itself -----------------------------------------------
 
 

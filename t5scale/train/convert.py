@@ -3,6 +3,7 @@ in MODEL_DIR, which `t5scale train` resumes from (the reverse of t5scale/train/e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -31,10 +32,14 @@ def convert_checkpoint(hf_dir: str, run: RunConfig) -> Converted:
     model_dir = run.train.model_dir
     if not model_dir:
         raise ConfigError("convert writes into MODEL_DIR: give --gin.MODEL_DIR=/path")
+    made = not Path(model_dir).exists()
     make_model_dir(model_dir)
     try:
         model, params = params_from_hf(hf_dir, run.model.dtype)
     except (ValueError, OSError) as error:
+        if made:  # nothing written: no empty MODEL_DIR left behind
+            with contextlib.suppress(OSError):
+                Path(model_dir).rmdir()
         raise ConfigError(str(error)) from None
     converted = RunConfig(model=model, optimizer=run.optimizer, precision=run.precision)
     path = write_converted(model_dir, converted, params)
