@@ -89,7 +89,8 @@ def _train(call: Invocation) -> None:
     if jax.process_index() != 0:
         return
     if history:
-        print(f"done: {len(history)} steps, final loss {history[-1].loss:.4f}")
+        steps = f"{len(history)} step{'s' if len(history) > 1 else ''}"
+        print(f"done: {steps}, final loss {history[-1].loss:.4f}")
     if history and run.train.model_dir:
         print(
             f"wrote {run.train.model_dir}/metrics.jsonl, config.gin, step_analysis.json, "
@@ -187,7 +188,8 @@ def distributed_check_command(call: Invocation) -> None:
     if got != expected:
         raise RuntimeError(f"all-reduce over the mesh gave {got}, expected {expected}")
     print(
-        f"process {jax.process_index()}: distributed ok: {jax.process_count()} processes, "
+        f"process {jax.process_index()}: distributed ok: {jax.process_count()} process"
+        f"{'es' if jax.process_count() > 1 else ''}, "
         f"{jax.device_count()} devices, all-reduce {got:g} as expected; "
         f"{time.perf_counter() - call.started:.1f} s from start",
         flush=True,

@@ -159,9 +159,9 @@ def _failed_line(status: str = "crash") -> dict:
     [
         ([], r"\(0 records\)"),
         (["not json", "{", "[1, 2]"], r"\(0 records; lines 1, 2, 3 are not records\)"),
-        ([json.dumps({"status": "ok"})], r"\(0 records; lines 1 are not records\)"),  # no kind
-        ([json.dumps({k: v for k, v in _failed_line("ok").items() if k != "config"})], "lines 1"),
-        ([json.dumps(_failed_line() | {"config": [1]})], "lines 1 are not records"),
+        ([json.dumps({"status": "ok"})], r"\(0 records; line 1 is not a record\)"),  # no kind
+        ([json.dumps({k: v for k, v in _failed_line("ok").items() if k != "config"})], "line 1"),
+        ([json.dumps(_failed_line() | {"config": [1]})], "line 1 is not a record"),
         ([json.dumps(_failed_line()), json.dumps(_failed_line("timeout"))], r"\(2 records\)"),
     ],
 )
@@ -190,7 +190,7 @@ def test_an_ok_line_without_its_timing_is_left_out_of_the_plots(tmp_path):
     (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
     report = write_report(tmp_path).read_text()
     assert "Trials that did not run (1)" in report
-    assert "1 lines of results.jsonl are not records" in report and "(lines 2)" in report
+    assert "1 line of results.jsonl is not a record" in report and "(line 2)" in report
 
 
 def test_cluster_replace_keeps_checking():

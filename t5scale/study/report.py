@@ -33,7 +33,8 @@ def load_results(study_dir: str | Path) -> tuple[list[TrialRecord], list[int]]:
     skipped: list[int] = []
     records = list(parse_results(text, skipped.append).values())
     if not any(record.result.status == "ok" for record in records):
-        bad = f"; lines {_numbers(skipped)} are not records" if skipped else ""
+        lines = "lines {} are not records" if len(skipped) > 1 else "line {} is not a record"
+        bad = f"; {lines.format(_numbers(skipped))}" if skipped else ""
         raise ConfigError(f"{path}: no completed trial to report ({len(records)} records{bad})")
     return records, skipped
 
@@ -113,8 +114,13 @@ def write_report(study_dir: str | Path) -> Path:
     path = study_dir / "report.md"
     text = _markdown(study_dir, records, best, memory, models)
     if skipped:
-        text += (f"\n{len(skipped)} lines of results.jsonl are not records and are left out "
-                 f"(lines {_numbers(skipped)}).\n")  # fmt: skip
+        line, isnt, left = (
+            ("lines", "are not records", "are")
+            if len(skipped) > 1
+            else ("line", "is not a record", "is")
+        )
+        text += (f"\n{len(skipped)} {line} of results.jsonl {isnt} and {left} left out "
+                 f"({line} {_numbers(skipped)}).\n")  # fmt: skip
     path.write_text(text, encoding="utf-8")
     return path
 
