@@ -114,13 +114,10 @@ def write_report(study_dir: str | Path) -> Path:
     path = study_dir / "report.md"
     text = _markdown(study_dir, records, best, memory, models)
     if skipped:
-        line, isnt, left = (
-            ("lines", "are not records", "are")
-            if len(skipped) > 1
-            else ("line", "is not a record", "is")
-        )
-        text += (f"\n{len(skipped)} {line} of results.jsonl {isnt} and {left} left out "
-                 f"({line} {_numbers(skipped)}).\n")  # fmt: skip
+        many = len(skipped) > 1
+        text += (f"\n{len(skipped)} line{'s' * many} of results.jsonl "
+                 f"{'are not records' if many else 'is not a record'}, left out "
+                 f"(line{'s' * many} {_numbers(skipped)}).\n")  # fmt: skip
     path.write_text(text, encoding="utf-8")
     return path
 
