@@ -278,11 +278,12 @@ def join_processes(config: DistributedConfig, env: Mapping[str, str] | None = No
 
     client = distributed.global_state.client
     devices = jax.local_devices()
-    host = host_name(spec, Target.of(devices).platform, os.environ if env is None else env)
+    platform = Target.of(devices).platform
+    host = host_name(spec, platform, os.environ if env is None else env)
     set_process_hosts(_exchange_hosts(client, spec, host, config.lost_after_s))
     print(
         f"process {spec.process_id}/{spec.num_processes} ({spec.source}) on "
-        f"{socket.gethostname()}: {len(devices)} local {Target.of(devices).platform} devices "
+        f"{socket.gethostname()}: {len(devices)} local {platform} devices "
         f"{_id_ranges([d.id for d in devices])}, {jax.device_count()} in all; joined "
         f"{spec.coordinator_address} in {time.perf_counter() - started:.1f} s",
         flush=True,
@@ -308,14 +309,14 @@ def host_name(spec: ProcessSpec, platform: str, env: Mapping[str, str]) -> str:
 
 
 def _exchange_hosts(client, spec: ProcessSpec, host: str, timeout_s: float) -> list[str]:
-    """Every process's host, by process id, through the runtime's key-value store (each sets
-    its own as soon as it has joined: a peer silent for `timeout_s` is lost)."""
+    """Every process's host, by process id, through the runtime's key-value store: each sets
+    its own, all meet at a barrier, each reads the directory once (three calls a process, not
+    one per peer); a peer that does not arrive within `timeout_s` is lost."""
     try:
         client.key_value_set(f"{_HOST_KEY}{spec.process_id}", host)
-        return [
-            client.blocking_key_value_get(f"{_HOST_KEY}{process}", int(timeout_s * 1000))
-            for process in range(spec.num_processes)
-        ]
+        client.wait_at_barrier("t5scale_hosts", int(timeout_s * 1000))
+        said = dict(client.key_value_dir_get(_HOST_KEY))
+        return [said[f"{_HOST_KEY}{process}"] for process in range(spec.num_processes)]
     except Exception as error:  # noqa: BLE001  (the runtime's error types)
         reason = " ".join(str(error).split())[:200]
         raise JoinError(
